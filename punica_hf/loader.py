@@ -1,0 +1,186 @@
+"""Reading LoRA adapters from disk or the Hugging Face Hub into ``AdapterWeights``.
+
+A source is a local PEFT folder (``adapter_config.json`` + ``adapter_model.safetensors`` or legacy
+``adapter_model.bin``), or a Hub repo id resolved through ``huggingface_hub`` (its cache and
+``HF_HUB_OFFLINE`` apply). Checkpoints are data: pickled ``.bin`` files are read with ``weights_only=True``
+and nothing from a checkpoint is ever executed. Nothing here touches a model: the adapter store validates the
+result against the base model and only then writes it into the layers.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+from .adapter_config import LoraAdapterConfig
+
+CONFIG_NAME = "adapter_config.json"
+SAFETENSORS_NAME = "adapter_model.safetensors"
+PICKLE_NAME = "adapter_model.bin"
+
+# base_model.model.<module>.lora_A.weight (an adapter name may sit before ".weight" in old checkpoints)
+_LORA_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.(?P<kind>lora_A|lora_B)(?:\.[^.]+)?\.weight$")
+_UNSUPPORTED_KEYS = (
+    ("lora_embedding_", "LoRA on embedding layers"),
+    ("lora_magnitude_vector", "DoRA (lora_magnitude_vector)"),
+    ("modules_to_save", "modules_to_save"),
+    ("base_layer.weight", "full copies of base layers (modules_to_save / trainable tokens)"),
+    ("lora_B.bias", "LoRA bias (lora_bias=True)"),
+)
+
+
+@dataclass(frozen=True)
+class ModuleLora:
+    """One module's LoRA factors, ready to copy into a slot. ``lora_a`` ``[r, in]``, ``lora_b`` ``[out, r]``
+    with the module's scaling already folded in, both float32."""
+
+    lora_a: torch.Tensor
+    lora_b: torch.Tensor
+
+    @property
+    def rank(self) -> int:
+        return self.lora_a.shape[0]
+
+
+@dataclass(frozen=True)
+class AdapterWeights:
+    """A whole adapter: base-model module name -> its LoRA factors."""
+
+    modules: dict[str, ModuleLora]
+    config: LoraAdapterConfig
+    source: str
+
+    @property
+    def max_rank(self) -> int:
+        return max(m.rank for m in self.modules.values())
+
+
+def load_adapter_weights(
+    source: str | Path,
+    *,
+    revision: str | None = None,
+    subfolder: str | None = None,
+    token: str | bool | None = None,
+    cache_dir: str | Path | None = None,
+) -> AdapterWeights:
+    """Read a PEFT LoRA adapter from a local folder or a Hub repo id."""
+    config_path, weights_path = resolve_adapter_files(
+        source, revision=revision, subfolder=subfolder, token=token, cache_dir=cache_dir
+    )
+    config = LoraAdapterConfig.from_file(config_path)
+    state_dict = read_state_dict(weights_path)
+    return adapter_weights_from_peft(state_dict, config, source=str(source))
+
+
+def resolve_adapter_files(
+    source: str | Path,
+    *,
+    revision: str | None = None,
+    subfolder: str | None = None,
+    token: str | bool | None = None,
+    cache_dir: str | Path | None = None,
+) -> tuple[Path, Path]:
+    """``(adapter_config.json, weights file)`` of a local PEFT folder or a Hub repo (downloaded or cached)."""
+    local = Path(source).expanduser()
+    if subfolder:
+        local = local / subfolder
+    if local.is_dir():
+        config_path = local / CONFIG_NAME
+        if not config_path.is_file():
+            raise FileNotFoundError(f"{local} has no {CONFIG_NAME}: not a PEFT adapter folder")
+        for name in (SAFETENSORS_NAME, PICKLE_NAME):
+            if (local / name).is_file():
+                return config_path, local / name
+        raise FileNotFoundError(f"{local} has neither {SAFETENSORS_NAME} nor {PICKLE_NAME}")
+    if isinstance(source, Path) or _looks_like_path(str(source)):
+        raise FileNotFoundError(f"no adapter folder at {local}")
+    return _download_from_hub(str(source), revision=revision, subfolder=subfolder, token=token, cache_dir=cache_dir)
+
+
+def _looks_like_path(source: str) -> bool:
+    # A Hub id is "name" or "org/name"; anything else is meant as a local path that does not exist.
+    return source.startswith((".", "/", "~")) or source.count("/") > 1 or "\\" in source
+
+
+def _download_from_hub(repo_id, *, revision, subfolder, token, cache_dir) -> tuple[Path, Path]:
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError, HFValidationError
+
+    def fetch(filename: str) -> Path:
+        return Path(
+            hf_hub_download(
+                repo_id, filename, subfolder=subfolder, revision=revision, token=token, cache_dir=cache_dir
+            )
+        )
+
+    try:
+        config_path = fetch(CONFIG_NAME)
+    except HFValidationError as error:
+        raise FileNotFoundError(f"no adapter at {repo_id!r}: not a local folder nor a valid Hub repo id") from error
+    except Exception as error:  # offline and not cached, unknown repo, no access, network error
+        raise OSError(f"could not get {CONFIG_NAME} of Hub repo {repo_id!r}: {error}") from error
+    for name in (SAFETENSORS_NAME, PICKLE_NAME):
+        try:
+            return config_path, fetch(name)
+        except EntryNotFoundError:
+            continue
+        except Exception as error:
+            raise OSError(f"could not get {name} of Hub repo {repo_id!r}: {error}") from error
+    raise FileNotFoundError(f"Hub repo {repo_id!r} has neither {SAFETENSORS_NAME} nor {PICKLE_NAME}")
+
+
+def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    """Tensors of a safetensors or (weights-only) pickle file, on the CPU."""
+    try:
+        if path.suffix == ".safetensors":
+            return load_file(path, device="cpu")
+        state_dict = torch.load(path, map_location="cpu", weights_only=True)
+    except (SafetensorError, OSError, RuntimeError, EOFError, ValueError) as error:
+        raise ValueError(f"could not read adapter weights {path}: {error}") from error
+    except Exception as error:  # pickle errors, refused globals under weights_only
+        raise ValueError(f"could not read adapter weights {path}: {type(error).__name__}: {error}") from error
+    if not isinstance(state_dict, dict) or not all(isinstance(v, torch.Tensor) for v in state_dict.values()):
+        raise ValueError(f"adapter weights {path} are not a flat dict of tensors")
+    return state_dict
+
+
+def adapter_weights_from_peft(
+    state_dict: dict[str, torch.Tensor], config: LoraAdapterConfig, *, source: str
+) -> AdapterWeights:
+    """Group a PEFT state dict by module, check ranks against the config and fold each module's scaling into B."""
+    factors: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in state_dict.items():
+        for marker, feature in _UNSUPPORTED_KEYS:
+            if marker in key:
+                raise ValueError(f"{feature} is not supported by punica_hf yet (found tensor {key!r} in {source})")
+        match = _LORA_KEY.match(key)
+        if match is None:
+            raise ValueError(f"unexpected tensor {key!r} in adapter {source}: not a LoRA A/B weight")
+        factors.setdefault(match["module"], {})[match["kind"]] = tensor
+    if not factors:
+        raise ValueError(f"adapter {source} holds no LoRA weights")
+
+    modules = {}
+    for name, pair in factors.items():
+        if set(pair) != {"lora_A", "lora_B"}:
+            missing = ({"lora_A", "lora_B"} - set(pair)).pop()
+            raise ValueError(f"adapter {source}: module {name} has no {missing} weight")
+        lora_a, lora_b = pair["lora_A"], pair["lora_B"]
+        if lora_a.dim() != 2 or lora_b.dim() != 2 or lora_a.shape[0] != lora_b.shape[1]:
+            raise ValueError(
+                f"adapter {source}: module {name} has lora_A {tuple(lora_a.shape)} and lora_B "
+                f"{tuple(lora_b.shape)}, expected [r, in] and [out, r]"
+            )
+        rank = config.rank_for(name)
+        if lora_a.shape[0] != rank:
+            raise ValueError(
+                f"adapter {source}: module {name} has rank {lora_a.shape[0]} but its config gives r={rank}"
+            )
+        scaling = config.scaling_for(name)
+        modules[name] = ModuleLora(lora_a=lora_a.float().contiguous(), lora_b=(lora_b.float() * scaling).contiguous())
+    return AdapterWeights(modules=modules, config=config, source=source)

@@ -1,0 +1,72 @@
+"""Per-forward grouping of tokens by adapter slot.
+
+Built once per forward pass from the per-token slot mapping and shared by every LoRA layer, so no layer
+repeats the sort. Everything is computed on the device with fixed output sizes: no host-device
+synchronisation, so building it inside a CUDA graph or a ``torch.compile``d forward is fine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class LoraSegments:
+    """Tokens of one forward grouped by adapter slot.
+
+    ``T`` = tokens in the forward, ``S`` = adapter slots, ``G = min(T, S)`` = the most segments a forward can have.
+
+    Attributes:
+        token_slots: ``[T]`` int32, the slot of each token; -1 = no adapter (base model only).
+        sorted_token_ids: ``[T]`` int32, token indices ordered by slot (stable); tokens without adapter come last.
+        segment_slots: ``[G]`` int32, the slot of each non-empty segment in increasing slot order, then -1 padding.
+        segment_starts: ``[G + 1]`` int32, segment ``g`` is ``sorted_token_ids[segment_starts[g]:segment_starts[g+1]]``;
+            padding segments are empty (their start equals their end).
+        num_slots: ``S``.
+        backend: ``"cuda"`` or ``"torch"``, the kernels every layer uses for this forward (chosen once here).
+    """
+
+    token_slots: torch.Tensor
+    sorted_token_ids: torch.Tensor
+    segment_slots: torch.Tensor
+    segment_starts: torch.Tensor
+    num_slots: int
+    backend: str
+
+    @property
+    def num_tokens(self) -> int:
+        return self.token_slots.shape[0]
+
+
+def build_segments(token_slots: torch.Tensor, num_slots: int, backend: str) -> LoraSegments:
+    """Group tokens by slot. ``token_slots``: ``[T]`` integer, values in ``[-1, num_slots)``; not checked here."""
+    if token_slots.dim() != 1:
+        raise ValueError(f"token_slots must be 1-D, got shape {tuple(token_slots.shape)}")
+    device = token_slots.device
+    slots = token_slots.to(torch.int64)
+    # Tokens without an adapter get the key num_slots, so a stable sort puts them last.
+    sort_key = torch.where(slots < 0, num_slots, slots)
+    sorted_token_ids = torch.argsort(sort_key, stable=True)
+    tokens_per_slot = torch.zeros(num_slots + 1, dtype=torch.int64, device=device)
+    tokens_per_slot.scatter_add_(0, sort_key, torch.ones_like(sort_key))
+    tokens_per_slot = tokens_per_slot[:num_slots]
+
+    num_segments = min(slots.shape[0], num_slots)
+    is_empty = (tokens_per_slot == 0).to(torch.int8)
+    # Non-empty slots first, each group in increasing slot order: matches the token order of the sort above.
+    slot_order = torch.argsort(is_empty, stable=True)[:num_segments]
+    nonempty = is_empty[slot_order] == 0
+    segment_slots = torch.where(nonempty, slot_order, -1)
+    segment_sizes = torch.where(nonempty, tokens_per_slot[slot_order], 0)
+    segment_starts = torch.zeros(num_segments + 1, dtype=torch.int64, device=device)
+    segment_starts[1:] = torch.cumsum(segment_sizes, 0)
+    return LoraSegments(
+        token_slots=slots.to(torch.int32),
+        sorted_token_ids=sorted_token_ids.to(torch.int32),
+        segment_slots=segment_slots.to(torch.int32),
+        segment_starts=segment_starts.to(torch.int32),
+        num_slots=num_slots,
+        backend=backend,
+    )
