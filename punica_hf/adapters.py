@@ -7,6 +7,7 @@ failed call leaves the model and the table exactly as they were.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Mapping
 
 from torch import nn
@@ -37,7 +38,7 @@ class AdapterStore:
                 f"no free adapter slot: {len(adapters)} adapter(s) to load, {len(free_slots)} of "
                 f"max_adapters={self.max_adapters} slots free (unload_adapter() one first)"
             )
-        modules = dict(self.model.named_modules())
+        modules = self._base_modules()
         for name, weights in adapters.items():
             self._check_fits(name, weights, modules)
 
@@ -64,6 +65,8 @@ class AdapterStore:
             if adapter not in self.slots:
                 raise KeyError(f"unknown adapter {adapter!r}; loaded adapters: {sorted(self.slots)}")
             return self.slots[adapter]
+        if isinstance(adapter, bool) or not isinstance(adapter, numbers.Integral):
+            raise ValueError(f"adapter_ids entries must be names, None or integer indices, got {adapter!r}")
         index = int(adapter)
         if index != -1 and index not in self.slots.values():
             raise KeyError(f"no adapter is loaded at index {index}; loaded adapters: {self.slots}")
@@ -81,8 +84,6 @@ class AdapterStore:
             module = modules.get(module_name)
             if module is None:
                 raise ValueError(f"adapter {name!r} does not fit the base model: it has no module {module_name}")
-            if isinstance(module, MultiLoraLinear):
-                module = module.base_layer
             if module is output_layer:
                 raise ValueError(f"adapter {name!r}: LoRA on the output layer ({module_name}) is not supported yet")
             if isinstance(module, nn.Embedding):
@@ -104,6 +105,16 @@ class AdapterStore:
                 raise ValueError(
                     f"adapter {name!r}: module {module_name} has rank {factors.rank} > max_rank={self.max_rank}"
                 )
+
+    def _base_modules(self) -> dict[str, nn.Module]:
+        """The model's modules by name as if nothing were wrapped: a LoRA layer's name maps to its base layer
+        and the wrapper's insides have no names, so checkpoints are checked against the base model alone."""
+        modules = {}
+        for name, module in self.model.named_modules():
+            if name.rpartition(".")[0] in self.layers:
+                continue
+            modules[name] = module.base_layer if isinstance(module, MultiLoraLinear) else module
+        return modules
 
     def _layer(self, module_name: str, modules: dict[str, nn.Module]) -> MultiLoraLinear:
         """The LoRA layer at ``module_name``, wrapping the base module in place on first use."""

@@ -1,10 +1,11 @@
 """Reading LoRA adapters from disk or the Hugging Face Hub into ``AdapterWeights``.
 
 A source is a local PEFT folder (``adapter_config.json`` + ``adapter_model.safetensors`` or legacy
-``adapter_model.bin``), or a Hub repo id resolved through ``huggingface_hub`` (its cache and
-``HF_HUB_OFFLINE`` apply). Checkpoints are data: pickled ``.bin`` files are read with ``weights_only=True``
-and nothing from a checkpoint is ever executed. Nothing here touches a model: the adapter store validates the
-result against the base model and only then writes it into the layers.
+``adapter_model.bin``), a Hub repo id resolved through ``huggingface_hub`` (its cache and ``HF_HUB_OFFLINE``
+apply), or a converted ``.safetensors`` file (read by ``convert.load_converted``). Checkpoints are data: pickled
+``.bin`` files are read with ``weights_only=True`` and nothing from a checkpoint is ever executed. Nothing here
+touches a model: the adapter store validates the result against the base model and only then writes it into the
+layers.
 """
 
 from __future__ import annotations
@@ -29,9 +30,10 @@ _UNSUPPORTED_KEYS = (
     ("lora_embedding_", "LoRA on embedding layers"),
     ("lora_magnitude_vector", "DoRA (lora_magnitude_vector)"),
     ("modules_to_save", "modules_to_save"),
-    ("base_layer.weight", "full copies of base layers (modules_to_save / trainable tokens)"),
     ("lora_B.bias", "LoRA bias (lora_bias=True)"),
 )
+# PEFT saves a module's full weight beside its LoRA when it targets embeddings or lm_head (they may be resized).
+_BASE_COPY_SUFFIX = ".base_layer.weight"
 
 
 @dataclass(frozen=True)
@@ -68,7 +70,14 @@ def load_adapter_weights(
     token: str | bool | None = None,
     cache_dir: str | Path | None = None,
 ) -> AdapterWeights:
-    """Read a PEFT LoRA adapter from a local folder or a Hub repo id."""
+    """Read a LoRA adapter from a local PEFT folder, a Hub repo id or a converted ``.safetensors`` file."""
+    local = Path(source).expanduser()
+    if local.suffix == ".safetensors":
+        if not local.is_file():
+            raise FileNotFoundError(f"no converted adapter file at {local}")
+        from .convert import load_converted  # imported here: convert builds on this module
+
+        return load_converted(local)
     config_path, weights_path = resolve_adapter_files(
         source, revision=revision, subfolder=subfolder, token=token, cache_dir=cache_dir
     )
@@ -153,15 +162,28 @@ def adapter_weights_from_peft(
     state_dict: dict[str, torch.Tensor], config: LoraAdapterConfig, *, source: str
 ) -> AdapterWeights:
     """Group a PEFT state dict by module, check ranks against the config and fold each module's scaling into B."""
+    for marker, feature in _UNSUPPORTED_KEYS:
+        key = next((key for key in state_dict if marker in key), None)
+        if key is not None:
+            raise ValueError(f"{feature} is not supported by punica_hf yet (found tensor {key!r} in {source})")
     factors: dict[str, dict[str, torch.Tensor]] = {}
+    base_copies = []
     for key, tensor in state_dict.items():
-        for marker, feature in _UNSUPPORTED_KEYS:
-            if marker in key:
-                raise ValueError(f"{feature} is not supported by punica_hf yet (found tensor {key!r} in {source})")
         match = _LORA_KEY.match(key)
-        if match is None:
+        if match is not None:
+            factors.setdefault(match["module"], {})[match["kind"]] = tensor
+        elif key.endswith(_BASE_COPY_SUFFIX):
+            base_copies.append(key)
+        else:
             raise ValueError(f"unexpected tensor {key!r} in adapter {source}: not a LoRA A/B weight")
-        factors.setdefault(match["module"], {})[match["kind"]] = tensor
+    for key in base_copies:
+        # Beside a module's own LoRA the copy is skipped: the store then refuses that module (lm_head) by name.
+        module = key.removeprefix("base_model.model.").removesuffix(_BASE_COPY_SUFFIX)
+        if module not in factors:
+            raise ValueError(
+                f"full copies of base layers (modules_to_save / trainable tokens) are not supported by punica_hf "
+                f"yet (found tensor {key!r} in {source})"
+            )
     if not factors:
         raise ValueError(f"adapter {source} holds no LoRA weights")
 

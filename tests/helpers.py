@@ -1,0 +1,84 @@
+"""Plain helpers shared by the test modules (``from helpers import tiny_llama, save_peft_adapter``)."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import LlamaConfig, LlamaForCausalLM
+
+TINY_LLAMA = dict(
+    vocab_size=100,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
+
+
+def tiny_llama(seed: int = 0, **config_overrides) -> LlamaForCausalLM:
+    """A tiny random Llama (vocab 100, hidden 32, 2 layers, GQA 4/2 heads) in eval mode, same weights per seed."""
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(**{**TINY_LLAMA, **config_overrides})).eval()
+
+
+def save_peft_adapter(
+    base: torch.nn.Module,
+    path: str | Path,
+    *,
+    seed: int = 0,
+    save_kwargs: dict | None = None,
+    **lora_config_kwargs,
+) -> Path:
+    """Save a PEFT LoRA adapter with random (non-zero) A and B for ``base`` into ``path``; ``base`` is untouched.
+
+    ``lora_config_kwargs`` go to ``LoraConfig`` (``init_lora_weights=False`` is always set); ``seed`` picks the
+    random factors, so adapters saved with different seeds differ; ``save_kwargs`` go to ``save_pretrained``.
+    Returns ``path``.
+    """
+    path = Path(path)
+    torch.manual_seed(seed)
+    peft_model = get_peft_model(copy.deepcopy(base), LoraConfig(init_lora_weights=False, **lora_config_kwargs))
+    peft_model.save_pretrained(path, **(save_kwargs or {}))
+    return path
+
+
+@dataclass
+class ModelState:
+    """What a refused call must leave alone in a ``MultiLoraModel`` (see ``capture_state``)."""
+
+    input_ids: torch.Tensor
+    adapter_ids: list
+    adapters: dict[str, int]
+    modules: list[tuple[str, type]]
+    buffers: dict[str, torch.Tensor]
+    logits: torch.Tensor
+
+
+def capture_state(model, input_ids: torch.Tensor, adapter_ids: list) -> ModelState:
+    """The adapter table, module tree (names and types), every buffer (LoRA slots included) and the logits of
+    ``input_ids`` run with ``adapter_ids`` (a mixed batch) of a ``MultiLoraModel``."""
+    with torch.no_grad():
+        logits = model(input_ids, adapter_ids=adapter_ids).logits
+    return ModelState(
+        input_ids=input_ids,
+        adapter_ids=list(adapter_ids),
+        adapters=model.adapters,
+        modules=[(name, type(module)) for name, module in model.model.named_modules()],
+        buffers={name: buffer.detach().clone() for name, buffer in model.model.named_buffers()},
+        logits=logits,
+    )
+
+
+def assert_state_unchanged(model, before: ModelState) -> None:
+    after = capture_state(model, before.input_ids, before.adapter_ids)
+    assert after.adapters == before.adapters
+    assert after.modules == before.modules
+    assert after.buffers.keys() == before.buffers.keys()
+    for name, tensor in before.buffers.items():
+        assert torch.equal(after.buffers[name], tensor), f"buffer {name} changed"
+    assert torch.equal(after.logits, before.logits)
