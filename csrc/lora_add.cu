@@ -1,0 +1,26 @@
+// Entry point of the C interface: picks the path from static shapes only (never from tensor values, so the
+// choice needs no host-device sync and is fixed for a captured graph or a compiled function).
+#include "kernel_common.cuh"
+
+namespace {
+
+// Up to this many tokens (decode batches) the per-token path runs: it is latency-bound there and a token
+// re-reading a shared adapter hits L2. Above it, the segment-tiled tensor-core path reads each adapter's
+// weights once per 64-token tile.
+constexpr int kPerTokenMaxTokens = 256;
+
+bool use_tiled(const PunicaLoraProblem& p) {
+  return p.dtype != PUNICA_FLOAT32 && p.num_tokens > kPerTokenMaxTokens && p.max_rank <= kTiledMaxRank;
+}
+
+}  // namespace
+
+extern "C" size_t punica_lora_workspace_floats(const PunicaLoraProblem* problem) {
+  return use_tiled(*problem) ? punica_tiled_workspace_floats(*problem) : punica_per_token_workspace_floats(*problem);
+}
+
+extern "C" cudaError_t punica_lora_add(const PunicaLoraProblem* problem, float* workspace, cudaStream_t stream) {
+  if (problem->num_tokens == 0 || problem->max_rank == 0 || problem->num_segments == 0) return cudaSuccess;
+  return use_tiled(*problem) ? punica_tiled_launch(*problem, workspace, stream)
+                             : punica_per_token_launch(*problem, workspace, stream);
+}

@@ -1,0 +1,171 @@
+"""The CUDA kernels of ``csrc/``: JIT build/load, and the ``lora_add`` entry the dispatcher calls.
+
+The extension registers the op ``torch.ops.punica_hf.lora_add`` (mutates ``y``, returns nothing); this module
+adds its fake implementation, so ``torch.compile(fullgraph=True)`` traces through it, and the op makes no
+host-device sync, so it can be captured in a CUDA graph. The build is cached in a directory keyed by the
+sources, the torch and CUDA versions and the target architectures: it recompiles only when one of them changes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from .segments import LoraSegments
+
+_PACKAGE_DIR = Path(__file__).resolve().parent.parent  # punica_hf/
+_SOURCE_DIRS = (_PACKAGE_DIR.parent / "csrc", _PACKAGE_DIR / "csrc")  # repo checkout, then installed wheel
+_COMPILED_SUFFIXES = (".cu", ".cpp")
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+MAX_RANK = 1024  # largest max_rank (R of the stacked weights) the kernels take
+
+_loaded = False
+
+
+def source_dir() -> Path:
+    """The ``csrc`` directory holding the kernel sources."""
+    for candidate in _SOURCE_DIRS:
+        if (candidate / "punica_ops.cpp").is_file():
+            return candidate
+    raise FileNotFoundError(f"punica_hf kernel sources not found in {[str(d) for d in _SOURCE_DIRS]}")
+
+
+def default_arch_list() -> str:
+    """``TORCH_CUDA_ARCH_LIST`` if set, else the present GPU's architecture, else 9.0 (H100/H200)."""
+    requested = os.environ.get("TORCH_CUDA_ARCH_LIST", "").strip()
+    if requested:
+        return requested
+    if torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        return f"{major}.{minor}"
+    return "9.0"
+
+
+@contextmanager
+def _environment(**values: str):
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _build_name(sources: list[Path], arch_list: str) -> str:
+    digest = hashlib.sha256()
+    for path in sources:
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes())
+    digest.update(f"torch={torch.__version__} cuda={torch.version.cuda} arch={arch_list}".encode())
+    return f"punica_hf_kernels_{digest.hexdigest()[:16]}"
+
+
+def build_directory(name: str) -> Path:
+    """Where the build named ``name`` lives: ``$PUNICA_HF_CACHE`` or ``~/.cache/punica_hf``."""
+    root = os.environ.get("PUNICA_HF_CACHE") or Path.home() / ".cache" / "punica_hf"
+    return Path(root) / name
+
+
+def load_extension(verbose: bool = False) -> None:
+    """Build (first time, or after a source change) and load the kernels; raises on any failure."""
+    global _loaded
+    if _loaded:
+        return
+    if torch.version.cuda is None:
+        raise RuntimeError("this torch build has no CUDA support")
+    if "CUDA_HOME" not in os.environ and "CUDA_PATH" not in os.environ and Path("/usr/local/cuda").is_dir():
+        os.environ["CUDA_HOME"] = "/usr/local/cuda"  # before cpp_extension reads it at import
+    from torch.utils import cpp_extension
+
+    csrc = source_dir()
+    sources = sorted(p for p in csrc.iterdir() if p.suffix in _COMPILED_SUFFIXES + (".h", ".cuh"))
+    arch_list = default_arch_list()
+    name = _build_name(sources, arch_list)
+    directory = build_directory(name)
+    directory.mkdir(parents=True, exist_ok=True)
+    with _environment(TORCH_CUDA_ARCH_LIST=arch_list):
+        cpp_extension.load(
+            name=name,
+            sources=[str(p) for p in sources if p.suffix in _COMPILED_SUFFIXES],
+            extra_include_paths=[str(csrc)],
+            extra_cflags=["-O3"],
+            extra_cuda_cflags=["-O3", "-std=c++17", "-lineinfo"],
+            build_directory=str(directory),
+            is_python_module=False,
+            verbose=verbose,
+        )
+    _register_fake()
+    _loaded = True
+
+
+def _register_fake() -> None:
+    @torch.library.register_fake("punica_hf::lora_add")
+    def _lora_add_fake(y, x, lora_a, lora_b, lora_ranks, token_slots, sorted_token_ids, segment_starts,
+                       segment_slots) -> None:
+        return None
+
+
+def _check(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+           lora_ranks: torch.Tensor) -> None:
+    """ValueError naming the problem for inputs the kernels do not take (static properties only: no sync)."""
+    if x.dtype not in _DTYPES:
+        raise ValueError(f"lora_add: dtype {x.dtype} not supported (float32, float16, bfloat16)")
+    if not (y.dtype == x.dtype == lora_a.dtype == lora_b.dtype):
+        raise ValueError(
+            f"lora_add: y, x, lora_a, lora_b must share one dtype, got {y.dtype}, {x.dtype}, {lora_a.dtype}, "
+            f"{lora_b.dtype}"
+        )
+    if lora_ranks.dtype != torch.int32:
+        raise ValueError(f"lora_add: lora_ranks must be int32, got {lora_ranks.dtype}")
+    if x.dim() != 2 or y.dim() != 2 or lora_a.dim() != 3 or lora_b.dim() != 3:
+        raise ValueError("lora_add: expected y [T, H_out], x [T, H_in], lora_a [S, R, H_in], lora_b [S, H_out, R]")
+    num_slots, max_rank, hidden_in = lora_a.shape
+    hidden_out = y.shape[1]
+    if x.shape != (y.shape[0], hidden_in) or lora_b.shape != (num_slots, hidden_out, max_rank):
+        raise ValueError(
+            f"lora_add: inconsistent shapes y {tuple(y.shape)}, x {tuple(x.shape)}, lora_a {tuple(lora_a.shape)}, "
+            f"lora_b {tuple(lora_b.shape)}"
+        )
+    if hidden_in % 8 or hidden_out % 8:
+        raise ValueError(f"lora_add: hidden sizes must be multiples of 8, got {hidden_in} -> {hidden_out}")
+    if max_rank > MAX_RANK:
+        raise ValueError(f"lora_add: max rank {max_rank} above the supported {MAX_RANK}")
+    if not all(t.is_contiguous() for t in (y, x, lora_a, lora_b)):
+        raise ValueError("lora_add: y, x, lora_a and lora_b must be contiguous")
+
+
+def lora_add(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    lora_a_stacked: torch.Tensor,
+    lora_b_stacked: torch.Tensor,
+    lora_ranks: torch.Tensor,
+    segments: LoraSegments,
+) -> None:
+    """``y[t] += lora_b[s] @ (lora_a[s] @ x[t])`` in place for tokens with slot ``s >= 0``; see ``torch_ops``.
+
+    Two or three launches, no host sync: capturable in a CUDA graph and traceable by ``torch.compile``. The
+    kernel path (per-token for T <= 256 or fp32, segment-tiled tensor cores above) depends on shapes only.
+    """
+    if not _loaded:
+        load_extension()
+    _check(y, x, lora_a_stacked, lora_b_stacked, lora_ranks)
+    torch.ops.punica_hf.lora_add(
+        y,
+        x,
+        lora_a_stacked,
+        lora_b_stacked,
+        lora_ranks,
+        segments.token_slots,
+        segments.sorted_token_ids,
+        segments.segment_starts,
+        segments.segment_slots,
+    )
