@@ -105,6 +105,12 @@ CASES = [
     (1500, 4096, 2048, 24, 3, "one", "full"),
     (4096, 4096, 4096, 16, 16, "requests", "full"),
     (8192, 4096, 1024, 128, 40, "random", "mixed"),  # tiles straddling many segments
+    # full ranks in the next two: with few tokens, a low random rank shrinks the update below bf16's rounding
+    (3, 512, 256, 320, 4, "random", "full"),  # max_rank above the per-token expand's 256 threads
+    (512, 40, 64, 16, 3, "random", "full"),  # tiled, H_in below one 64-wide K step: fewer steps than stages
+    # tiled: 9 K steps per split (more than the pipeline's stages) and a 2-step last split ending mid-step,
+    # a partial last tile, tiles straddling many segments, rank-0 slots, and a last output tile of 8 columns
+    (2100, 4104, 1032, 32, 24, "random", "mixed_rank0"),
 ]
 
 
@@ -117,6 +123,27 @@ def test_lora_add_matches_float64_reference(case, dtype):
     expected = _reference(y, x, lora_a, lora_b, lora_ranks, slots)
     cuda_ops.lora_add(y, x, lora_a, lora_b, lora_ranks, build_segments(slots, lora_a.shape[0], "cuda"))
     _assert_matches(y, y_in, expected, slots, lora_ranks, dtype, f"seed {seed}")
+
+
+def test_unwritten_workspace_is_ignored():
+    """Per-token path: scratch the shrink leaves unwritten (past a slot's rank, tokens without adapter) must not leak.
+
+    The per-token expand reads the partials of every column up to max_rank before it knows the token's rank
+    and discards the extra ones; here the workspace is likely to reuse a freed block full of NaN (the caching
+    allocator hands back a freed block of the same size), so a leak shows up as NaN rows or a large error.
+    """
+    seed = secrets.randbits(31)
+    num_tokens, hidden_in, max_rank = 64, 2048, 32
+    y, x, lora_a, lora_b, lora_ranks, slots = _problem(num_tokens, hidden_in, 1024, max_rank, 8, "random", "mixed",
+                                                       torch.bfloat16, seed)
+    y_in = y.clone()
+    expected = _reference(y, x, lora_a, lora_b, lora_ranks, slots)
+    segments = build_segments(slots, lora_a.shape[0], "cuda")
+    slices = hidden_in // 256  # per-token workspace: [K slices of 256 elements, T, max_rank] floats
+    poison = torch.full((slices * num_tokens * max_rank,), float("nan"), device="cuda")
+    del poison
+    cuda_ops.lora_add(y, x, lora_a, lora_b, lora_ranks, segments)
+    _assert_matches(y, y_in, expected, slots, lora_ranks, torch.bfloat16, f"seed {seed}")
 
 
 def test_repeated_calls_are_deterministic():
