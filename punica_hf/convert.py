@@ -1,0 +1,201 @@
+"""Converted adapters: one safetensors file per adapter, holding exactly what the LoRA layers copy into a slot.
+
+A PEFT checkpoint needs work at every load: find the config and weights files, parse every key, look up each
+module's rank and scaling in the config and multiply the scaling into B. A converted file stores the result,
+``AdapterWeights``: per module ``"<module>.lora_a"`` ``[r, in]`` and ``"<module>.lora_b"`` ``[out, r]`` with the
+scaling folded into B, float32 by default (bit-identical to loading the PEFT checkpoint) or bf16/fp16 (half the
+size). Its safetensors metadata say what it is:
+
+- ``format``: ``"punica_hf.lora.v1"``, so any other safetensors file is refused by name;
+- ``adapter_config``: the source ``adapter_config.json`` (JSON text);
+- ``base_model``: the base model it was trained for (from the config, or given at conversion);
+- ``modules``: JSON ``{module: [in, out, r]}``, checked against the tensors at load;
+- ``dtype``, ``source`` and ``punica_hf_version``, for people reading the file.
+
+Loading a converted file is reading its tensors and checking them against that metadata; whether the adapter
+fits a base model is checked by the adapter store when it is loaded into one (a file for another base model
+is refused there and changes nothing).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from . import __version__
+from .adapter_config import LoraAdapterConfig
+from .loader import AdapterWeights, ModuleLora, load_adapter_weights
+
+FORMAT = "punica_hf.lora.v1"
+_FORMAT_FAMILY = "punica_hf."
+SUFFIX = ".safetensors"
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_REQUIRED_METADATA = ("adapter_config", "modules")
+
+
+def convert_adapter(
+    source: str | Path,
+    destination: str | Path,
+    *,
+    dtype: torch.dtype = torch.float32,
+    base_model: str | None = None,
+    **hub_kwargs,
+) -> Path:
+    """Convert a PEFT adapter (local folder, Hub repo id or converted file) into one converted file.
+
+    ``destination`` is the file when it ends in ``.safetensors``, else a folder that receives
+    ``<source name>.safetensors``. ``hub_kwargs`` (``revision``, ``subfolder``, ``token``, ``cache_dir``) go to
+    ``load_adapter_weights``. Returns the path written.
+    """
+    destination = Path(destination)
+    if destination.suffix != SUFFIX:
+        destination = destination / f"{adapter_name(source)}{SUFFIX}"
+    weights = load_adapter_weights(source, **hub_kwargs)
+    return save_converted(weights, destination, base_model=base_model, dtype=dtype)
+
+
+def adapter_name(source: str | Path) -> str:
+    """The name a source's converted file gets in a folder: its folder name, Hub repo name or file stem."""
+    path = Path(str(source).rstrip("/\\"))
+    return path.stem if path.suffix == SUFFIX else path.name
+
+
+def save_converted(
+    weights: AdapterWeights,
+    path: str | Path,
+    base_model: str | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> Path:
+    """Write ``weights`` to ``path`` in the converted format; ``base_model`` overrides the config's base model."""
+    if dtype not in DTYPES.values():
+        raise ValueError(f"converted adapters are stored as float32, bfloat16 or float16, not {dtype}")
+    path = Path(path)
+    tensors, shapes = {}, {}
+    for module_name, factors in weights.modules.items():
+        tensors[f"{module_name}.lora_a"] = factors.lora_a.to(dtype).contiguous()
+        tensors[f"{module_name}.lora_b"] = factors.lora_b.to(dtype).contiguous()
+        shapes[module_name] = [factors.lora_a.shape[1], factors.lora_b.shape[0], factors.rank]
+    metadata = {
+        "format": FORMAT,
+        "adapter_config": json.dumps(_config_dict(weights.config)),
+        "modules": json.dumps(shapes),
+        "dtype": str(dtype).removeprefix("torch."),
+        "source": weights.source,
+        "punica_hf_version": __version__,
+    }
+    base_model = base_model or weights.config.base_model_name_or_path
+    if base_model:
+        metadata["base_model"] = base_model
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Written beside the target and renamed: an interrupted conversion never leaves a half file under the real name.
+    partial = path.with_name(f".{path.name}.partial")
+    save_file(tensors, partial, metadata=metadata)
+    os.replace(partial, path)
+    return path
+
+
+def load_converted(path: str | Path) -> AdapterWeights:
+    """Read a converted file back into ``AdapterWeights`` (float32 factors, whatever the stored dtype).
+
+    Raises ``ValueError`` naming the file and the problem when it is not a readable safetensors file, not in
+    this format, or its tensors disagree with its metadata.
+    """
+    path = Path(path)
+    try:
+        with safe_open(path, framework="pt", device="cpu") as file:
+            metadata = file.metadata() or {}
+            _check_metadata(path, metadata)
+            tensors = file.get_tensors()
+    except SafetensorError as error:
+        raise ValueError(f"{path} is not a readable safetensors file (corrupt or truncated?): {error}") from None
+
+    shapes = _json_metadata(path, metadata, "modules")
+    try:
+        config = LoraAdapterConfig.from_dict(_json_metadata(path, metadata, "adapter_config"))
+    except ValueError as error:
+        raise ValueError(f"{path}: its adapter_config metadata is refused: {error}") from None
+    if metadata.get("base_model"):
+        config = dataclasses.replace(config, base_model_name_or_path=metadata["base_model"])
+    return AdapterWeights(modules=_module_factors(path, tensors, shapes), config=config, source=str(path))
+
+
+def _check_metadata(path: Path, metadata: dict[str, str]) -> None:
+    file_format = metadata.get("format")
+    if not (file_format or "").startswith(_FORMAT_FAMILY):  # transformers and PEFT write "pt" here
+        raise ValueError(
+            f"{path} is not a punica_hf converted adapter (metadata format: {file_format!r}); give a PEFT "
+            "adapter as its folder, or convert it with `punica-hf convert`"
+        )
+    if file_format != FORMAT:
+        raise ValueError(f"{path} has format {file_format!r}; this version of punica_hf reads {FORMAT!r}")
+    missing = [key for key in _REQUIRED_METADATA if key not in metadata]
+    if missing:
+        raise ValueError(f"{path} is a {FORMAT} file without the metadata {', '.join(missing)}")
+
+
+def _json_metadata(path: Path, metadata: dict[str, str], key: str):
+    try:
+        value = json.loads(metadata[key])
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path}: metadata {key!r} is not valid JSON: {error}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: metadata {key!r} must be a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _module_factors(
+    path: Path, tensors: dict[str, torch.Tensor], shapes: dict[str, list[int]]
+) -> dict[str, ModuleLora]:
+    """Pair each module's tensors and check them against the ``modules`` metadata ``{module: [in, out, r]}``."""
+    expected_keys = {f"{module}.{factor}" for module in shapes for factor in ("lora_a", "lora_b")}
+    if set(tensors) != expected_keys:
+        missing, unexpected = sorted(expected_keys - set(tensors)), sorted(set(tensors) - expected_keys)
+        raise ValueError(
+            f"{path}: tensors do not match its module list (missing: {missing[:3] or 'none'}, "
+            f"unexpected: {unexpected[:3] or 'none'})"
+        )
+    if not shapes:
+        raise ValueError(f"{path} holds no LoRA modules")
+    modules = {}
+    for module_name, dims in shapes.items():
+        if not (isinstance(dims, list) and len(dims) == 3):
+            raise ValueError(f"{path}: module {module_name} has dimensions {dims!r}, expected [in, out, r]")
+        lora_a, lora_b = tensors[f"{module_name}.lora_a"], tensors[f"{module_name}.lora_b"]
+        in_features, out_features, rank = dims
+        if list(lora_a.shape) != [rank, in_features] or list(lora_b.shape) != [out_features, rank]:
+            raise ValueError(
+                f"{path}: module {module_name} has lora_a {list(lora_a.shape)} and lora_b {list(lora_b.shape)}, "
+                f"its metadata say [r, in] = {[rank, in_features]} and [out, r] = {[out_features, rank]}"
+            )
+        if not (lora_a.is_floating_point() and lora_b.is_floating_point()):
+            raise ValueError(f"{path}: module {module_name} has non-float factors ({lora_a.dtype}, {lora_b.dtype})")
+        modules[module_name] = ModuleLora(lora_a=lora_a.float(), lora_b=lora_b.float())  # no copy when float32
+    return modules
+
+
+def _config_dict(config: LoraAdapterConfig) -> dict:
+    """The config as ``adapter_config.json`` text holds it; rebuilt from the fields for hand-made configs."""
+    if config.raw:
+        return config.raw
+    return {
+        "peft_type": "LORA",
+        "r": config.r,
+        "lora_alpha": config.lora_alpha,
+        "use_rslora": config.use_rslora,
+        "rank_pattern": config.rank_pattern,
+        "alpha_pattern": config.alpha_pattern,
+        "base_model_name_or_path": config.base_model_name_or_path,
+    }
+
+
+if __name__ == "__main__":
+    from .cli import main
+
+    sys.exit(main(["convert", *sys.argv[1:]]))

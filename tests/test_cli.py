@@ -1,0 +1,292 @@
+"""The ``punica-hf`` command line, run in-process through ``main([...])`` (and as ``python -m`` where the entry
+point itself is the subject). Output goes to a non-terminal, as in CI, so live views print their final state."""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import save_peft_adapter, tiny_llama
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+
+from punica_hf import MultiLoraModel, demo
+from punica_hf.cli import main
+from punica_hf.convert import load_converted
+from punica_hf.loader import load_adapter_weights
+from punica_hf.streaming import BatchStreamer
+
+OPTIONS = {
+    "demo": ["--device", "--dtype", "--debug"],
+    "generate": [
+        "--model", "--adapter", "--prompt", "--prompts-jsonl", "--max-new-tokens", "--do-sample", "--temperature",
+        "--top-p", "--top-k", "--seed", "--max-rank", "--chat-template", "--device", "--dtype", "--debug",
+    ],
+    "convert": ["SRC", "DST", "--dtype", "--base-model", "--revision", "--subfolder", "--cache-dir", "--debug"],
+}
+OPTIONS["dashboard"] = OPTIONS["generate"]
+
+
+@pytest.fixture(autouse=True)
+def wide_output(monkeypatch):
+    """Rich wraps non-terminal output at 80 columns; wide enough rows keep each one on one line."""
+    monkeypatch.setenv("COLUMNS", "200")
+
+
+@pytest.fixture(scope="module")
+def demo_shaped_adapters(tmp_path_factory):
+    """Random PEFT adapters for the demo base model, one per demo task name: ``{task: folder}``."""
+    if not (demo.base_model_path() / "config.json").is_file():
+        pytest.skip(f"the demo base model is not built yet ({demo.base_model_path()}; examples/train_demo_model.py)")
+    folder = tmp_path_factory.mktemp("demo-adapters")
+    base = demo.load_base_model()
+    return {
+        task: save_peft_adapter(base, folder / task, seed=seed, r=4, target_modules=["q_proj", "v_proj"])
+        for seed, task in enumerate(demo.TASKS)
+    }
+
+
+def adapter_options(adapters: dict[str, Path]) -> list[str]:
+    return [option for name, path in adapters.items() for option in ("--adapter", f"{name}={path}")]
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+# ------------------------------------------------------------------------------------------------ help
+@pytest.mark.parametrize("command", list(OPTIONS))
+def test_help_of_each_command_explains_every_option(capsys, command):
+    code, out, _ = run(capsys, command, "--help")
+    assert code == 0
+    for option in OPTIONS[command]:
+        assert option in out, f"{command} --help does not mention {option}"
+    assert "examples:" in out and f"punica-hf {command}" in out.split("examples:")[1]
+
+
+def test_top_level_help_lists_every_command(capsys):
+    code, out, _ = run(capsys, "--help")
+    assert code == 0
+    for command in OPTIONS:
+        assert command in out
+
+
+# ------------------------------------------------------------------------------------------------ errors
+def test_error_is_one_line_without_traceback(capsys, tmp_path):
+    missing = tmp_path / "no-such-adapter"
+    code, out, err = run(capsys, "generate", "--model", "demo", "--adapter", f"a={missing}", "--prompt", "a:lora")
+    assert code == 1
+    assert err.strip().count("\n") == 0
+    assert err.startswith("error: ") and str(missing) in err and "Traceback" not in err
+
+
+def test_usage_error_is_one_line_with_code_2(capsys):
+    code, _, err = run(capsys, "generate", "--model", "demo", "--adapter", "no-equals-sign", "--prompt", "base:x")
+    assert code == 2
+    assert err.strip().count("\n") == 0 and "expected NAME=PATH" in err
+
+
+def test_prompt_for_an_adapter_that_is_not_loaded(capsys, demo_shaped_adapters):
+    code, _, err = run(
+        capsys, "generate", "--model", "demo", "--adapter", f"reverse={demo_shaped_adapters['reverse']}",
+        "--prompt", "upper:lora",
+    )
+    assert code == 1 and "'upper'" in err and "no --adapter loads" in err
+
+
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_debug_raises_the_error(tmp_path, where):
+    command = ["generate", "--model", "demo", "--adapter", f"a={tmp_path / 'nope'}", "--prompt", "a:x"]
+    argv = ["--debug", *command] if where == "before" else [*command, "--debug"]
+    with pytest.raises(FileNotFoundError, match="nope"):
+        main(argv)
+
+
+def test_python_m_punica_hf_error_is_one_line(tmp_path):
+    """The real entry point, end to end: one line on stderr, no traceback, exit code 1."""
+    missing = tmp_path / "nope"
+    command = ["generate", "--model", "demo", "--adapter", f"a={missing}", "--prompt", "a:x"]
+    result = subprocess.run(
+        [sys.executable, "-m", "punica_hf", *command],
+        capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=120,
+    )
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        f"error: no adapter folder at {missing} (run with --debug for the traceback)"
+    ]
+
+
+# ------------------------------------------------------------------------------------------------ convert
+def test_convert_one_adapter_to_a_file(capsys, demo_shaped_adapters, tmp_path):
+    destination = tmp_path / "reverse-bf16.safetensors"
+    code, out, _ = run(capsys, "convert", str(demo_shaped_adapters["reverse"]), str(destination), "--dtype", "bf16")
+    assert code == 0 and str(destination) in out
+    converted, original = load_converted(destination), load_adapter_weights(demo_shaped_adapters["reverse"])
+    for name, factors in original.modules.items():
+        assert torch.equal(converted.modules[name].lora_a, factors.lora_a.bfloat16().float())
+
+
+def test_convert_refuses_clashing_names(capsys, demo_shaped_adapters, tmp_path):
+    path = str(demo_shaped_adapters["sort"])
+    code, _, err = run(capsys, "convert", path, path, str(tmp_path / "out"))
+    assert code == 1 and "same file name: sort" in err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.filterwarnings("ignore:'punica_hf.convert' found in sys.modules")  # runpy re-runs an imported module
+def test_python_m_punica_hf_convert(monkeypatch, demo_shaped_adapters, tmp_path):
+    monkeypatch.setattr(sys, "argv", ["convert.py", str(demo_shaped_adapters["upper"]), str(tmp_path)])
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_module("punica_hf.convert", run_name="__main__")
+    assert exit_info.value.code == 0
+    assert load_converted(tmp_path / "upper.safetensors").modules.keys() == (
+        load_adapter_weights(demo_shaped_adapters["upper"]).modules.keys()
+    )
+
+
+# ------------------------------------------------------------------------------------------------ generation
+def direct_answers(adapters: dict[str, Path], words: list[str], adapter_ids: list[str | None]) -> list[str]:
+    """What the library itself answers (greedy, up to ``demo.MAX_ANSWER_TOKENS``), to compare the command line's
+    output with."""
+    model = MultiLoraModel(demo.load_base_model(), max_adapters=len(adapters))
+    model.load_adapters(adapters)
+    return demo.generate_answers(model, words, adapter_ids=adapter_ids)
+
+
+def test_generate_with_the_demo_model(capsys, demo_shaped_adapters, tmp_path):
+    requests = tmp_path / "requests.jsonl"
+    requests.write_text(json.dumps({"adapter": None, "prompt": "adapter"}) + "\n\n")
+    code, out, err = run(
+        capsys, "generate", "--model", "demo", *adapter_options(demo_shaped_adapters),
+        "--prompt", "reverse:lora", "--prompt", "sort:punica", "--prompts-jsonl", str(requests),
+        "--max-new-tokens", str(demo.MAX_ANSWER_TOKENS),
+    )
+    assert code == 0, err
+    answers = direct_answers(demo_shaped_adapters, ["lora", "punica", "adapter"], ["reverse", "sort", None])
+    lines = out.splitlines()
+    for adapter, word, answer in zip(["reverse", "sort", "base"], ["lora", "punica", "adapter"], answers):
+        assert any(f"│ {adapter} " in line and f"│ {word} " in line and f"│ {answer} " in line for line in lines)
+    assert "3/3 rows done" in out
+
+
+@pytest.fixture(scope="module")
+def local_model(tmp_path_factory):
+    """``(model folder, {name: PEFT folder})``: a tiny Llama saved with a word-level tokenizer ("w2".."w99",
+    EOS "</s>" = 1, no pad token, a chat template "w7 TEXT w8"), as a Hub model would be, and one adapter."""
+    folder = tmp_path_factory.mktemp("local-model")
+    model = tiny_llama()
+    model.generation_config.eos_token_id = 1
+    model.save_pretrained(folder / "model")
+    vocab = {"<unk>": 0, "</s>": 1, **{f"w{i}": i for i in range(2, 100)}}
+    word_level = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    word_level.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=word_level, unk_token="<unk>", eos_token="</s>")
+    tokenizer.chat_template = "{% for m in messages %}w7 {{ m['content'] }} w8{% endfor %}"
+    tokenizer.save_pretrained(folder / "model")
+    adapter = save_peft_adapter(model, folder / "adapter", r=4, target_modules=["q_proj", "v_proj"])
+    return folder / "model", {"a": adapter}
+
+
+@pytest.mark.parametrize("chat_template", [False, True], ids=["plain", "chat-template"])
+def test_generate_with_a_transformers_model_and_tokenizer(capsys, local_model, chat_template):
+    model_path, adapters = local_model
+    prompts = {"a": "w5 w6 w9", None: "w3"}
+    code, out, err = run(
+        capsys, "generate", "--model", str(model_path), *adapter_options(adapters), "--max-new-tokens", "5",
+        *[option for adapter, text in prompts.items() for option in ("--prompt", f"{adapter or 'base'}:{text}")],
+        *(["--chat-template"] if chat_template else []),
+    )
+    assert code == 0, err
+
+    # the same batch through the library: left padding with EOS as the pad token, the template applied by hand
+    tokenizer = AutoTokenizer.from_pretrained(model_path, padding_side="left")
+    model = MultiLoraModel(AutoModelForCausalLM.from_pretrained(model_path), max_adapters=1, max_rank=4)
+    model.load_adapters(adapters)
+    texts = [f"w7 {text} w8" if chat_template else text for text in prompts.values()]
+    assert tokenizer.pad_token is None  # so the command line had to supply one
+    tokenizer.pad_token = tokenizer.eos_token
+    batch = tokenizer(texts, return_tensors="pt", padding=True)
+    output = model.generate(**batch, adapter_ids=list(prompts), max_new_tokens=5, do_sample=False, pad_token_id=1)
+    answers = tokenizer.batch_decode(output[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
+    lines = out.splitlines()
+    for (adapter, text), answer in zip(prompts.items(), answers):
+        assert any(f"│ {adapter or 'base'} " in line and f"│ {text} " in line and f"│ {answer} " in line
+                   for line in lines), f"no row for {adapter} with answer {answer!r} in:\n{out}"
+
+
+def test_generate_refuses_a_bad_jsonl_line(capsys, tmp_path):
+    requests = tmp_path / "requests.jsonl"
+    requests.write_text('{"adapter": null, "prompt": "ok"}\n{"prompt": 3}\n')
+    code, _, err = run(capsys, "generate", "--model", "demo", "--prompts-jsonl", str(requests))
+    assert code == 1 and f"{requests}:2" in err
+
+
+def test_batch_streamer_keeps_each_row_up_to_its_eos():
+    ticks = iter([10.0, 11.0, 12.0, 14.0])  # prompts, step 1, step 2, end
+    streamer = BatchStreamer(2, eos_token_ids={0, 9}, clock=lambda: next(ticks))
+    streamer.put(torch.tensor([[5, 5, 5], [6, 6, 6]]))  # the prompts: not generated tokens
+    streamer.put(torch.tensor([7, 9]))  # row 1 ends with EOS 9
+    assert streamer.finished_at == [None, 11.0] and not streamer.done
+    streamer.put(torch.tensor([8, 3]))  # row 1 is padded with 3 after it finished: ignored
+    streamer.end()
+    assert streamer.tokens == [[7, 8], []]
+    assert streamer.finished_at == [14.0, 11.0] and streamer.done and streamer.steps == 2
+    assert streamer.tokens_per_second(0) == 2 / 4.0
+    assert streamer.tokens_per_second() == 2 / 4.0  # the batch's tokens over its whole time
+
+
+def test_batch_streamer_gets_every_step_of_every_row(demo_shaped_adapters):
+    model = MultiLoraModel(demo.load_base_model(), max_adapters=3, max_rank=4)
+    model.load_adapters(demo_shaped_adapters)
+    words, adapter_ids = ["lora", "adapter", "punica"], ["reverse", None, "upper"]
+    input_ids, attention_mask = demo.batch_prompts(words)
+    snapshots = []
+    streamer = BatchStreamer(len(words), {demo.EOS_ID})
+    streamer.on_update = lambda: snapshots.append([len(tokens) for tokens in streamer.tokens])
+    output = model.generate(
+        input_ids, attention_mask=attention_mask, adapter_ids=adapter_ids, streamer=streamer,
+        max_new_tokens=10, do_sample=False, pad_token_id=demo.PAD_ID, eos_token_id=demo.EOS_ID,
+    )
+    new_tokens = output[:, input_ids.shape[1]:]
+    assert streamer.done and streamer.steps == new_tokens.shape[1]
+    assert [demo.decode(tokens) for tokens in streamer.tokens] == [demo.decode(row) for row in new_tokens]
+    assert snapshots[0] == [1, 1, 1] and len(snapshots) == streamer.steps + 1  # one update a step, one at the end
+    assert all(streamer.tokens_per_second(row) > 0 for row in range(len(words)))
+
+
+def test_dashboard_runs_to_completion_without_a_terminal(capsys, demo_shaped_adapters):
+    code, out, err = run(
+        capsys, "dashboard", *adapter_options(demo_shaped_adapters), "--max-new-tokens", str(demo.MAX_ANSWER_TOKENS)
+    )
+    assert code == 0, err
+    words = next(iter(demo.TASKS.values())).examples
+    rows = [(adapter, word) for adapter in [*demo.TASKS, None] for word in words]
+    answers = direct_answers(demo_shaped_adapters, [w for _, w in rows], [a for a, _ in rows])
+    for row, ((adapter, _), answer) in enumerate(zip(rows, answers)):
+        assert f"#{row} {adapter or 'base'}" in out
+        assert f"→ {answer}" in out
+    assert f"{len(rows)}/{len(rows)} rows done" in out and "tok/s overall" in out
+
+
+def test_demo_prints_every_task(capsys):
+    adapters = demo.adapter_paths()
+    if not all(path.is_dir() for path in adapters.values()):
+        pytest.skip("the demo adapters are not built yet (examples/train_demo_model.py writes punica_hf/demo/adapters)")
+    code, out, err = run(capsys, "demo", "--device", "cpu")
+    assert code == 0, err
+    tasks = list(demo.TASKS)
+    words = [demo.TASKS[task].examples[i % len(demo.TASKS[task].examples)] for i, task in enumerate(tasks)]
+    answers = direct_answers(adapters, words, tasks)
+    lines = out.splitlines()
+    for task, word, answer in zip(tasks, words, answers):
+        assert any(f"│ {demo.make_prompt(word)} " in line and f"│ {task} " in line and f"│ {answer} " in line
+                   for line in lines), f"no row for {task}"
+    assert any("│ base " in line for line in lines)
