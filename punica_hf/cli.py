@@ -8,7 +8,6 @@ rows each name their adapter (or the base model) and stream it through a ``Batch
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ from transformers.utils import logging as transformers_logging
 
 from . import __version__, demo, ops
 from .convert import DTYPES, SUFFIX, adapter_name, convert_adapter
+from .jsonl import read_jsonl
 from .loader import load_adapter_weights
 from .model import MultiLoraModel
 from .streaming import BatchStreamer, BatchView, Request
@@ -407,16 +407,9 @@ def _requests(args: argparse.Namespace) -> list[Request]:
 
 def _read_requests_jsonl(path: Path) -> list[Request]:
     requests = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            entry = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"{path}:{number} is not valid JSON: {error}") from None
-        if not (isinstance(entry, dict) and isinstance(entry.get("prompt"), str)
-                and isinstance(entry.get("adapter"), (str, type(None)))):
-            raise ValueError(f'{path}:{number}: expected {{"adapter": NAME or null, "prompt": TEXT}}, got {line!r}')
+    for number, entry in read_jsonl(path):
+        if not (isinstance(entry.get("prompt"), str) and isinstance(entry.get("adapter"), (str, type(None)))):
+            raise ValueError(f'{path}:{number}: expected {{"adapter": NAME or null, "prompt": TEXT}}, got {entry!r}')
         adapter = entry.get("adapter")
         requests.append(Request(entry["prompt"], None if adapter in (None, BASE) else adapter))
     return requests

@@ -32,6 +32,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from punica_hf.jsonl import read_jsonl
+
 # Exit status when the dataset cannot be read from the Hub (no ``datasets`` library or no network).
 EXIT_DATASET_UNAVAILABLE = 2
 
@@ -93,17 +95,7 @@ def read_hub_records(preset: Preset, split: str) -> Iterator[dict]:
 
 
 def read_jsonl_records(path: Path) -> Iterator[dict]:
-    with path.open(encoding="utf-8") as lines:
-        for line_number, line in enumerate(lines, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"{path}:{line_number}: not valid JSON ({error})") from None
-            if not isinstance(record, dict):
-                raise ValueError(f"{path}:{line_number}: expected a JSON object, got {type(record).__name__}")
-            yield record
+    return (record for _, record in read_jsonl(path))
 
 
 def field_of(record: dict, field: str, record_number: int) -> str:

@@ -15,7 +15,6 @@ folder or the Hugging Face cache already holds.
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import sys
 from collections.abc import Sequence
@@ -24,6 +23,8 @@ from pathlib import Path
 import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments, set_seed
+
+from punica_hf.jsonl import read_jsonl
 
 # ``--model demo`` picks the byte-level Llama shipped in ``punica_hf/demo/base``.
 DEMO_MODEL = "demo"
@@ -90,18 +91,10 @@ def load_model_and_tokenizer(model_name: str, dtype: torch.dtype):
 
 def read_examples(path: Path) -> list[dict[str, str]]:
     examples = []
-    with path.open(encoding="utf-8") as lines:
-        for line_number, line in enumerate(lines, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"{path}:{line_number}: not valid JSON ({error})") from None
-            is_example = isinstance(record, dict) and all(isinstance(record.get(key), str) for key in PROMPT_RESPONSE)
-            if not is_example:
-                raise ValueError(f'{path}:{line_number}: expected {{"prompt": "...", "response": "..."}}')
-            examples.append(record)
+    for line_number, record in read_jsonl(path):
+        if not all(isinstance(record.get(key), str) for key in PROMPT_RESPONSE):
+            raise ValueError(f'{path}:{line_number}: expected {{"prompt": "...", "response": "..."}}')
+        examples.append(record)
     if not examples:
         raise ValueError(f"{path} holds no examples")
     return examples
