@@ -1,0 +1,75 @@
+"""MultiLoraModel is a drop-in for the model it wraps: attributes, modes, dtype moves, the usual kwargs."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from helpers import save_peft_adapter, tiny_llama
+
+from punica_hf import MultiLoraModel
+
+INPUT_IDS = torch.tensor([[5, 17, 42, 8, 23], [61, 2, 9, 77, 30]])
+
+
+@pytest.fixture
+def wrapped(tmp_path):
+    base = tiny_llama()
+    untouched = copy.deepcopy(base)
+    model = MultiLoraModel(base, max_adapters=2, max_rank=8)
+    model.load_adapters({"qv": save_peft_adapter(untouched, tmp_path / "qv", r=4, target_modules=["q_proj", "v_proj"])})
+    return model, untouched
+
+
+def test_attributes_are_the_wrapped_models(wrapped):
+    model, _ = wrapped
+    assert model.config is model.model.config
+    assert model.generation_config is model.model.generation_config
+    assert model.device == model.model.device
+    assert model.get_input_embeddings() is model.model.get_input_embeddings()
+
+
+def test_eval_and_train_reach_the_wrapped_model(wrapped):
+    model, _ = wrapped
+    assert model.train() is model and model.model.training
+    assert model.eval() is model and not model.model.training
+
+
+@torch.no_grad()
+def test_without_adapter_ids_it_is_the_untouched_base_model(wrapped):
+    model, untouched = wrapped
+    torch.testing.assert_close(model(input_ids=INPUT_IDS).logits, untouched(input_ids=INPUT_IDS).logits, atol=0, rtol=0)
+    kwargs = dict(max_new_tokens=4, do_sample=False)
+    assert torch.equal(model.generate(INPUT_IDS, **kwargs), untouched.generate(INPUT_IDS, **kwargs))
+
+
+@torch.no_grad()
+def test_usual_kwargs_pass_through(wrapped):
+    model, untouched = wrapped
+    out = model(input_ids=INPUT_IDS, labels=INPUT_IDS, adapter_ids=[None, None])
+    expected = untouched(input_ids=INPUT_IDS, labels=INPUT_IDS)
+    torch.testing.assert_close(out.loss, expected.loss)
+    assert model(INPUT_IDS, adapter_ids=["qv", None], return_dict=False)[0].shape == (2, 5, 100)
+
+
+@torch.no_grad()
+def test_to_moves_lora_buffers_with_the_model(wrapped):
+    model, untouched = wrapped
+    reference = model(input_ids=INPUT_IDS, adapter_ids=["qv", None]).logits
+    model.to(torch.float64)
+    layer = model.model.model.layers[0].self_attn.q_proj
+    assert layer.lora_a_stacked.dtype == layer.lora_b_stacked.dtype == torch.float64
+    assert layer.lora_ranks.dtype == torch.int32
+    logits = model(input_ids=INPUT_IDS, adapter_ids=["qv", None]).logits
+    assert logits.dtype == torch.float64
+    torch.testing.assert_close(logits.float(), reference, atol=1e-5, rtol=1e-5)
+    assert (logits[0] - untouched.double()(input_ids=INPUT_IDS[:1]).logits[0]).abs().max() > 1e-3
+
+
+@torch.no_grad()
+def test_per_token_adapter_ids_equal_per_row_ids_when_rows_are_uniform(wrapped):
+    model, _ = wrapped
+    per_row = model(input_ids=INPUT_IDS, adapter_ids=torch.tensor([0, -1])).logits
+    per_token = torch.tensor([[0] * 5, [-1] * 5])
+    torch.testing.assert_close(model(input_ids=INPUT_IDS, adapter_ids=per_token).logits, per_row, atol=0, rtol=0)
