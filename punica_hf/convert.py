@@ -102,7 +102,7 @@ def save_converted(
 
 
 def load_converted(path: str | Path) -> AdapterWeights:
-    """Read a converted file back into ``AdapterWeights`` (float32 factors, whatever the stored dtype).
+    """Read a converted file back into ``AdapterWeights``, factors in the stored dtype (cast when copied to slots).
 
     Raises ``ValueError`` naming the file and the problem when it is not a readable safetensors file, not in
     this format, or its tensors disagree with its metadata.
@@ -176,7 +176,7 @@ def _module_factors(
             )
         if not (lora_a.is_floating_point() and lora_b.is_floating_point()):
             raise ValueError(f"{path}: module {module_name} has non-float factors ({lora_a.dtype}, {lora_b.dtype})")
-        modules[module_name] = ModuleLora(lora_a=lora_a.float(), lora_b=lora_b.float())  # no copy when float32
+        modules[module_name] = ModuleLora(lora_a=lora_a, lora_b=lora_b)
     return modules
 
 

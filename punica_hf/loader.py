@@ -39,7 +39,7 @@ _BASE_COPY_SUFFIX = ".base_layer.weight"
 @dataclass(frozen=True)
 class ModuleLora:
     """One module's LoRA factors, ready to copy into a slot. ``lora_a`` ``[r, in]``, ``lora_b`` ``[out, r]``
-    with the module's scaling already folded in, both float32."""
+    with the module's scaling already folded in; float32 from PEFT checkpoints, a converted file's own dtype."""
 
     lora_a: torch.Tensor
     lora_b: torch.Tensor

@@ -112,8 +112,18 @@ def test_half_precision_file_is_half_the_size(peft_adapters, converted, tmp_path
 
     assert tensor_bytes(path) * 2 == tensor_bytes(converted["all"])
     for name, factors in half.modules.items():
-        assert factors.lora_a.dtype == torch.float32  # always handed out as float32
-        assert torch.equal(factors.lora_b, full.modules[name].lora_b.bfloat16().float())
+        assert factors.lora_a.dtype == torch.bfloat16  # kept as stored: the copy into a slot casts
+        assert torch.equal(factors.lora_b, full.modules[name].lora_b.bfloat16())
+
+    _, base, _ = peft_adapters
+    served = MultiLoraModel(copy.deepcopy(base), max_adapters=2, max_rank=MAX_RANK)
+    served.load_adapters({"full": converted["all"], "half": path})
+    input_ids, _ = left_padded_batch([4], torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = served(input_ids.repeat(2, 1), adapter_ids=["full", "half"]).logits
+        base_logits = base(input_ids).logits[0]
+    torch.testing.assert_close(logits[1], logits[0], atol=1e-2, rtol=1e-2)  # bf16 rounding of the factors only
+    assert not torch.equal(logits[1], base_logits)
 
 
 def test_a_converted_file_converts_again(converted, tmp_path):
