@@ -22,8 +22,8 @@ from peft import LoraConfig, get_peft_model
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from punica_hf import MultiLoraModel
-from punica_hf.adapter_config import LoraAdapterConfig
-from punica_hf.loader import AdapterWeights, ModuleLora
+from punica_hf.formats import LoraAdapterConfig
+from punica_hf.formats import AdapterWeights, ModuleLora
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 

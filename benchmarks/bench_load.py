@@ -32,8 +32,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from punica_hf.convert import DTYPES, convert_adapter, load_converted
-from punica_hf.loader import AdapterWeights, load_adapter_weights
+from punica_hf.formats import DTYPES, convert_adapter, load_converted
+from punica_hf.formats import AdapterWeights, load_adapter_weights
 
 LAYERS, HIDDEN, KV_OUT, MLP, RANK, ALPHA = 32, 4096, 8 * 128, 14336, 16, 32
 # module -> (in, out)

@@ -1,7 +1,25 @@
-"""punica_hf: serve many LoRA adapters in one batch on one Hugging Face base model."""
+"""punica_hf: many LoRA adapters in one batch on one Hugging Face base model.
 
-from .loader import AdapterWeights, load_adapter_weights
-from .model import MultiLoraModel
+The top-level names are imported on first use, so ``import punica_hf.ops`` or ``punica_hf.formats`` does not pull
+in the model wrapper (and transformers) with them.
+"""
 
-__all__ = ["MultiLoraModel", "AdapterWeights", "load_adapter_weights"]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
 __version__ = "0.1.0"
+
+_EXPORTS = {
+    "MultiLoraModel": "punica_hf.model",
+    "AdapterWeights": "punica_hf.formats",
+    "load_adapter_weights": "punica_hf.formats",
+}
+__all__ = [*_EXPORTS, "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'punica_hf' has no attribute {name!r}")

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from torch import nn
 
 from .layers import LoraContext, MultiLoraLinear, linear_features
-from .loader import AdapterWeights
+from .formats import AdapterWeights
 
 
 class AdapterStore:

@@ -13,7 +13,7 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from . import ops
-from .loader import ModuleLora
+from .formats import ModuleLora
 from .ops import LoraSegments
 
 

@@ -20,7 +20,7 @@ from torch import nn
 from . import ops
 from .adapters import AdapterStore
 from .layers import LoraContext
-from .loader import AdapterWeights, load_adapter_weights
+from .formats import AdapterWeights, load_adapter_weights
 
 AdapterIds = torch.Tensor | Sequence[str | int | None]
 

@@ -18,9 +18,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 
 from punica_hf import MultiLoraModel, demo
 from punica_hf.cli import main
-from punica_hf.convert import load_converted
-from punica_hf.loader import load_adapter_weights
-from punica_hf.streaming import BatchStreamer
+from punica_hf.formats import load_converted
+from punica_hf.formats import load_adapter_weights
+from punica_hf.cli.streaming import BatchStreamer
 
 OPTIONS = {
     "demo": ["--device", "--dtype", "--debug"],
@@ -141,11 +141,10 @@ def test_convert_refuses_clashing_names(capsys, demo_shaped_adapters, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.filterwarnings("ignore:'punica_hf.convert' found in sys.modules")  # runpy re-runs an imported module
 def test_python_m_punica_hf_convert(monkeypatch, demo_shaped_adapters, tmp_path):
-    monkeypatch.setattr(sys, "argv", ["convert.py", str(demo_shaped_adapters["upper"]), str(tmp_path)])
+    monkeypatch.setattr(sys, "argv", ["punica_hf", "convert", str(demo_shaped_adapters["upper"]), str(tmp_path)])
     with pytest.raises(SystemExit) as exit_info:
-        runpy.run_module("punica_hf.convert", run_name="__main__")
+        runpy.run_module("punica_hf", run_name="__main__")
     assert exit_info.value.code == 0
     assert load_converted(tmp_path / "upper.safetensors").modules.keys() == (
         load_adapter_weights(demo_shaped_adapters["upper"]).modules.keys()

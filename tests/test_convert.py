@@ -19,10 +19,10 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from punica_hf import MultiLoraModel, load_adapter_weights
-from punica_hf.adapter_config import LoraAdapterConfig
+from punica_hf.formats import LoraAdapterConfig
 from punica_hf.cli import main
-from punica_hf.convert import FORMAT, convert_adapter, load_converted, save_converted
-from punica_hf.loader import AdapterWeights, ModuleLora
+from punica_hf.formats import FORMAT, convert_adapter, load_converted, save_converted
+from punica_hf.formats import AdapterWeights, ModuleLora
 
 MAX_RANK = 8
 

@@ -8,7 +8,7 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from punica_hf.layers import LoraContext, MultiLoraLinear
-from punica_hf.loader import ModuleLora
+from punica_hf.formats import ModuleLora
 from punica_hf.ops.segments import build_segments
 
 IN, OUT, SLOTS, MAX_RANK = 12, 20, 3, 6

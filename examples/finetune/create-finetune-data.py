@@ -32,7 +32,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from punica_hf.jsonl import read_jsonl
+from punica_hf.formats.jsonl import read_jsonl
 
 # Exit status when the dataset cannot be read from the Hub (no ``datasets`` library or no network).
 EXIT_DATASET_UNAVAILABLE = 2

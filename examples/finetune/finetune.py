@@ -24,7 +24,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments, set_seed
 
-from punica_hf.jsonl import read_jsonl
+from punica_hf.formats.jsonl import read_jsonl
 
 # ``--model demo`` picks the byte-level Llama shipped in ``punica_hf/demo/base``.
 DEMO_MODEL = "demo"

@@ -22,49 +22,21 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import sys
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from . import __version__
-from .adapter_config import LoraAdapterConfig
-from .loader import AdapterWeights, ModuleLora, load_adapter_weights
+from .. import __version__
+from .config import LoraAdapterConfig
+from .weights import AdapterWeights, ModuleLora
 
 FORMAT = "punica_hf.lora.v1"
 _FORMAT_FAMILY = "punica_hf."
 SUFFIX = ".safetensors"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _REQUIRED_METADATA = ("adapter_config", "modules")
-
-
-def convert_adapter(
-    source: str | Path,
-    destination: str | Path,
-    *,
-    dtype: torch.dtype = torch.float32,
-    base_model: str | None = None,
-    **hub_kwargs,
-) -> Path:
-    """Convert a PEFT adapter (local folder, Hub repo id or converted file) into one converted file.
-
-    ``destination`` is the file when it ends in ``.safetensors``, else a folder that receives
-    ``<source name>.safetensors``. ``hub_kwargs`` (``revision``, ``subfolder``, ``token``, ``cache_dir``) go to
-    ``load_adapter_weights``. Returns the path written.
-    """
-    destination = Path(destination)
-    if destination.suffix != SUFFIX:
-        destination = destination / f"{adapter_name(source)}{SUFFIX}"
-    weights = load_adapter_weights(source, **hub_kwargs)
-    return save_converted(weights, destination, base_model=base_model, dtype=dtype)
-
-
-def adapter_name(source: str | Path) -> str:
-    """The name a source's converted file gets in a folder: its folder name, Hub repo name or file stem."""
-    path = Path(str(source).rstrip("/\\"))
-    return path.stem if path.suffix == SUFFIX else path.name
 
 
 def save_converted(
@@ -194,8 +166,3 @@ def _config_dict(config: LoraAdapterConfig) -> dict:
         "base_model_name_or_path": config.base_model_name_or_path,
     }
 
-
-if __name__ == "__main__":
-    from .cli import main
-
-    sys.exit(main(["convert", *sys.argv[1:]]))

@@ -1,8 +1,8 @@
-"""Reading LoRA adapters from disk or the Hugging Face Hub into ``AdapterWeights``.
+"""Reading PEFT LoRA adapters from disk or the Hugging Face Hub into ``AdapterWeights``.
 
 A source is a local PEFT folder (``adapter_config.json`` + ``adapter_model.safetensors`` or legacy
-``adapter_model.bin``), a Hub repo id resolved through ``huggingface_hub`` (its cache and ``HF_HUB_OFFLINE``
-apply), or a converted ``.safetensors`` file (read by ``convert.load_converted``). Checkpoints are data: pickled
+``adapter_model.bin``) or a Hub repo id resolved through ``huggingface_hub`` (its cache and ``HF_HUB_OFFLINE``
+apply). Checkpoints are data: pickled
 ``.bin`` files are read with ``weights_only=True`` and nothing from a checkpoint is ever executed. Nothing here
 touches a model: the adapter store validates the result against the base model and only then writes it into the
 layers.
@@ -11,14 +11,14 @@ layers.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from .adapter_config import LoraAdapterConfig
+from .config import LoraAdapterConfig
+from .weights import AdapterWeights, ModuleLora
 
 CONFIG_NAME = "adapter_config.json"
 SAFETENSORS_NAME = "adapter_model.safetensors"
@@ -36,33 +36,7 @@ _UNSUPPORTED_KEYS = (
 _BASE_COPY_SUFFIX = ".base_layer.weight"
 
 
-@dataclass(frozen=True)
-class ModuleLora:
-    """One module's LoRA factors, ready to copy into a slot. ``lora_a`` ``[r, in]``, ``lora_b`` ``[out, r]``
-    with the module's scaling already folded in; float32 from PEFT checkpoints, a converted file's own dtype."""
-
-    lora_a: torch.Tensor
-    lora_b: torch.Tensor
-
-    @property
-    def rank(self) -> int:
-        return self.lora_a.shape[0]
-
-
-@dataclass(frozen=True)
-class AdapterWeights:
-    """A whole adapter: base-model module name -> its LoRA factors."""
-
-    modules: dict[str, ModuleLora]
-    config: LoraAdapterConfig
-    source: str
-
-    @property
-    def max_rank(self) -> int:
-        return max(m.rank for m in self.modules.values())
-
-
-def load_adapter_weights(
+def load_peft_adapter(
     source: str | Path,
     *,
     revision: str | None = None,
@@ -70,14 +44,7 @@ def load_adapter_weights(
     token: str | bool | None = None,
     cache_dir: str | Path | None = None,
 ) -> AdapterWeights:
-    """Read a LoRA adapter from a local PEFT folder, a Hub repo id or a converted ``.safetensors`` file."""
-    local = Path(source).expanduser()
-    if local.suffix == ".safetensors":
-        if not local.is_file():
-            raise FileNotFoundError(f"no converted adapter file at {local}")
-        from .convert import load_converted  # imported here: convert builds on this module
-
-        return load_converted(local)
+    """Read a LoRA adapter from a local PEFT folder or a Hub repo id."""
     config_path, weights_path = resolve_adapter_files(
         source, revision=revision, subfolder=subfolder, token=token, cache_dir=cache_dir
     )

@@ -1,0 +1,131 @@
+"""Pieces every command shares: device and dtype choice, model and demo loading, argument types."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.utils import logging as transformers_logging
+
+from .. import demo
+
+BASE = "base"  # the adapter name that means "no adapter" in --prompt and the views
+DEMO_MODEL = "demo"
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def add_device_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--device", default="auto",
+        help="auto (CUDA if available, with punica_hf's kernels; else CPU), cpu, cuda or cuda:N (default: auto)",
+    )
+    parser.add_argument(
+        "--dtype", choices=["auto", *TORCH_DTYPES], default="auto",
+        help="model dtype; auto = bfloat16 on CUDA and float32 on CPU, float32 always for the demo model "
+        "(default: auto)",
+    )
+
+
+def positive_int(value: str) -> int:
+    if not value.isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
+    return int(value)
+
+
+def name_and_path(value: str) -> tuple[str, str]:
+    name, separator, path = value.partition("=")
+    if not (separator and name and path):
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {value!r}")
+    return name, path
+
+
+@dataclass(frozen=True)
+class TextCodec:
+    """How one model's prompts become a left-padded batch and its tokens become text."""
+
+    encode_batch: Callable[[list[str], torch.device], tuple[torch.Tensor, torch.Tensor]]  # ids, mask [B, T]
+    decode: Callable[[list[int]], str]
+    eos_token_ids: frozenset[int]
+    pad_token_id: int
+
+
+def load_model(model_id: str, device: torch.device, dtype: torch.dtype, chat_template: bool):
+    """``(model, codec)`` for the demo model or a transformers causal LM and its tokenizer."""
+    if model_id == DEMO_MODEL:
+        if chat_template:
+            raise ValueError("the demo model has no chat template; leave out --chat-template")
+        codec = TextCodec(
+            encode_batch=demo.batch_prompts, decode=demo.decode,
+            eos_token_ids=frozenset({demo.EOS_ID}), pad_token_id=demo.PAD_ID,
+        )
+        return load_demo_model(device, dtype), codec
+
+    transformers_logging.set_verbosity_error()  # keep the live view free of generation-config chatter
+    tokenizer = AutoTokenizer.from_pretrained(model_id)
+    tokenizer.padding_side = "left"  # decoder-only batches generate from the right end of every row
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model = AutoModelForCausalLM.from_pretrained(model_id, dtype=dtype).to(device).eval()
+    eos = model.generation_config.eos_token_id
+    eos_token_ids = {tokenizer.eos_token_id, *(eos if isinstance(eos, list) else [eos])} - {None}
+
+    def encode_batch(prompts: list[str], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if chat_template:
+            prompts = [
+                tokenizer.apply_chat_template(
+                    [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+                )
+                for prompt in prompts
+            ]
+        batch = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=not chat_template)
+        return batch["input_ids"].to(device), batch["attention_mask"].to(device)
+
+    codec = TextCodec(
+        encode_batch=encode_batch,
+        decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+        eos_token_ids=frozenset(eos_token_ids),
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    return model, codec
+
+
+def load_demo_model(device: torch.device, dtype: torch.dtype):
+    bar_was_enabled = transformers_logging.is_progress_bar_enabled()
+    transformers_logging.disable_progress_bar()  # a loading bar for a 3 MB model is noise
+    try:
+        return demo.load_base_model(device, dtype)
+    finally:
+        if bar_was_enabled:
+            transformers_logging.enable_progress_bar()
+
+
+def demo_adapter_sources() -> dict[str, Path]:
+    sources = demo.adapter_paths()
+    missing = [str(path) for path in sources.values() if not path.is_dir()]
+    if missing:
+        raise FileNotFoundError(
+            f"the demo adapters are not built (missing {', '.join(missing)}); build them with "
+            "examples/train_demo_model.py"
+        )
+    return sources
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: CUDA is not available on this machine (use --device cpu)")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device, model_id: str) -> torch.dtype:
+    if name != "auto":
+        return TORCH_DTYPES[name]
+    if model_id == DEMO_MODEL or device.type == "cpu":
+        return torch.float32
+    return torch.bfloat16

@@ -1,0 +1,82 @@
+"""``punica-hf convert``: PEFT adapters into punica_hf's fast-loading serving format."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from pathlib import Path
+
+from rich import filesize
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+from rich.text import Text
+
+from ..formats import DTYPES, SUFFIX, adapter_name, convert_adapter
+
+
+def register(command: Callable[..., argparse.ArgumentParser]) -> None:
+    """Add this module's subcommand(s) through ``command(name, run, summary, description, epilog)``."""
+    convert_parser = command(
+        "convert", run,
+        "convert PEFT adapters into punica_hf's fast-loading serving format",
+        "Reads PEFT LoRA adapters (folders, Hub repo ids or converted files) and writes one .safetensors file "
+        "per adapter with the scaling folded in, loadable by MultiLoraModel.load_adapters and "
+        "--adapter NAME=FILE.safetensors.",
+        "  punica-hf convert ./my-peft-adapter my-adapter.safetensors\n"
+        "  punica-hf convert ./adapters/* converted/            # one converted/<name>.safetensors each\n"
+        "  punica-hf convert org/some-lora converted/ --dtype bf16 --revision main",
+    )
+    convert_parser.add_argument(
+        "sources", nargs="+", metavar="SRC",
+        help="a PEFT adapter folder, a Hub repo id, or a converted .safetensors file (to change its dtype)",
+    )
+    convert_parser.add_argument(
+        "destination", metavar="DST",
+        help="with one SRC: the output file (if it ends in .safetensors) or a folder; with several: a folder "
+        "that receives <name>.safetensors per source (created if missing)",
+    )
+    convert_parser.add_argument(
+        "--dtype", choices=list(DTYPES), default="fp32",
+        help="dtype of the stored factors: fp32 (default) gives outputs identical to the PEFT adapter, bf16 and "
+        "fp16 halve the file",
+    )
+    convert_parser.add_argument(
+        "--base-model", metavar="NAME",
+        help="base model recorded in the file (default: base_model_name_or_path of the adapter config)",
+    )
+    convert_parser.add_argument("--revision", help="Hub revision (branch, tag or commit) of Hub sources")
+    convert_parser.add_argument("--subfolder", help="folder inside each source (Hub repo or local folder)")
+    convert_parser.add_argument("--cache-dir", metavar="DIR", help="Hugging Face cache folder for Hub sources")
+
+
+def run(args: argparse.Namespace, console: Console) -> None:
+    destination = Path(args.destination)
+    if len(args.sources) > 1 and destination.suffix == SUFFIX:
+        raise ValueError(f"{len(args.sources)} sources need a folder as DST, not the file {destination}")
+    names = [adapter_name(source) for source in args.sources]
+    clashes = sorted({name for name in names if names.count(name) > 1})
+    if clashes:
+        raise ValueError(f"several sources would be written to the same file name: {', '.join(clashes)}")
+    options = dict(
+        dtype=DTYPES[args.dtype], base_model=args.base_model,
+        revision=args.revision, subfolder=args.subfolder, cache_dir=args.cache_dir,
+    )
+    written = []
+    progress = Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console
+    )
+    with progress:
+        bar = progress.add_task("converting", total=len(args.sources))
+        for source, name in zip(args.sources, names):
+            progress.update(bar, description=f"converting {name}")
+            written.append((source, convert_adapter(source, destination, **options)))
+            progress.advance(bar)
+        progress.update(bar, description="converted")
+
+    table = Table(title=f"converted {len(written)} adapter(s) ({args.dtype})")
+    for column in ("source", "file", "size"):
+        table.add_column(column)
+    for source, path in written:
+        table.add_row(Text(str(source)), Text(str(path)), filesize.decimal(path.stat().st_size))
+    console.print(table)
