@@ -1,100 +1,155 @@
-"""The multi-adapter layer that replaces a targeted ``nn.Linear`` or GPT-2 ``Conv1D``.
+"""The LoRA add-on of one targeted module, and the per-forward state all of them share.
 
-Each layer keeps the untouched base layer and preallocated stacked LoRA factors for every adapter slot.
-The per-token slot mapping does not come through ``forward``'s arguments (transformers only hands a
-projection its hidden states): the model wrapper puts the current forward's ``LoraSegments`` in a
-``LoraContext`` shared by all layers, built once per forward.
+A targeted ``nn.Linear`` / ``Conv1D`` (or bitsandbytes layer) is not replaced: it gets a forward hook, a
+``LoraHook``, that adds ``B_s(A_s x)`` for each token's adapter slot ``s`` to the module's output. The module tree,
+``state_dict()`` and ``save_pretrained()`` stay exactly the base model's, accelerate's device hooks keep working,
+and ``LoraHook.remove()`` gives the module back untouched.
+
+The factors live in the adapter store's pool on the module's device (``DeviceTables``): one flat tensor in which
+every resident adapter occupies exactly its own factors, plus per-layer tables of offsets and ranks indexed by
+slot. The per-token slot mapping does not come through the module's arguments (transformers hands a projection
+its hidden states only): the model wrapper puts each forward's ``LoraSegments`` into the ``LoraContext`` shared by
+all hooks, built once per forward and per device.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
-from transformers.pytorch_utils import Conv1D
 
 from . import ops
-from .formats import ModuleLora
 from .ops import LoraSegments
 
 
 class LoraContext:
-    """The LoRA state of the forward in progress; ``segments`` is None outside a forward with adapters."""
+    """The LoRA state of the forward in progress: the token grouping per device, None outside such a forward.
+
+    ``segments`` is built on the device of the input ids; a hook on another device (a model split by
+    ``device_map``) gets a copy made once for its device on first use.
+    """
 
     def __init__(self) -> None:
         self.segments: LoraSegments | None = None
+        self._on_device: dict[torch.device, LoraSegments] = {}
+
+    def begin(self, segments: LoraSegments) -> None:
+        self.segments = segments
+        self._on_device = {segments.token_slots.device: segments}
+
+    def end(self) -> None:
+        self.segments = None
+        self._on_device = {}
+
+    def segments_on(self, device: torch.device) -> LoraSegments | None:
+        segments = self.segments
+        if segments is None or segments.token_slots.device == device:
+            return segments
+        if device not in self._on_device:
+            self._on_device[device] = dataclasses.replace(
+                segments,
+                token_slots=segments.token_slots.to(device),
+                sorted_token_ids=segments.sorted_token_ids.to(device),
+                segment_slots=segments.segment_slots.to(device),
+                segment_starts=segments.segment_starts.to(device),
+                backend=ops.backend_for(device),
+            )
+        return self._on_device[device]
 
 
-def linear_features(module: nn.Module) -> tuple[int, int] | None:
-    """``(in_features, out_features)`` of a module LoRA can wrap, None for any other module."""
-    if isinstance(module, nn.Linear):
-        return module.in_features, module.out_features
-    if isinstance(module, Conv1D):  # weight stored [in, out]; LoRA factors keep the Linear orientation
-        return module.weight.shape[0], module.weight.shape[1]
-    return None
+class DeviceTables:
+    """One device's adapter pool and the slot tables of the hooks on that device.
 
-
-class MultiLoraLinear(nn.Module):
-    """``y = base_layer(x) + lora_b[s] @ lora_a[s] @ x`` with ``s`` the adapter slot of each token.
-
-    Buffers (base weight's dtype and device, zero where unused):
-        lora_a_stacked: ``[max_adapters, max_rank, in_features]``
-        lora_b_stacked: ``[max_adapters, out_features, max_rank]``, the adapter's scaling folded in
-        lora_ranks: ``[max_adapters]`` int32, each slot's rank in this layer (0 = the adapter skips this layer)
+    Tensors:
+        pool: ``[P]`` the device's adapter pool (the LoRA dtype), every resident adapter's factors in it.
+        a_offsets, b_offsets: ``[L, S]`` int64, element offsets of ``A`` ``[r, in]`` and ``B^T`` ``[r, out]`` of
+            slot ``s`` in hook-row ``l``'s module.
+        ranks: ``[L, S]`` int32, rank of slot ``s`` in row ``l``'s module, 0 when that adapter does not target it.
+    ``L`` = rows (one per hooked module on this device, allocated up front for every module that could be hooked),
+    ``S`` = slots. Each hook reads its row through views made once (``row(l)``), so a forward does no indexing.
     """
 
-    def __init__(self, base_layer: nn.Module, max_adapters: int, max_rank: int, context: LoraContext) -> None:
-        super().__init__()
-        features = linear_features(base_layer)
-        if features is None:
-            raise ValueError(f"LoRA can wrap nn.Linear or Conv1D modules, not {type(base_layer).__name__}")
-        self.in_features, self.out_features = features
-        self.base_layer = base_layer
+    def __init__(self, pool: torch.Tensor, num_rows: int, num_slots: int) -> None:
+        device = pool.device
+        self.pool = pool
+        self.a_offsets = torch.zeros(num_rows, num_slots, dtype=torch.int64, device=device)
+        self.b_offsets = torch.zeros(num_rows, num_slots, dtype=torch.int64, device=device)
+        self.ranks = torch.zeros(num_rows, num_slots, dtype=torch.int32, device=device)
+        self._rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self._make_row_views()
+
+    @property
+    def device(self) -> torch.device:
+        return self.pool.device
+
+    @property
+    def num_slots(self) -> int:
+        return self.ranks.shape[1]
+
+    def row(self, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(a_offsets [S], b_offsets [S], ranks [S])`` of hook-row ``index``: views, updated in place."""
+        return self._rows[index]
+
+    def apply(self, fn) -> None:
+        """Apply an ``nn.Module._apply`` function (``.to()``, ``.cuda()``, ...) to the tensors and remake views."""
+        self.pool = fn(self.pool)
+        self.a_offsets, self.b_offsets, self.ranks = fn(self.a_offsets), fn(self.b_offsets), fn(self.ranks)
+        self._make_row_views()
+
+    def _make_row_views(self) -> None:
+        self._rows = [(self.a_offsets[i], self.b_offsets[i], self.ranks[i]) for i in range(self.ranks.shape[0])]
+        # CUDA graphs (torch.compile's reduce-overhead, static-cache decode) must read these tensors in place,
+        # not copy them into the graph's own inputs at every replay: the pool alone can be gigabytes.
+        if self.pool.is_cuda:
+            for tensor in (self.pool, *[view for row in self._rows for view in row]):
+                torch._dynamo.mark_static_address(tensor)
+
+
+class LoraHook:
+    """Forward hook of one targeted module: ``output += B_s (A_s x)`` with ``s`` the adapter slot of each token.
+
+    ``in_features``/``out_features`` are the module's; ``row`` is its row in ``tables``. Factors and ``x`` use the
+    LoRA dtype (the module's compute dtype, never a quantized storage dtype).
+    """
+
+    def __init__(
+        self, module: nn.Module, in_features: int, out_features: int, tables: DeviceTables, row: int,
+        context: LoraContext, max_rank: int,
+    ) -> None:
+        self.in_features = in_features
+        self.out_features = out_features
+        self.tables = tables
+        self.row = row
         self.context = context
-        weight = base_layer.weight
-        factory = {"dtype": weight.dtype, "device": weight.device}
-        self.register_buffer(
-            "lora_a_stacked", torch.zeros(max_adapters, max_rank, self.in_features, **factory), persistent=False
-        )
-        self.register_buffer(
-            "lora_b_stacked", torch.zeros(max_adapters, self.out_features, max_rank, **factory), persistent=False
-        )
-        self.register_buffer(
-            "lora_ranks", torch.zeros(max_adapters, dtype=torch.int32, device=weight.device), persistent=False
-        )
+        self.max_rank = max_rank
+        self._handle = module.register_forward_hook(self)
 
-    def set_slot(self, slot: int, factors: ModuleLora | None) -> None:
-        """Write one adapter's factors into ``slot`` (zero-padded to max_rank), or clear it with None."""
-        self.lora_a_stacked[slot].zero_()
-        self.lora_b_stacked[slot].zero_()
-        rank = 0
-        if factors is not None:
-            rank = factors.rank
-            self.lora_a_stacked[slot, :rank].copy_(factors.lora_a)
-            self.lora_b_stacked[slot, :, :rank].copy_(factors.lora_b)
-        self.lora_ranks[slot] = rank
+    def remove(self) -> None:
+        self._handle.remove()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base_layer(x)
-        segments = self.context.segments
+    def __call__(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+        tables = self.tables
+        segments = self.context.segments_on(tables.device)
         if segments is None:
-            return y
+            return output
+        x = args[0] if args else None
+        if not isinstance(x, torch.Tensor):
+            raise ValueError(f"a LoRA-targeted {type(module).__name__} got no input tensor")
         x_tokens = x.reshape(-1, self.in_features)
         if x_tokens.shape[0] != segments.num_tokens:
             raise ValueError(
                 f"a LoRA layer got {x_tokens.shape[0]} tokens but the batch's adapter mapping has "
                 f"{segments.num_tokens}; adapter_ids must cover every token of input_ids"
             )
-        y_tokens = y.view(-1, self.out_features)
-        ops.lora_add(
-            y_tokens,
-            x_tokens.to(self.lora_a_stacked.dtype).contiguous(),
-            self.lora_a_stacked,
-            self.lora_b_stacked,
-            self.lora_ranks,
-            segments,
-        )
-        return y
-
-    def extra_repr(self) -> str:
-        slots, max_rank = self.lora_a_stacked.shape[:2]
-        return f"in_features={self.in_features}, out_features={self.out_features}, slots={slots}, max_rank={max_rank}"
+        pool = tables.pool
+        x_tokens = x_tokens.to(device=pool.device, dtype=pool.dtype).contiguous()
+        a_offsets, b_offsets, ranks = tables.row(self.row)
+        if output.dtype == pool.dtype and output.device == pool.device and output.is_contiguous():
+            y_tokens = output.view(-1, self.out_features)  # a view: the kernels add into the output in place
+            ops.lora_add(y_tokens, x_tokens, pool, a_offsets, b_offsets, ranks, segments, self.max_rank)
+            return output
+        # The module computes in another dtype or on another device (quantized or offloaded bases): add there.
+        delta = torch.zeros(x_tokens.shape[0], self.out_features, dtype=pool.dtype, device=pool.device)
+        ops.lora_add(delta, x_tokens, pool, a_offsets, b_offsets, ranks, segments, self.max_rank)
+        return output + delta.to(device=output.device, dtype=output.dtype).view(output.shape)

@@ -1,16 +1,20 @@
-"""``MultiLoraModel``: a drop-in wrapper that gives every row of a batch its own LoRA adapter.
+"""``MultiLoraModel``: a drop-in wrapper that gives every row (or token) of a batch its own LoRA adapter.
 
-The wrapped model's ``forward`` gains an ``adapter_ids`` argument (installed on the instance, with the
-original signature plus that keyword). ``generate()`` accepts it as a model kwarg and so expands it for beams
-and ``num_return_sequences`` and hands it to every step; each forward turns it into the per-token slot
-mapping, groups it once (``LoraSegments``) and shares it with all LoRA layers through a ``LoraContext``.
+The wrapped model's ``forward`` gains an ``adapter_ids`` keyword (an ``AdapterForward`` installed on the instance,
+with the original signature plus that keyword), so ``generate()`` accepts it as a model kwarg, expands it for beams
+and ``num_return_sequences`` and hands it to every step. That keyword takes device *slots*; the wrapper's own
+``forward`` / ``generate`` take names or adapter indices, hold the adapters with a lease for the whole call (resident,
+and not unloaded under it) and pass their slots in. Each forward groups the tokens by slot once (``LoraSegments``)
+and shares the grouping with every LoRA hook through the ``LoraContext``.
+
+Threads: every eager forward runs under the store's lock, so concurrent calls interleave whole forward steps, each
+with its own mapping; generate() calls that keep a cache on the model (static caches) run one at a time.
 """
 
 from __future__ import annotations
 
-import functools
 import inspect
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,9 +22,9 @@ import torch
 from torch import nn
 
 from . import ops
-from .adapters import AdapterStore
-from .layers import LoraContext
 from .formats import AdapterWeights, load_adapter_weights
+from .layers import LoraContext
+from .store import AdapterLease, AdapterStore
 
 AdapterIds = torch.Tensor | Sequence[str | int | None]
 
@@ -30,28 +34,44 @@ class MultiLoraModel(nn.Module):
 
     Args:
         model: a transformers model (``AutoModelForCausalLM.from_pretrained(...)``); its weights are never copied.
-        max_adapters: adapter slots, i.e. how many adapters can be loaded at once.
+        max_adapters: device slots: how many adapters can be resident on a device at once, so the most distinct
+            adapters one batch may use. Any number can be registered.
         max_rank: the largest LoRA rank a loaded adapter may have in any module.
+        gpu_pool_bytes: bytes of each device's adapter pool (factors of resident adapters, proportional to rank).
+            Default: 20% of the device memory free when the first adapter is loaded (1 GiB of address space on the
+            CPU).
+        host_pool_bytes: budget of the host tier (pinned memory) holding adapters off the device; past it, adapters
+            are read again from their files when needed. Default 16 GiB.
     """
 
-    def __init__(self, model: nn.Module, max_adapters: int = 8, max_rank: int = 64) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        max_adapters: int = 64,
+        max_rank: int = 64,
+        *,
+        gpu_pool_bytes: int | None = None,
+        host_pool_bytes: int | None = None,
+    ) -> None:
         super().__init__()
         for arg, value in (("max_adapters", max_adapters), ("max_rank", max_rank)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{arg} must be a positive integer, got {value!r}")
-        if isinstance(model, MultiLoraModel) or getattr(model, "_punica_hf_context", None) is not None:
+        for arg, value in (("gpu_pool_bytes", gpu_pool_bytes), ("host_pool_bytes", host_pool_bytes)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise ValueError(f"{arg} must be a number of bytes (int >= 0) or None, got {value!r}")
+        if isinstance(model, MultiLoraModel) or isinstance(getattr(model, "forward", None), AdapterForward):
             raise ValueError("this model is already wrapped by a MultiLoraModel")
         self.model = model
         context = LoraContext()
-        model._punica_hf_context = context
-        self._store = AdapterStore(model, max_adapters, max_rank, context)
-        _install_adapter_forward(model, context, max_adapters)
+        self._store = AdapterStore(model, context, max_adapters, max_rank, gpu_pool_bytes, host_pool_bytes)
+        model.forward = AdapterForward(model, context, self._store)
 
-    # ----------------------------------------------------------------- adapters
+    # ----------------------------------------------------------------------------------------------- adapters
     @property
     def adapters(self) -> dict[str, int]:
-        """Loaded adapters, ``{name: index}``; the index is what ``adapter_ids`` tensors hold."""
-        return dict(self._store.slots)
+        """Registered adapters, ``{name: index}``; the index is what ``adapter_ids`` tensors hold."""
+        return self._store.indices
 
     @property
     def max_adapters(self) -> int:
@@ -60,6 +80,12 @@ class MultiLoraModel(nn.Module):
     @property
     def max_rank(self) -> int:
         return self._store.max_rank
+
+    @property
+    def adapter_stats(self) -> dict[str, int]:
+        """Counters and memory: registered, resident, hits, host_loads, disk_loads, evictions, bytes_to_gpu,
+        gpu_bytes_used/total, host_bytes_used/budget."""
+        return self._store.stats()
 
     def load_adapters(
         self,
@@ -70,43 +96,82 @@ class MultiLoraModel(nn.Module):
         token: str | bool | None = None,
         cache_dir: str | Path | None = None,
     ) -> dict[str, int]:
-        """Load adapters by name from local PEFT folders or Hub repo ids; all or none.
+        """Register adapters by name from local PEFT folders, converted files or Hub repo ids; all or none.
 
         Returns ``{name: index}`` for the adapters of this call. ``revision``, ``subfolder``, ``token`` and
         ``cache_dir`` apply to every source (``subfolder`` to local folders too).
         """
         if not isinstance(sources, Mapping):
             raise ValueError("load_adapters takes a mapping {name: path or Hub repo id}")
-        loaded = {
-            name: source
-            if isinstance(source, AdapterWeights)
-            else load_adapter_weights(source, revision=revision, subfolder=subfolder, token=token, cache_dir=cache_dir)
-            for name, source in sources.items()
-        }
+        hub = dict(revision=revision, subfolder=subfolder, token=token, cache_dir=cache_dir)
+        hub = {key: value for key, value in hub.items() if value is not None}
+        loaded = {}
+        for name, source in sources.items():
+            if isinstance(source, AdapterWeights):
+                loaded[name] = (source, source, {})
+            else:
+                loaded[name] = (load_adapter_weights(source, **hub), source, hub)
         return self._store.add(loaded)
 
     def unload_adapter(self, name: str) -> None:
-        """Free an adapter's slot; its index may be reused by a later load."""
+        """Unregister an adapter. Calls already using it finish with it; its memory is freed after them."""
         self._store.remove(name)
 
-    # ------------------------------------------------------------------ running
+    def prefetch(self, adapters: Iterable[str | int]) -> None:
+        """Start bringing registered adapters onto the device in the background, ahead of a batch that needs them."""
+        self._store.prefetch(adapters)
+
+    def acquire(self, adapters: Sequence[str | int | None], *, block: bool = True) -> AdapterLease:
+        """Hold adapters resident and registered until ``lease.release()``; ``lease.slots`` are their device slots
+        for the inner model's ``adapter_ids`` (for schedulers that call ``model.model`` themselves)."""
+        return self._store.acquire(adapters, block=block)
+
+    def unwrap(self) -> nn.Module:
+        """Remove every LoRA hook and the ``adapter_ids`` forward; returns the base model, exactly as it was."""
+        with self._store.lock:
+            self._store.remove_hooks()
+            installed = self.model.__dict__.get("forward")
+            if isinstance(installed, AdapterForward):
+                if installed.original is None:
+                    del self.model.forward
+                else:
+                    self.model.forward = installed.original
+            return self.model
+
+    # ----------------------------------------------------------------------------------------------- running
     def forward(self, *args: Any, adapter_ids: AdapterIds | None = None, **kwargs: Any):
         """The wrapped model's forward; ``adapter_ids`` per row ``[B]`` or per token ``[B, T]`` (-1/None = base)."""
-        slots = self._slot_tensor(adapter_ids, _batch_shape(args, kwargs))
-        return self.model(*args, adapter_ids=slots, **kwargs)
+        entries, shape = self._adapter_entries(adapter_ids, _batch_shape(args, kwargs))
+        if entries is None:
+            return self.model(*args, **kwargs)
+        with self._store.acquire(entries) as lease:
+            return self.model(*args, adapter_ids=self._slot_tensor(lease, shape), **kwargs)
 
     @torch.no_grad()
     def generate(self, *args: Any, adapter_ids: AdapterIds | None = None, **kwargs: Any):
         """The wrapped model's ``generate``; ``adapter_ids`` has one entry per input row (-1/None = base)."""
-        slots = self._slot_tensor(adapter_ids, _batch_shape(args, kwargs))
-        if slots is not None and slots.dim() != 1:
-            raise ValueError(f"generate() takes one adapter per row, got adapter_ids of shape {tuple(slots.shape)}")
-        return self.model.generate(*args, adapter_ids=slots, **kwargs)
+        entries, shape = self._adapter_entries(adapter_ids, _batch_shape(args, kwargs))
+        if entries is not None and len(shape) != 1:
+            raise ValueError(f"generate() takes one adapter per row, got adapter_ids of shape {tuple(shape)}")
+        if entries is not None and kwargs.get("assistant_model") is not None:
+            raise ValueError(
+                "generate(assistant_model=...) with adapter_ids is not supported: the draft model would propose "
+                "tokens without the adapters. Use prompt_lookup_num_tokens= for speculative decoding instead."
+            )
+        # A static cache lives on the model between calls: two such calls at once would share it.
+        cache_lock = self._store.cache_generate_lock if _keeps_cache_on_model(self.model, kwargs) else _NO_LOCK
+        with cache_lock:
+            if entries is None:
+                return self.model.generate(*args, **kwargs)
+            with self._store.acquire(entries) as lease:
+                return self.model.generate(*args, adapter_ids=self._slot_tensor(lease, shape), **kwargs)
 
-    def _slot_tensor(self, adapter_ids: AdapterIds | None, batch_shape: tuple[int, ...] | None) -> torch.Tensor | None:
-        """Validate ``adapter_ids`` on the host and return slot indices on the model's device."""
+    def _adapter_entries(
+        self, adapter_ids: AdapterIds | None, batch_shape: tuple[int, ...] | None
+    ) -> tuple[list | None, tuple[int, ...]]:
+        """Validate ``adapter_ids`` on the host: ``(flat entries: names / indices / None, shape)``."""
         if adapter_ids is None:
-            return None
+            return None, ()
         if isinstance(adapter_ids, torch.Tensor):
             if adapter_ids.is_floating_point() or adapter_ids.is_complex() or adapter_ids.dtype == torch.bool:
                 raise ValueError(f"adapter_ids must be an integer tensor, got {adapter_ids.dtype}")
@@ -124,8 +189,17 @@ class MultiLoraModel(nn.Module):
                 f"adapter_ids has shape {list(shape)} but the batch has {batch_shape[0]} rows"
                 + (f" of {batch_shape[1]} tokens" if len(shape) == 2 else "")
             )
-        slots = [self._store.slot_of(entry) for entry in entries]
-        return torch.tensor(slots, dtype=torch.int32, device=self.model.device).reshape(shape)
+        for entry in entries:
+            self._store.lookup(entry)  # KeyError / ValueError before anything runs
+        return entries, shape
+
+    def _slot_tensor(self, lease: AdapterLease, shape: tuple[int, ...]) -> torch.Tensor:
+        return torch.tensor(lease.slots, dtype=torch.int32).reshape(shape).to(self.model.device)
+
+    def _apply(self, fn, recurse: bool = True):
+        super()._apply(fn, recurse)
+        self._store.apply(fn)
+        return self
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -136,22 +210,41 @@ class MultiLoraModel(nn.Module):
             return getattr(self.model, name)
 
 
-def _batch_shape(args: tuple, kwargs: dict) -> tuple[int, ...] | None:
-    """``(batch, seq)`` of the call's token input, None when it has none we recognise."""
-    for value in (args[0] if args else None, kwargs.get("input_ids"), kwargs.get("inputs"), kwargs.get("inputs_embeds")):
-        if isinstance(value, torch.Tensor) and value.dim() >= 2:
-            return tuple(value.shape[:2])
-    return None
+class AdapterForward:
+    """The wrapped model's ``forward`` with an ``adapter_ids`` keyword of device slots (``[B]`` or ``[B, T]``).
 
+    A plain object rather than a closure, so ``copy.deepcopy`` and pickle copy the model it calls; its
+    ``__signature__`` is the original forward's plus ``adapter_ids``, which is what ``generate()`` checks kwargs
+    against. Eager calls take the store's lock for the whole forward; under ``torch.compile`` the lock is left out
+    of the traced code (a compiled call runs as a unit).
+    """
 
-def _install_adapter_forward(model: nn.Module, context: LoraContext, num_slots: int) -> None:
-    """Give ``model.forward`` an ``adapter_ids`` keyword that sets the LoRA context for that forward only."""
-    original_forward = model.forward
+    def __init__(self, model: nn.Module, context: LoraContext, store: AdapterStore) -> None:
+        self.model = model
+        self.context = context
+        self.store = store
+        self.num_slots = store.max_adapters
+        # A forward already patched on the instance (accelerate's device hooks) is kept and called.
+        self.original = model.__dict__.get("forward")
+        original = inspect.signature(self.original or type(model).forward)
+        parameters = [p for p in original.parameters.values() if p.name != "self"]
+        position = next((i for i, p in enumerate(parameters) if p.kind is p.VAR_KEYWORD), len(parameters))
+        parameters.insert(position, inspect.Parameter("adapter_ids", inspect.Parameter.KEYWORD_ONLY, default=None))
+        self.__signature__ = original.replace(parameters=parameters)
 
-    @functools.wraps(original_forward)
-    def forward(*args: Any, adapter_ids: torch.Tensor | None = None, **kwargs: Any):
+    def __call__(self, *args: Any, adapter_ids: torch.Tensor | None = None, **kwargs: Any):
+        if torch.compiler.is_compiling():
+            return self._run(args, adapter_ids, kwargs)
+        with self.store.lock:
+            return self._run(args, adapter_ids, kwargs)
+
+    def _run(self, args: tuple, adapter_ids: torch.Tensor | None, kwargs: dict):
+        if self.original is not None:
+            forward = self.original
+        else:
+            forward = type(self.model).forward.__get__(self.model)
         if adapter_ids is None:
-            return original_forward(*args, **kwargs)
+            return forward(*args, **kwargs)
         batch_shape = _batch_shape(args, kwargs)
         if batch_shape is None:
             raise ValueError("adapter_ids needs input_ids or inputs_embeds of shape [batch, seq, ...]")
@@ -159,15 +252,34 @@ def _install_adapter_forward(model: nn.Module, context: LoraContext, num_slots: 
             token_slots = adapter_ids[:, None].expand(batch_shape).reshape(-1)
         else:
             token_slots = adapter_ids.reshape(-1)
-        context.segments = ops.build_segments(token_slots, num_slots)
+        self.context.begin(ops.build_segments(token_slots, self.num_slots))
         try:
-            return original_forward(*args, **kwargs)
+            return forward(*args, **kwargs)
         finally:
-            context.segments = None
+            self.context.end()
 
-    parameters = list(inspect.signature(original_forward).parameters.values())
-    adapter_parameter = inspect.Parameter("adapter_ids", inspect.Parameter.KEYWORD_ONLY, default=None)
-    position = next((i for i, p in enumerate(parameters) if p.kind is inspect.Parameter.VAR_KEYWORD), len(parameters))
-    parameters.insert(position, adapter_parameter)
-    forward.__signature__ = inspect.signature(original_forward).replace(parameters=parameters)
-    model.forward = forward
+
+class _NoLock:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+
+_NO_LOCK = _NoLock()
+
+
+def _keeps_cache_on_model(model: nn.Module, kwargs: dict) -> bool:
+    """Whether generate() with ``kwargs`` keeps its cache on the model (static-style caches)."""
+    config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
+    implementation = kwargs.get("cache_implementation", getattr(config, "cache_implementation", None))
+    return implementation not in (None, "dynamic")
+
+
+def _batch_shape(args: tuple, kwargs: dict) -> tuple[int, ...] | None:
+    """``(batch, seq)`` of the call's token input, None when it has none we recognise."""
+    for value in (args[0] if args else None, kwargs.get("input_ids"), kwargs.get("inputs"), kwargs.get("inputs_embeds")):
+        if isinstance(value, torch.Tensor) and value.dim() >= 2:
+            return tuple(value.shape[:2])
+    return None

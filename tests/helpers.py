@@ -59,8 +59,19 @@ class ModelState:
     logits: torch.Tensor
 
 
+def lora_tensors(model) -> dict[str, torch.Tensor]:
+    """Copies of a ``MultiLoraModel``'s LoRA state: each device's pool (the part in use) and slot tables."""
+    tensors = {}
+    for device, pool in model._store.pools.items():
+        tables = pool.tables
+        for name in ("a_offsets", "b_offsets", "ranks"):
+            tensors[f"{device}.{name}"] = getattr(tables, name).clone()
+        tensors[f"{device}.pool"] = tables.pool[: pool.allocator.capacity].clone()
+    return tensors
+
+
 def capture_state(model, input_ids: torch.Tensor, adapter_ids: list) -> ModelState:
-    """The adapter table, module tree (names and types), every buffer (LoRA slots included) and the logits of
+    """The adapter table, module tree (names and types), every buffer and the LoRA pools and tables, and the logits of
     ``input_ids`` run with ``adapter_ids`` (a mixed batch) of a ``MultiLoraModel``."""
     with torch.no_grad():
         logits = model(input_ids, adapter_ids=adapter_ids).logits
@@ -69,7 +80,10 @@ def capture_state(model, input_ids: torch.Tensor, adapter_ids: list) -> ModelSta
         adapter_ids=list(adapter_ids),
         adapters=model.adapters,
         modules=[(name, type(module)) for name, module in model.model.named_modules()],
-        buffers={name: buffer.detach().clone() for name, buffer in model.model.named_buffers()},
+        buffers={
+            **{name: buffer.detach().clone() for name, buffer in model.model.named_buffers()},
+            **lora_tensors(model),
+        },
         logits=logits,
     )
 

@@ -1,4 +1,5 @@
-"""MultiLoraLinear on Linear and Conv1D: per-token adapters, flattened inputs, slot writes and clears."""
+"""LoraHook on Linear and Conv1D over a device pool: per-token adapters, flattened inputs, slot reuse, the
+allocator and the chunk layout the pool is made of."""
 
 from __future__ import annotations
 
@@ -7,59 +8,103 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from punica_hf.layers import LoraContext, MultiLoraLinear
 from punica_hf.formats import ModuleLora
-from punica_hf.ops.segments import build_segments
+from punica_hf.layers import LoraContext, LoraHook
+from punica_hf.ops import build_segments
+from punica_hf.store.pool import ALIGN, ChunkLayout, DevicePool, ExtentAllocator
 
-IN, OUT, SLOTS, MAX_RANK = 12, 20, 3, 6
+IN, OUT, SLOTS, MAX_RANK = 16, 24, 3, 6
 
 
-def _layer(kind: str) -> tuple[MultiLoraLinear, LoraContext, dict[int, ModuleLora]]:
+def _hooked(kind: str, ranks=((0, 6), (2, 2))):
+    """A Linear or Conv1D with a hook, slots filled with random factors ``{slot: rank}``; pool poisoned."""
     torch.manual_seed(0)
-    base = nn.Linear(IN, OUT) if kind == "linear" else Conv1D(OUT, IN)
+    module = nn.Linear(IN, OUT) if kind == "linear" else Conv1D(OUT, IN)
+    pool = DevicePool(torch.device("cpu"), torch.float32, capacity=4096, num_rows=2, num_slots=SLOTS)
+    pool.tables.pool.fill_(float("nan"))  # anything read outside a placed chunk shows up as NaN
+    row = pool.row_for("m")
     context = LoraContext()
-    layer = MultiLoraLinear(base, SLOTS, MAX_RANK, context)
-    factors = {slot: ModuleLora(torch.randn(rank, IN), torch.randn(OUT, rank)) for slot, rank in [(0, 6), (2, 2)]}
-    for slot, f in factors.items():
-        layer.set_slot(slot, f)
-    return layer, context, factors
+    hook = LoraHook(module, IN, OUT, pool.tables, row, context, MAX_RANK)
+    factors = {}
+    for slot, rank in ranks:
+        factors[slot] = ModuleLora(torch.randn(rank, IN), torch.randn(OUT, rank))
+        layout = ChunkLayout.plan({"m": factors[slot]}, pool.rows)
+        start = pool.allocator.allocate(layout.size)
+        chunk = torch.empty(layout.size)
+        layout.fill(chunk, {"m": factors[slot]})
+        pool.place(slot, layout, start, chunk)
+    return module, hook, context, factors, pool
 
 
 @pytest.mark.parametrize("kind", ["linear", "conv1d"])
 @pytest.mark.parametrize("shape", [(2, 5), (10,)], ids=["batch_seq", "flattened"])
 def test_each_token_gets_its_own_adapter(kind, shape):
-    layer, context, factors = _layer(kind)
+    module, _, context, factors, _ = _hooked(kind)
     x = torch.randn(*shape, IN)
-    token_slots = torch.tensor([0, -1, 2, 2, 0, 1, -1, 0, 2, 0])  # slot 1 holds no adapter in this layer
-    context.segments = build_segments(token_slots, SLOTS, backend="torch")
-    y = layer(x)
-    context.segments = None
+    token_slots = torch.tensor([0, -1, 2, 2, 0, 1, -1, 0, 2, 0])  # slot 1 holds no adapter in this module
+    context.begin(build_segments(token_slots, SLOTS))
+    y = module(x)
+    context.end()
 
-    base = layer.base_layer(x).reshape(-1, OUT)
+    with torch.no_grad():
+        base = module(x).reshape(-1, OUT)  # no context: the hook adds nothing
     flat_x = x.reshape(-1, IN)
     for t, slot in enumerate(token_slots.tolist()):
         expected = base[t]
         if slot in factors:
             expected = expected + factors[slot].lora_b @ (factors[slot].lora_a @ flat_x[t])
         torch.testing.assert_close(y.reshape(-1, OUT)[t], expected, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(layer(x), layer.base_layer(x), atol=0, rtol=0)  # no context: base layer only
 
 
-def test_cleared_slot_is_zero_and_has_rank_zero():
-    layer, _, _ = _layer("linear")
-    layer.set_slot(0, None)
-    assert layer.lora_ranks.tolist() == [0, 0, 2]
-    assert not layer.lora_a_stacked[0].any() and not layer.lora_b_stacked[0].any()
-    assert layer.lora_a_stacked[2, 2:].abs().sum() == 0, "rows past a slot's rank stay zero"
+def test_a_reused_slot_holds_nothing_of_its_previous_owner():
+    module, _, context, factors, pool = _hooked("linear")
+    other = pool.row_for("other")  # a second module row: the new owner of slot 0 does not target row "m"
+    layout = ChunkLayout.plan({"other": factors[2]}, {"other": other})
+    start = pool.allocator.allocate(layout.size)
+    chunk = torch.empty(layout.size)
+    layout.fill(chunk, {"other": factors[2]})
+    pool.place(0, layout, start, chunk)
+    assert pool.tables.ranks[pool.rows["m"]].tolist() == [0, 0, 2]
+    x = torch.randn(3, IN)
+    context.begin(build_segments(torch.tensor([0, 0, 0]), SLOTS))
+    y = module(x)
+    context.end()
+    torch.testing.assert_close(y, nn.functional.linear(x, module.weight, module.bias), atol=0, rtol=0)
+
+
+def test_removed_hook_gives_the_module_back():
+    module, hook, context, _, _ = _hooked("linear")
+    hook.remove()
+    x = torch.randn(2, IN)
+    context.begin(build_segments(torch.tensor([0, 2]), SLOTS))
+    torch.testing.assert_close(module(x), nn.functional.linear(x, module.weight, module.bias), atol=0, rtol=0)
 
 
 def test_token_count_mismatch_is_a_clear_error():
-    layer, context, _ = _layer("linear")
-    context.segments = build_segments(torch.tensor([0, 2]), SLOTS, backend="torch")
+    module, _, context, _, _ = _hooked("linear")
+    context.begin(build_segments(torch.tensor([0, 2]), SLOTS))
     with pytest.raises(ValueError, match="3 tokens but the batch's adapter mapping has 2"):
-        layer(torch.randn(3, IN))
+        module(torch.randn(3, IN))
 
 
-def test_only_linear_and_conv1d_can_be_wrapped():
-    with pytest.raises(ValueError, match="Embedding"):
-        MultiLoraLinear(nn.Embedding(4, 4), SLOTS, MAX_RANK, LoraContext())
+def test_chunk_bytes_are_proportional_to_rank():
+    def size(rank: int) -> int:
+        factors = {"q": ModuleLora(torch.zeros(rank, 4096), torch.zeros(4096, rank))}
+        return ChunkLayout.plan(factors, {"q": 0}).size
+
+    assert size(8) == 8 * 8192 and size(32) == 4 * size(8) and size(64) == 8 * size(8)
+    small = ChunkLayout.plan({"q": ModuleLora(torch.zeros(3, 40), torch.zeros(24, 3))}, {"q": 0})
+    assert all(p.a_offset % ALIGN == 0 and p.b_offset % ALIGN == 0 for p in small.modules.values())
+
+
+def test_extent_allocator_first_fit_and_merging():
+    allocator = ExtentAllocator(100)
+    a, b, c = allocator.allocate(30), allocator.allocate(30), allocator.allocate(30)
+    assert (a, b, c) == (0, 30, 60) and allocator.allocate(20) is None and allocator.used == 90
+    allocator.free(b, 30)
+    assert allocator.allocate(40) is None  # 30 + 10 free, not contiguous
+    allocator.free(a, 30)  # merges with b's extent: 60 contiguous
+    assert allocator.allocate(60) == 0
+    allocator.free(0, 60)
+    allocator.free(c, 30)  # everything merges back into one extent
+    assert allocator.used == 0 and allocator.allocate(100) == 0

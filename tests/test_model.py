@@ -54,13 +54,12 @@ def test_usual_kwargs_pass_through(wrapped):
 
 
 @torch.no_grad()
-def test_to_moves_lora_buffers_with_the_model(wrapped):
+def test_to_moves_the_lora_pool_with_the_model(wrapped):
     model, untouched = wrapped
     reference = model(input_ids=INPUT_IDS, adapter_ids=["qv", None]).logits
     model.to(torch.float64)
-    layer = model.model.model.layers[0].self_attn.q_proj
-    assert layer.lora_a_stacked.dtype == layer.lora_b_stacked.dtype == torch.float64
-    assert layer.lora_ranks.dtype == torch.int32
+    (tables,) = [pool.tables for pool in model._store.pools.values()]
+    assert tables.pool.dtype == torch.float64 and tables.ranks.dtype == torch.int32
     logits = model(input_ids=INPUT_IDS, adapter_ids=["qv", None]).logits
     assert logits.dtype == torch.float64
     torch.testing.assert_close(logits.float(), reference, atol=1e-5, rtol=1e-5)

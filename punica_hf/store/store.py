@@ -1,0 +1,543 @@
+"""The adapter store: registration apart from residency, an LRU device tier and a host tier behind it.
+
+- Registration (``add``): any number of adapters. Each gets an index, stable while it is registered, and is
+  checked against the base model first, all adapters of a call before any change (all or nothing).
+- Residency (``acquire``): a batch's adapters are brought into their devices' pools on demand, evicting the least
+  recently used adapters that nothing holds. A lease holds its adapters: held adapters are neither evicted nor
+  unloaded (an unload waits for the last holder), so a running call keeps its adapters as they were.
+- Host tier: chunks in pinned host memory within a budget; past it, re-read from the source when needed.
+- Off the critical path: reading a source runs on a background thread; the host-to-device copy runs on a side
+  stream that the forward waits for on the device, never on the host.
+
+Every public method takes the store's lock, the one the model's forwards take, so threads see whole states.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import numbers
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..base_layers import check_servable, linear_features, lora_device, lora_dtype
+from ..formats import AdapterWeights, ModuleLora, load_adapter_weights
+from ..layers import LoraContext, LoraHook
+from .host import HostTier
+from .pool import ChunkLayout, DevicePool
+
+CPU_POOL_BYTES = 1 << 30  # a CPU "device" pool: address space only until adapters are written into it
+GPU_POOL_FRACTION = 0.2  # default device pool: this share of the device memory free when the pool is made
+HOST_POOL_BYTES = 16 << 30  # default host tier budget
+
+
+class AdapterCapacityError(ValueError):
+    """The adapters a call needs cannot all be resident at once (slots or pool bytes, given what others hold)."""
+
+
+class AdapterNotReady(RuntimeError):
+    """``acquire(block=False)``: an adapter is still being read; its load has started, ask again later."""
+
+
+@dataclass(eq=False)
+class Adapter:
+    """One registered adapter and where it is."""
+
+    name: str
+    index: int
+    source: Any  # what to read again when its host copy was dropped: a path or Hub id, or the AdapterWeights
+    source_kwargs: dict
+    dims: dict[str, tuple[int, int, int]]  # module -> (in, out, rank), to check a re-read against
+    layouts: dict[torch.device, ChunkLayout]
+    device_bytes: int
+    users: int = 0  # leases holding it
+    unloaded: bool = False  # unload_adapter() was called while held: dropped when the last lease ends
+    slot: int | None = None  # set while resident
+    chunk_starts: dict[torch.device, int] = field(default_factory=dict)
+    copies_done: dict[torch.device, torch.cuda.Event] = field(default_factory=dict)
+    reading: Future | None = None  # a background read of the source in flight
+    prefetched: dict[torch.device, torch.Tensor] | None = None  # a read's result the host tier could not keep
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "reading": None, "copies_done": {}}
+
+
+class AdapterLease:
+    """Holds adapters resident and registered until ``release()``; ``slots`` = their device slots (-1 = base)."""
+
+    def __init__(self, store: "AdapterStore", adapters: list[Adapter], slots: list[int]) -> None:
+        self._store = store
+        self._adapters = adapters
+        self.slots = slots
+        self._released = False
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self._store._release(self._adapters)
+
+    def __enter__(self) -> "AdapterLease":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+class AdapterStore:
+    """All adapters of one model: registration, device pools, host tier, leases. See the module docstring."""
+
+    def __init__(
+        self, model: nn.Module, context: LoraContext, max_adapters: int, max_rank: int,
+        gpu_pool_bytes: int | None, host_pool_bytes: int | None,
+    ) -> None:
+        self.model = model
+        self.context = context
+        self.max_adapters = max_adapters
+        self.max_rank = max_rank
+        self.gpu_pool_bytes = gpu_pool_bytes
+        self.lock = threading.RLock()
+        self.cache_generate_lock = threading.Lock()  # generate() calls that keep a cache on the model: one at a time
+        self.host = HostTier(HOST_POOL_BYTES if host_pool_bytes is None else host_pool_bytes)
+        self.pools: dict[torch.device, DevicePool] = {}
+        self.hooks: dict[str, LoraHook] = {}
+        self._by_name: dict[str, Adapter] = {}
+        self._by_index: dict[int, Adapter] = {}  # registered, plus unloaded ones still held
+        self._resident: OrderedDict[int, Adapter] = OrderedDict()  # least recently used first
+        self._free_slots = list(range(max_adapters))
+        self._reader: ThreadPoolExecutor | None = None
+        self.counters = dict(hits=0, host_loads=0, disk_loads=0, evictions=0, bytes_to_gpu=0)
+
+    @contextlib.contextmanager
+    def changing(self):
+        """Hold the lock for a change of the store's tensors, made as plain tensors whatever the caller's mode:
+        a pool made or written inside ``torch.inference_mode()`` must stay writable outside it."""
+        with self.lock, torch.inference_mode(False), torch.no_grad():
+            yield
+
+    def __getstate__(self) -> dict:
+        """For ``copy.deepcopy`` and pickle: no lock, thread or reads in flight; device copies finished."""
+        with self.lock:
+            for pool in self.pools.values():
+                if pool.copy_stream is not None:
+                    pool.copy_stream.synchronize()
+            state = dict(self.__dict__)
+        del state["lock"], state["cache_generate_lock"], state["_reader"]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.lock = threading.RLock()
+        self.cache_generate_lock = threading.Lock()
+        self._reader = None
+
+    # ------------------------------------------------------------------------------------------ registration
+    @property
+    def indices(self) -> dict[str, int]:
+        with self.lock:
+            return {name: adapter.index for name, adapter in self._by_name.items()}
+
+    def add(self, adapters: Mapping[str, tuple[AdapterWeights, Any, dict]]) -> dict[str, int]:
+        """Register ``{name: (weights, source, source_kwargs)}``, all or none. Returns ``{name: index}``.
+
+        ``source`` is what to read again once the host copy is dropped (a path or Hub id), or the weights
+        themselves for adapters given in memory.
+        """
+        with self.changing():
+            for name in adapters:
+                self._check_new_name(name)
+            modules = self._base_modules()
+            for name, (weights, _, _) in adapters.items():
+                self._check_fits(name, weights, modules)
+            return self._commit(adapters, modules)
+
+    def _commit(self, adapters, modules: dict[str, nn.Module]) -> dict[str, int]:
+        new_pools, new_hooks, new_rows = [], [], []
+        try:
+            planned = {}
+            for name, (weights, source, source_kwargs) in adapters.items():
+                factors_by_device: dict[torch.device, dict[str, ModuleLora]] = {}
+                for module_name in sorted(weights.modules):
+                    module = modules[module_name]
+                    pool = self._pool_for(module, new_pools)
+                    if module_name not in pool.rows:
+                        new_rows.append((pool, module_name))
+                    pool.row_for(module_name)
+                    factors_by_device.setdefault(pool.device, {})[module_name] = weights.modules[module_name]
+                layouts = {
+                    device: ChunkLayout.plan(factors, self.pools[device].rows)
+                    for device, factors in factors_by_device.items()
+                }
+                device_bytes = sum(layout.size * self.pools[d].element_size for d, layout in layouts.items())
+                self._check_sizes(name, layouts, device_bytes)
+                planned[name] = (weights, source, source_kwargs, factors_by_device, layouts, device_bytes)
+            for name, (weights, *_rest) in planned.items():
+                for module_name in weights.modules:
+                    if module_name not in self.hooks:
+                        new_hooks.append(module_name)
+                        self.hooks[module_name] = self._hook(module_name, modules[module_name])
+            host_copies = {name: self._host_chunks(plan[4], plan[3]) for name, plan in planned.items()}
+        except BaseException:  # any failure or interrupt: undo every change of this call
+            for module_name in new_hooks:
+                self.hooks.pop(module_name).remove()
+            for pool, module_name in new_rows:
+                del pool.rows[module_name]
+            for device in new_pools:
+                del self.pools[device]
+            raise
+
+        assigned = {}
+        for name, (weights, source, source_kwargs, _, layouts, device_bytes) in planned.items():
+            index = self._free_index()
+            adapter = Adapter(
+                name=name, index=index, source=source, source_kwargs=source_kwargs,
+                dims={m: (f.lora_a.shape[1], f.lora_b.shape[0], f.rank) for m, f in weights.modules.items()},
+                layouts=layouts, device_bytes=device_bytes,
+            )
+            self._by_name[name] = self._by_index[index] = adapter
+            self.host.put(index, host_copies[name])
+            if index not in self.host:
+                adapter.prefetched = host_copies[name]  # keep this first read for the first use
+            assigned[name] = index
+        for name in assigned:  # onto the device right away where there is room without evicting anything
+            self._try_place(self._by_name[name], evict=False)
+        return assigned
+
+    def remove(self, name: str) -> None:
+        """Unregister ``name``; its memory is freed now, or when the last lease holding it ends."""
+        with self.changing():
+            if name not in self._by_name:
+                raise KeyError(f"unknown adapter {name!r}; loaded adapters: {sorted(self._by_name)}")
+            adapter = self._by_name.pop(name)
+            adapter.unloaded = True
+            if adapter.users == 0:
+                self._drop(adapter)
+
+    def _drop(self, adapter: Adapter) -> None:
+        if adapter.slot is not None:
+            self._evict(adapter, counted=False)
+        self.host.drop(adapter.index)
+        adapter.prefetched = None
+        del self._by_index[adapter.index]
+
+    # ------------------------------------------------------------------------------------------ residency
+    def lookup(self, adapter: str | int | None) -> Adapter | None:
+        """The registered adapter given by name or index; None for None or -1 (the base model)."""
+        if adapter is None:
+            return None
+        if isinstance(adapter, str):
+            if adapter not in self._by_name:
+                raise KeyError(f"unknown adapter {adapter!r}; loaded adapters: {sorted(self._by_name)}")
+            return self._by_name[adapter]
+        if isinstance(adapter, bool) or not isinstance(adapter, numbers.Integral):
+            raise ValueError(f"adapter_ids entries must be names, None or integer indices, got {adapter!r}")
+        index = int(adapter)
+        if index == -1:
+            return None
+        found = self._by_index.get(index)
+        if found is None or found.unloaded:
+            raise KeyError(f"no adapter is loaded at index {index}; loaded adapters: {self.indices}")
+        return found
+
+    def acquire(self, adapters: Sequence[str | int | None], block: bool = True) -> AdapterLease:
+        """Hold ``adapters`` resident and registered; the lease's ``slots`` has one slot per entry (-1 = base)."""
+        with self.changing():
+            entries = [self.lookup(adapter) for adapter in adapters]
+            needed = list({id(a): a for a in entries if a is not None}.values())
+            if len(needed) > self.max_adapters:
+                raise AdapterCapacityError(
+                    f"this batch uses {len(needed)} different adapters but at most max_adapters="
+                    f"{self.max_adapters} fit on the device at once"
+                )
+            protected = {a.index for a in needed}
+            for adapter in needed:
+                if adapter.slot is not None:
+                    self.counters["hits"] += 1
+                elif not block and adapter.index not in self.host and adapter.prefetched is None:
+                    self._read_in_background(adapter)
+                    raise AdapterNotReady(f"adapter {adapter.name!r} is being read from {adapter.source}")
+                else:
+                    self._place(adapter, protected)
+            for adapter in needed:
+                self._resident.move_to_end(adapter.index)
+                adapter.users += 1
+                for device, done in adapter.copies_done.items():
+                    torch.cuda.current_stream(device).wait_event(done)
+                adapter.copies_done = {}
+            return AdapterLease(self, needed, [-1 if a is None else a.slot for a in entries])
+
+    def _release(self, adapters: Iterable[Adapter]) -> None:
+        with self.changing():
+            for adapter in adapters:
+                adapter.users -= 1
+                if adapter.unloaded and adapter.users == 0:
+                    self._drop(adapter)
+
+    def prefetch(self, adapters: Iterable[str | int]) -> None:
+        """Start bringing ``adapters`` onto their devices without waiting (read in the background if needed)."""
+        with self.changing():
+            for adapter in [self.lookup(a) for a in adapters]:
+                if adapter is None or adapter.slot is not None:
+                    continue
+                if adapter.index in self.host or adapter.prefetched is not None:
+                    self._try_place(adapter, evict=True)
+                else:
+                    self._read_in_background(adapter, place=True)
+
+    def _try_place(self, adapter: Adapter, evict: bool) -> None:
+        if adapter.slot is None:
+            try:
+                self._place(adapter, protected={adapter.index}, evict=evict)
+            except AdapterCapacityError:
+                pass
+
+    def _place(self, adapter: Adapter, protected: set[int], evict: bool = True) -> None:
+        """Make ``adapter`` resident, evicting unheld least recently used adapters outside ``protected``."""
+        host_chunks = self._host_copy(adapter)
+        if not self._free_slots and not (evict and self._evict_one(protected)):
+            raise self._capacity_error(adapter, "no free slot")
+        starts: dict[torch.device, int] = {}
+        try:
+            for device, layout in adapter.layouts.items():
+                pool = self.pools[device]
+                start = pool.allocator.allocate(layout.size)
+                while start is None:
+                    if not (evict and self._evict_one(protected, device)):
+                        raise self._capacity_error(adapter, f"no room in the pool on {device}")
+                    start = pool.allocator.allocate(layout.size)
+                starts[device] = start
+        except BaseException:
+            for device, start in starts.items():
+                self.pools[device].allocator.free(start, adapter.layouts[device].size)
+            raise
+        slot = self._free_slots.pop(0)
+        for device, layout in adapter.layouts.items():
+            done = self.pools[device].place(slot, layout, starts[device], host_chunks[device])
+            if done is not None:
+                adapter.copies_done[device] = done
+            self.counters["bytes_to_gpu"] += layout.size * self.pools[device].element_size
+        adapter.slot, adapter.chunk_starts = slot, starts
+        self._resident[adapter.index] = adapter
+        self.counters["host_loads"] += 1
+
+    def _evict_one(self, protected: set[int], device: torch.device | None = None) -> bool:
+        """Evict the least recently used resident adapter that nothing holds (on ``device``, if given)."""
+        for adapter in self._resident.values():
+            if adapter.users == 0 and adapter.index not in protected and (device is None or device in adapter.layouts):
+                self._evict(adapter)
+                return True
+        return False
+
+    def _evict(self, adapter: Adapter, counted: bool = True) -> None:
+        # The table column keeps pointing here until the slot is reused; nothing maps tokens to a free slot, and
+        # the next owner's column is written in full.
+        for device, start in adapter.chunk_starts.items():
+            self.pools[device].allocator.free(start, adapter.layouts[device].size)
+        self._free_slots.append(adapter.slot)
+        self._free_slots.sort()
+        del self._resident[adapter.index]
+        adapter.slot, adapter.chunk_starts, adapter.copies_done = None, {}, {}
+        if counted:
+            self.counters["evictions"] += 1
+
+    def _capacity_error(self, adapter: Adapter, problem: str) -> AdapterCapacityError:
+        held = sum(1 for a in self._resident.values() if a.users > 0)
+        return AdapterCapacityError(
+            f"cannot put adapter {adapter.name!r} ({adapter.device_bytes / 2**20:.1f} MiB) on the device: {problem} "
+            f"({len(self._resident)} resident, {held} held by running calls, max_adapters={self.max_adapters}, "
+            f"pool {self._pool_summary()})"
+        )
+
+    def _pool_summary(self) -> str:
+        return ", ".join(
+            f"{device}: {pool.allocator.used * pool.element_size / 2**20:.1f} of "
+            f"{pool.allocator.capacity * pool.element_size / 2**20:.1f} MiB used"
+            for device, pool in self.pools.items()
+        ) or "not made yet"
+
+    # ------------------------------------------------------------------------------------------ host tier
+    def _host_copy(self, adapter: Adapter) -> dict[torch.device, torch.Tensor]:
+        """The adapter's chunks on the host: from the host tier, a finished background read, or its source."""
+        chunks = self.host.get(adapter.index)
+        if chunks is not None:
+            return chunks
+        if adapter.prefetched is not None:
+            chunks, adapter.prefetched = adapter.prefetched, None
+            return chunks
+        # A background read may be in flight: reading again here beats waiting for it under the lock it needs.
+        chunks = self._read_source(adapter)
+        self.host.put(adapter.index, chunks, keep=self._resident)
+        return chunks
+
+    def _read_source(self, adapter: Adapter) -> dict[torch.device, torch.Tensor]:
+        source = adapter.source
+        if isinstance(source, AdapterWeights):
+            weights = source
+        else:
+            weights = load_adapter_weights(source, **adapter.source_kwargs)
+            with self.lock:
+                self.counters["disk_loads"] += 1
+            dims = {m: (f.lora_a.shape[1], f.lora_b.shape[0], f.rank) for m, f in weights.modules.items()}
+            if dims != adapter.dims:
+                raise ValueError(
+                    f"adapter {adapter.name!r} changed at {source} since it was loaded (other modules or shapes); "
+                    "unload it and load it again"
+                )
+        factors_by_device = {
+            device: {name: weights.modules[name] for name in layout.modules} for device, layout in adapter.layouts.items()
+        }
+        return self._host_chunks(adapter.layouts, factors_by_device)
+
+    def _host_chunks(self, layouts, factors_by_device) -> dict[torch.device, torch.Tensor]:
+        chunks = {}
+        for device, layout in layouts.items():
+            chunk = HostTier.allocate(layout.size, self.pools[device].dtype)
+            layout.fill(chunk, factors_by_device[device])
+            chunks[device] = chunk
+        return chunks
+
+    def _read_in_background(self, adapter: Adapter, place: bool = False) -> None:
+        if adapter.reading is not None:
+            return
+        if self._reader is None:
+            self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="punica_hf-reader")
+
+        def read() -> dict[torch.device, torch.Tensor]:
+            chunks = self._read_source(adapter)
+            with self.changing():
+                adapter.reading = None
+                if not adapter.unloaded:
+                    self.host.put(adapter.index, chunks, keep=self._resident)
+                    if adapter.index not in self.host:
+                        adapter.prefetched = chunks
+                    if place:
+                        self._try_place(adapter, evict=True)
+            return chunks
+
+        adapter.reading = self._reader.submit(read)
+
+    # ------------------------------------------------------------------------------------------ checks
+    def _check_new_name(self, name: str) -> None:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"adapter names must be non-empty strings, got {name!r}")
+        if name in self._by_name:
+            raise ValueError(f"an adapter named {name!r} is already loaded; unload_adapter({name!r}) first")
+
+    def _check_fits(self, name: str, weights: AdapterWeights, modules: dict[str, nn.Module]) -> None:
+        output_layer = self.model.get_output_embeddings() if hasattr(self.model, "get_output_embeddings") else None
+        for module_name, factors in weights.modules.items():
+            module = modules.get(module_name)
+            if module is None:
+                raise ValueError(f"adapter {name!r} does not fit the base model: it has no module {module_name}")
+            if module is output_layer:
+                raise ValueError(f"adapter {name!r}: LoRA on the output layer ({module_name}) is not supported yet")
+            if isinstance(module, nn.Embedding):
+                raise ValueError(f"adapter {name!r}: LoRA on embedding layers ({module_name}) is not supported yet")
+            check_servable(module, module_name)
+            in_features, out_features = linear_features(module)
+            if factors.lora_a.shape[1] != in_features or factors.lora_b.shape[0] != out_features:
+                raise ValueError(
+                    f"adapter {name!r} does not fit the base model: module {module_name} takes lora_A "
+                    f"[r, {in_features}] and lora_B [{out_features}, r], the adapter has "
+                    f"{list(factors.lora_a.shape)} and {list(factors.lora_b.shape)}"
+                )
+            if factors.rank > self.max_rank:
+                raise ValueError(
+                    f"adapter {name!r}: module {module_name} has rank {factors.rank} > max_rank={self.max_rank}"
+                )
+
+    def _check_sizes(self, name: str, layouts: dict[torch.device, ChunkLayout], device_bytes: int) -> None:
+        for device, layout in layouts.items():
+            pool = self.pools[device]
+            if layout.size > pool.allocator.capacity:
+                raise ValueError(
+                    f"adapter {name!r} needs {layout.size * pool.element_size / 2**20:.1f} MiB on {device} but the "
+                    f"whole pool there is {pool.allocator.capacity * pool.element_size / 2**20:.1f} MiB "
+                    "(raise gpu_pool_bytes)"
+                )
+        if device_bytes > self.host.budget:
+            raise ValueError(
+                f"adapter {name!r} needs {device_bytes / 2**20:.1f} MiB of host memory but host_pool_bytes is "
+                f"{self.host.budget / 2**20:.1f} MiB"
+            )
+
+    def _base_modules(self) -> dict[str, nn.Module]:
+        return dict(self.model.named_modules())
+
+    # ------------------------------------------------------------------------------------------ pools, hooks
+    def _pool_for(self, module: nn.Module, new_pools: list) -> DevicePool:
+        device = lora_device(module)
+        if device not in self.pools:
+            dtype = lora_dtype(module, getattr(self.model, "dtype", torch.get_default_dtype()))
+            element_size = torch.empty(0, dtype=dtype).element_size()
+            pool_bytes = self.gpu_pool_bytes if self.gpu_pool_bytes is not None else _default_pool_bytes(device)
+            num_rows = sum(1 for m in self.model.modules() if linear_features(m) is not None)
+            self.pools[device] = DevicePool(device, dtype, pool_bytes // element_size, num_rows, self.max_adapters)
+            new_pools.append(device)
+        return self.pools[device]
+
+    def _hook(self, module_name: str, module: nn.Module) -> LoraHook:
+        in_features, out_features = linear_features(module)
+        pool = self.pools[lora_device(module)]
+        return LoraHook(
+            module, in_features, out_features, pool.tables, pool.rows[module_name], self.context, self.max_rank
+        )
+
+    def _free_index(self) -> int:
+        index = 0
+        while index in self._by_index:
+            index += 1
+        return index
+
+    def apply(self, fn) -> None:
+        """Follow the model through ``.to()`` / ``.cuda()`` / ``.half()``: the pools' tensors move with it.
+
+        Element offsets do not depend on the dtype, so a dtype change keeps every table valid; a device change
+        re-keys what is kept per device (host copies are cast and copied to the new device when next placed).
+        """
+        with self.changing():
+            moved = {}
+            for device, pool in self.pools.items():
+                pool.apply(fn)
+                moved[device] = pool.device
+            if all(old == new for old, new in moved.items()):
+                return
+            self.pools = {moved[device]: pool for device, pool in self.pools.items()}
+            for adapter in self._by_index.values():
+                adapter.layouts = {moved[d]: layout for d, layout in adapter.layouts.items()}
+                adapter.chunk_starts = {moved[d]: start for d, start in adapter.chunk_starts.items()}
+                adapter.copies_done = {}
+                if adapter.prefetched is not None:
+                    adapter.prefetched = {moved[d]: chunk for d, chunk in adapter.prefetched.items()}
+            self.host.rekey(moved)
+
+    def remove_hooks(self) -> None:
+        with self.lock:
+            for hook in self.hooks.values():
+                hook.remove()
+            self.hooks.clear()
+
+    # ------------------------------------------------------------------------------------------ stats
+    def stats(self) -> dict[str, int]:
+        with self.lock:
+            return dict(
+                registered=len(self._by_name),
+                resident=len(self._resident),
+                **self.counters,
+                gpu_bytes_used=sum(p.allocator.used * p.element_size for p in self.pools.values()),
+                gpu_bytes_total=sum(p.allocator.capacity * p.element_size for p in self.pools.values()),
+                host_bytes_used=self.host.used,
+                host_bytes_budget=self.host.budget,
+            )
+
+
+def _default_pool_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * GPU_POOL_FRACTION)
+    return CPU_POOL_BYTES
