@@ -255,6 +255,7 @@ class AdapterStore:
                     f"{self.max_adapters} fit on the device at once"
                 )
             protected = {a.index for a in needed}
+            self._check_room(needed)
             for adapter in needed:
                 if adapter.slot is not None:
                     self.counters["hits"] += 1
@@ -270,6 +271,27 @@ class AdapterStore:
                     torch.cuda.current_stream(device).wait_event(done)
                 adapter.copies_done = {}
             return AdapterLease(self, needed, [-1 if a is None else a.slot for a in entries])
+
+    def _check_room(self, needed: list[Adapter]) -> None:
+        """Refuse, before evicting anything, a batch whose adapters cannot all be resident beside what is held."""
+        protected = {a.index for a in needed}
+        held = [a for a in self._resident.values() if a.users > 0 and a.index not in protected]
+        if len(needed) + len(held) > self.max_adapters:
+            raise AdapterCapacityError(
+                f"this batch uses {len(needed)} adapters and running calls hold {len(held)} others; "
+                f"max_adapters={self.max_adapters} fit on the device at once (held by running calls; retry later)"
+            )
+        for device, pool in self.pools.items():
+            missing = sum(a.layouts[device].size for a in needed if a.slot is None and device in a.layouts)
+            evictable = sum(
+                a.layouts[device].size for a in self._resident.values()
+                if a.users == 0 and a.index not in protected and device in a.layouts
+            )
+            if missing > pool.allocator.capacity - pool.allocator.used + evictable:
+                raise AdapterCapacityError(
+                    f"this batch's adapters need {missing * pool.element_size / 2**20:.1f} MiB more on {device}; "
+                    f"with what running calls hold there is room for less (pool {self._pool_summary()})"
+                )
 
     def _release(self, adapters: Iterable[Adapter]) -> None:
         with self.changing():

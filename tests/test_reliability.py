@@ -1,0 +1,237 @@
+"""One MultiLoraModel under what a server does to it: threads, loads and unloads during generation, failures
+halfway through a load, inference mode, copies, pickles, saves and unwrapping."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+import threading
+
+import pytest
+import torch
+from helpers import assert_state_unchanged, capture_state, save_peft_adapter, tiny_llama
+from transformers import AutoModelForCausalLM
+from transformers.generation.streamers import BaseStreamer
+
+from punica_hf import MultiLoraModel
+from punica_hf.store import pool as pool_module
+
+GREEDY = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+
+
+@pytest.fixture(scope="module")
+def base():
+    return tiny_llama()
+
+
+@pytest.fixture(scope="module")
+def paths(base, tmp_path_factory):
+    root = tmp_path_factory.mktemp("adapters")
+    return {
+        "a": save_peft_adapter(base, root / "a", r=4, target_modules=["q_proj", "v_proj"], seed=1),
+        "b": save_peft_adapter(base, root / "b", r=8, use_rslora=True, target_modules=["k_proj", "o_proj"], seed=2),
+        "c": save_peft_adapter(base, root / "c", r=2, target_modules=["gate_proj", "down_proj"], seed=3),
+    }
+
+
+@pytest.fixture
+def served(base, paths):
+    model = MultiLoraModel(copy.deepcopy(base), max_adapters=4, max_rank=8)
+    model.load_adapters(paths)
+    return model
+
+
+def batch(rows: int, seed: int) -> torch.Tensor:
+    return torch.randint(3, 100, (rows, 5), generator=torch.Generator().manual_seed(seed))
+
+
+def adapter_mix(rows: int, seed: int) -> list:
+    choices = ["a", "b", "c", None]
+    return [choices[(seed + i) % 4] for i in range(rows)]
+
+
+# ------------------------------------------------------------------------------------------------ threads
+def test_threads_get_their_single_threaded_outputs(served):
+    trials = [(rows, seed) for seed in range(12) for rows in (1, 3, 4)][:24]
+    with torch.no_grad():
+        expected = {
+            trial: (
+                served(batch(*trial), adapter_ids=adapter_mix(*trial)).logits,
+                served.generate(batch(*trial), adapter_ids=adapter_mix(*trial), **GREEDY),
+            )
+            for trial in trials
+        }
+    failures: list[str] = []
+
+    def worker(my_trials):
+        for trial in my_trials:
+            with torch.no_grad():
+                logits = served(batch(*trial), adapter_ids=adapter_mix(*trial)).logits
+                tokens = served.generate(batch(*trial), adapter_ids=adapter_mix(*trial), **GREEDY)
+            if not torch.equal(logits, expected[trial][0]) or not torch.equal(tokens, expected[trial][1]):
+                failures.append(f"trial {trial} differs")
+
+    threads = [threading.Thread(target=worker, args=(trials[i::4],)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not failures
+
+
+# ------------------------------------------------------------------------------------------------ running calls
+class _CallbackStreamer(BaseStreamer):
+    """Calls ``on_step()`` once generation has started (after the prompt), i.e. in the middle of generate()."""
+
+    def __init__(self, on_step) -> None:
+        self.on_step, self.calls = on_step, 0
+
+    def put(self, value) -> None:
+        self.calls += 1
+        if self.calls == 2:
+            self.on_step()
+
+    def end(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("change", ["unload", "unload-and-reload-other", "load-new"])
+def test_a_running_generate_keeps_its_adapters(served, paths, change):
+    ids = batch(2, 7)
+    expected = served.generate(ids, adapter_ids=["a", "b"], **GREEDY)
+
+    def on_step():
+        if change == "load-new":
+            served.load_adapters({"d": paths["c"]})
+            return
+        served.unload_adapter("a")
+        if change == "unload-and-reload-other":
+            served.load_adapters({"a": paths["c"]})  # same name, another adapter
+
+    out = served.generate(ids, adapter_ids=["a", "b"], streamer=_CallbackStreamer(on_step), **GREEDY)
+    assert torch.equal(out, expected)
+    if change == "unload":
+        assert "a" not in served.adapters and served.adapter_stats["resident"] == 2  # freed when generate ended
+    elif change == "unload-and-reload-other":
+        assert not torch.equal(served.generate(ids, adapter_ids=["a", "b"], **GREEDY), expected)
+
+
+def test_unload_from_another_thread_waits_for_the_running_call(served):
+    ids = batch(1, 3)
+    expected = served.generate(ids, adapter_ids=["b"], max_new_tokens=12, do_sample=False, pad_token_id=0)
+    started, unloaded = threading.Event(), threading.Event()
+
+    def unload_when_started():
+        started.wait(10)
+        served.unload_adapter("b")
+        unloaded.set()
+
+    thread = threading.Thread(target=unload_when_started)
+    thread.start()
+    streamer = _CallbackStreamer(started.set)
+    out = served.generate(ids, adapter_ids=["b"], max_new_tokens=12, do_sample=False, pad_token_id=0, streamer=streamer)
+    thread.join()
+    assert unloaded.is_set() and torch.equal(out, expected)
+    with pytest.raises(KeyError, match="unknown adapter 'b'"):
+        served(ids, adapter_ids=["b"])
+
+
+# ------------------------------------------------------------------------------------------------ atomic changes
+def test_load_in_inference_mode_then_unload_outside_it(base, paths):
+    model = MultiLoraModel(copy.deepcopy(base), max_adapters=2, max_rank=8)
+    with torch.inference_mode():
+        model.load_adapters({"a": paths["a"]})
+        logits = model(batch(1, 0), adapter_ids=["a"]).logits
+    model.unload_adapter("a")
+    model.load_adapters({"b": paths["b"]})
+    with torch.no_grad():
+        assert model(batch(1, 0), adapter_ids=["b"]).logits.shape == logits.shape
+    assert model.adapters == {"b": 0}
+
+
+@pytest.mark.parametrize("interrupt", [KeyboardInterrupt, RuntimeError])
+def test_an_interrupted_load_changes_nothing(served, paths, monkeypatch, interrupt):
+    served.unload_adapter("c")
+    before = capture_state(served, batch(3, 1), ["a", "b", None])
+    real_fill = pool_module.ChunkLayout.fill
+    calls = []
+
+    def failing_fill(self, chunk, factors):
+        calls.append(1)
+        if len(calls) == 2:  # the second adapter of the call: the first one's copy is already made
+            raise interrupt("interrupted halfway through a load")
+        return real_fill(self, chunk, factors)
+
+    monkeypatch.setattr(pool_module.ChunkLayout, "fill", failing_fill)
+    with pytest.raises(interrupt):
+        served.load_adapters({"c": paths["c"], "d": paths["c"]})
+    monkeypatch.setattr(pool_module.ChunkLayout, "fill", real_fill)
+    assert_state_unchanged(served, before)
+    assert served.load_adapters({"c": paths["c"]}) == {"c": 2}
+
+
+# ------------------------------------------------------------------------------------------------ copies and saves
+def test_deepcopy_is_an_independent_working_model(served):
+    ids, mix = batch(3, 2), ["a", "c", None]
+    with torch.no_grad():
+        expected = served(ids, adapter_ids=mix).logits
+    copied = copy.deepcopy(served)
+    served.unload_adapter("a")
+    served.load_adapters({"a": _other_adapter(served)})
+    with torch.no_grad():
+        torch.testing.assert_close(copied(ids, adapter_ids=mix).logits, expected, rtol=0, atol=0)
+        assert not torch.equal(served(ids, adapter_ids=mix).logits, expected)
+    copied.unload_adapter("c")
+    assert "c" in served.adapters
+
+
+def _other_adapter(model: MultiLoraModel):
+    """Adapter weights for the model that differ from any saved one (from an in-memory PEFT state)."""
+    from punica_hf.formats import AdapterWeights, LoraAdapterConfig, ModuleLora
+
+    torch.manual_seed(11)
+    config = LoraAdapterConfig(r=2, lora_alpha=2)
+    q = model.model.model.layers[0].self_attn.q_proj
+    modules = {"model.layers.0.self_attn.q_proj": ModuleLora(torch.randn(2, q.in_features), torch.randn(q.out_features, 2))}
+    return AdapterWeights(modules=modules, config=config, source="memory")
+
+
+def test_pickle_round_trip(served):
+    ids, mix = batch(3, 4), ["b", None, "a"]
+    with torch.no_grad():
+        expected = served(ids, adapter_ids=mix).logits
+        restored = pickle.loads(pickle.dumps(served))
+        torch.testing.assert_close(restored(ids, adapter_ids=mix).logits, expected, rtol=0, atol=0)
+
+
+def test_state_dict_and_save_pretrained_are_the_clean_base(served, base, tmp_path):
+    assert served.model.state_dict().keys() == base.state_dict().keys()
+    served.model.save_pretrained(tmp_path / "saved")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "saved").eval()
+    ids = batch(2, 5)
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, base(ids).logits, rtol=0, atol=0)
+
+
+def test_unwrap_returns_the_untouched_base(served, base):
+    ids = batch(2, 6)
+    model = served.unwrap()
+    assert "forward" not in model.__dict__
+    assert not any(module._forward_hooks for module in model.modules())
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, base(ids).logits, rtol=0, atol=0)
+    assert torch.equal(model.generate(ids, **GREEDY), base.generate(ids, **GREEDY))
+    MultiLoraModel(model)  # can be wrapped again
+
+
+# ------------------------------------------------------------------------------------------------ generate modes
+def test_assisted_generation_with_adapters_is_refused_clearly(served, base):
+    with pytest.raises(ValueError, match="assistant_model=.*not supported.*prompt_lookup_num_tokens"):
+        served.generate(batch(1, 0), adapter_ids=["a"], assistant_model=base, **GREEDY)
+
+
+def test_prompt_lookup_decoding_keeps_the_adapter(served):
+    ids = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6]])
+    plain = served.generate(ids, adapter_ids=["b"], **GREEDY)
+    looked_up = served.generate(ids, adapter_ids=["b"], prompt_lookup_num_tokens=3, **GREEDY)
+    assert torch.equal(plain, looked_up)

@@ -1,0 +1,212 @@
+"""The adapter store: more registered adapters than fit on the device, LRU residency, the host tier, background
+reads, counters and rank-proportional memory; outputs equal PEFT's row by row throughout."""
+
+from __future__ import annotations
+
+import copy
+import shutil
+import threading
+import time
+
+import pytest
+import torch
+from helpers import save_peft_adapter, tiny_llama
+from peft import PeftModel
+
+from punica_hf import MultiLoraModel
+from punica_hf.store import AdapterCapacityError, AdapterNotReady
+
+IDS = torch.tensor([[5, 17, 42, 8, 99, 3], [1, 2, 3, 4, 5, 6], [60, 61, 62, 63, 64, 65]])
+SPECS = {  # name -> (rank, targets): mixed ranks and target sets
+    "r2": (2, ["q_proj", "v_proj"]),
+    "r4": (4, ["k_proj", "o_proj", "down_proj"]),
+    "r8": (8, ["q_proj", "gate_proj"]),
+    "r4b": (4, ["v_proj", "up_proj"]),
+    "r8b": (8, ["o_proj"]),
+}
+
+
+@pytest.fixture(scope="module")
+def base():
+    return tiny_llama()
+
+
+@pytest.fixture(scope="module")
+def paths(base, tmp_path_factory):
+    root = tmp_path_factory.mktemp("adapters")
+    return {
+        name: save_peft_adapter(base, root / name, r=rank, lora_alpha=2 * rank, target_modules=targets, seed=i)
+        for i, (name, (rank, targets)) in enumerate(SPECS.items())
+    }
+
+
+@pytest.fixture(scope="module")
+def peft_logits(base, paths):
+    """Each adapter's PEFT logits for every row of IDS, and the base model's."""
+    with torch.no_grad():
+        logits = {name: PeftModel.from_pretrained(copy.deepcopy(base), path).eval()(IDS).logits for name, path in paths.items()}
+        logits[None] = base(IDS).logits
+    return logits
+
+
+def wrap(base, **kwargs) -> MultiLoraModel:
+    return MultiLoraModel(copy.deepcopy(base), **{"max_adapters": 2, "max_rank": 8, **kwargs})
+
+
+def check_rows(model: MultiLoraModel, mix: list, peft_logits) -> None:
+    with torch.no_grad():
+        logits = model(IDS, adapter_ids=mix).logits
+    for row, name in enumerate(mix):
+        torch.testing.assert_close(logits[row], peft_logits[name][row], rtol=0, atol=2e-5)
+
+
+def test_more_registered_than_fit_with_evictions(base, paths, peft_logits):
+    model = wrap(base)
+    indices = model.load_adapters(paths)
+    assert sorted(indices.values()) == list(range(5)) and model.adapter_stats["registered"] == 5
+    batches = [["r2", "r4", None], ["r8", None, "r8"], ["r4b", "r8b", "r4b"], ["r2", "r4", "r2"], [None, "r8b", "r8"]]
+    for mix in batches * 2:
+        check_rows(model, mix, peft_logits)
+    stats = model.adapter_stats
+    assert stats["evictions"] > 0 and stats["resident"] <= 2 and model.adapters == indices  # indices stay stable
+    # by index, too
+    check_rows(model, [indices["r4b"], -1, indices["r2"]], {indices[k]: v for k, v in peft_logits.items() if k} | {-1: peft_logits[None]})
+
+
+def test_lru_evicts_the_least_recently_used_unheld_adapter(base, paths):
+    model = wrap(base, max_adapters=2)
+    model.load_adapters(paths)  # r2 and r4 land on the device at load, the rest wait on the host
+    store = model._store
+    resident = lambda: {a.name for a in store._resident.values()}  # noqa: E731
+    assert resident() == {"r2", "r4"}
+    with torch.no_grad():
+        model(IDS[:1], adapter_ids=["r2"])  # r4 is now the least recently used
+        model(IDS[:1], adapter_ids=["r8"])
+    assert resident() == {"r2", "r8"}
+    with model.acquire(["r2"]):  # held: not evicted although least recently used
+        with torch.no_grad():
+            model(IDS[:1], adapter_ids=["r4"])
+        assert resident() == {"r2", "r4"}
+        with pytest.raises(AdapterCapacityError, match="held by running calls"):
+            model.acquire(["r8", "r4b"])
+    assert resident() == {"r2", "r4"}
+
+
+def test_counters_and_rank_proportional_memory(base, paths):
+    model = wrap(base, max_adapters=5)
+    model.load_adapters({"r8b": paths["r8b"]})
+    used_r8 = model.adapter_stats["gpu_bytes_used"]
+    o_proj = model.model.model.layers[0].self_attn.o_proj
+    factor_bytes = 2 * 8 * (o_proj.in_features + o_proj.out_features) * 4  # 2 layers, rank 8, fp32
+    assert used_r8 == factor_bytes
+    rank4 = save_peft_adapter(base, paths["r8b"].parent / "o_r4", r=4, target_modules=["o_proj"])
+    model.load_adapters({"o4": rank4})
+    assert model.adapter_stats["gpu_bytes_used"] - used_r8 == factor_bytes // 2
+    with torch.no_grad():
+        model(IDS, adapter_ids=["r8b", "o4", "o4"])
+    stats = model.adapter_stats
+    assert stats["hits"] == 2 and stats["host_loads"] == 2 and stats["disk_loads"] == 0
+    assert stats["bytes_to_gpu"] == stats["gpu_bytes_used"] == stats["host_bytes_used"]
+
+
+def test_host_budget_forces_reads_from_disk(base, paths, peft_logits):
+    sizes = []
+    for name, path in paths.items():
+        scratch = wrap(base)
+        scratch.load_adapters({name: path})
+        sizes.append(scratch.adapter_stats["host_bytes_used"])
+    one_adapter = max(sizes)  # the host tier holds one adapter at a time
+    model = wrap(base, max_adapters=1, host_pool_bytes=one_adapter)
+    model.load_adapters(paths)
+    for mix in (["r2", "r2", None], ["r4", None, "r4"], ["r2", None, None], ["r8", "r8", "r8"]):
+        check_rows(model, mix, peft_logits)
+    stats = model.adapter_stats
+    assert stats["disk_loads"] >= 2 and stats["host_bytes_used"] <= one_adapter
+
+
+def test_a_host_budget_too_small_for_one_adapter_is_refused(base, paths):
+    model = wrap(base, host_pool_bytes=100)
+    with pytest.raises(ValueError, match="host memory but host_pool_bytes is"):
+        model.load_adapters({"r2": paths["r2"]})
+    assert model.adapters == {} and model.adapter_stats["host_bytes_used"] == 0
+
+
+def test_a_pool_too_small_for_one_adapter_is_refused(base, paths):
+    model = wrap(base, gpu_pool_bytes=1000)
+    with pytest.raises(ValueError, match="whole pool there is .* MiB \\(raise gpu_pool_bytes\\)"):
+        model.load_adapters({"r8": paths["r8"]})
+    assert model.adapters == {}
+
+
+def test_a_source_changed_on_disk_is_refused_when_read_again(base, paths, tmp_path, peft_logits):
+    moved = shutil.copytree(paths["r4"], tmp_path / "r4")
+    model = wrap(base, max_adapters=1, host_pool_bytes=1)  # nothing stays on the host: every use re-reads
+    with pytest.raises(ValueError):
+        model.load_adapters({"r4": moved})  # even one adapter does not fit a 1-byte host tier
+    model = wrap(base, max_adapters=1)
+    model.load_adapters({"r4": moved, "r2": paths["r2"]})
+    model._store.host.drop(model.adapters["r4"])
+    check_rows(model, ["r2", None, None], peft_logits)  # evicts r4
+    shutil.rmtree(moved)
+    shutil.copytree(paths["r8b"], moved)  # another adapter at the same path
+    with pytest.raises(ValueError, match="changed at .* since it was loaded"):
+        model(IDS, adapter_ids=["r4", None, None])
+    check_rows(model, ["r2", None, "r2"], peft_logits)  # still serving
+
+
+def test_block_false_reads_in_the_background(base, paths, peft_logits):
+    model = wrap(base, max_adapters=2)
+    model.load_adapters({"r2": paths["r2"], "r4": paths["r4"], "r8": paths["r8"]})
+    model._store.host.drop(model.adapters["r8"])
+    with pytest.raises(AdapterNotReady, match="'r8' is being read"):
+        model.acquire(["r8"], block=False)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            lease = model.acquire(["r8"], block=False)
+            break
+        except AdapterNotReady:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    lease.release()
+    check_rows(model, ["r8", None, "r8"], peft_logits)
+
+
+def test_prefetch_brings_an_adapter_on_the_device(base, paths):
+    model = wrap(base, max_adapters=3)
+    model.load_adapters(paths)
+    store = model._store
+    assert "r8b" not in {a.name for a in store._resident.values()}
+    model.prefetch(["r8b"])
+    deadline = time.monotonic() + 10
+    while "r8b" not in {a.name for a in store._resident.values()}:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    hits = model.adapter_stats["hits"]
+    model.acquire(["r8b"]).release()
+    assert model.adapter_stats["hits"] == hits + 1
+
+
+def test_a_load_during_generate_leaves_the_running_outputs_unchanged(base, paths):
+    model = wrap(base, max_adapters=3)
+    model.load_adapters({"r2": paths["r2"], "r4": paths["r4"]})
+    kwargs = dict(max_new_tokens=20, do_sample=False, pad_token_id=0)
+    expected = model.generate(IDS, adapter_ids=["r2", "r4", None], **kwargs)
+    done = threading.Event()
+
+    def load_and_use_others():
+        while not done.is_set():  # loads and batches that need room: only unheld adapters may be evicted
+            name = f"x{time.monotonic_ns()}"
+            model.load_adapters({name: paths["r8"]})
+            with torch.no_grad():
+                model(IDS[:1], adapter_ids=[name])
+            model.unload_adapter(name)
+
+    thread = threading.Thread(target=load_and_use_others)
+    thread.start()
+    try:
+        out = model.generate(IDS, adapter_ids=["r2", "r4", None], **kwargs)
+    finally:
+        done.set()
+        thread.join()
+    assert torch.equal(out, expected)
