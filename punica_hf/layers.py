@@ -21,6 +21,7 @@ from torch import nn
 
 from . import ops
 from .ops import LoraSegments
+from .ops.segments import build_segments
 
 
 class LoraContext:
@@ -33,6 +34,19 @@ class LoraContext:
     def __init__(self) -> None:
         self.segments: LoraSegments | None = None
         self._on_device: dict[torch.device, LoraSegments] = {}
+        self._backends: dict[torch.device, str] = {}
+
+    def backend(self, device: torch.device) -> str:
+        """The ops backend for ``device``, decided once (eagerly, before any compiled step reads it)."""
+        if device not in self._backends:
+            self._backends[device] = ops.backend_for(device)
+        return self._backends[device]
+
+    def build(self, token_slots: torch.Tensor, num_slots: int) -> LoraSegments:
+        """Group ``token_slots`` ``[T]`` by slot on their device and make it this forward's grouping."""
+        segments = build_segments(token_slots, num_slots, self.backend(token_slots.device))
+        self.begin(segments)
+        return segments
 
     def begin(self, segments: LoraSegments) -> None:
         self.segments = segments
@@ -53,7 +67,7 @@ class LoraContext:
                 sorted_token_ids=segments.sorted_token_ids.to(device),
                 segment_slots=segments.segment_slots.to(device),
                 segment_starts=segments.segment_starts.to(device),
-                backend=ops.backend_for(device),
+                backend=self.backend(device),
             )
         return self._on_device[device]
 

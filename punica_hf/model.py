@@ -21,7 +21,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import ops
 from .formats import AdapterWeights, load_adapter_weights
 from .layers import LoraContext
 from .store import AdapterLease, AdapterStore
@@ -235,6 +234,8 @@ class AdapterForward:
     def __call__(self, *args: Any, adapter_ids: torch.Tensor | None = None, **kwargs: Any):
         if torch.compiler.is_compiling():
             return self._run(args, adapter_ids, kwargs)
+        if adapter_ids is not None:
+            self.context.backend(adapter_ids.device)  # decided here, outside any traced region
         with self.store.lock:
             return self._run(args, adapter_ids, kwargs)
 
@@ -252,7 +253,7 @@ class AdapterForward:
             token_slots = adapter_ids[:, None].expand(batch_shape).reshape(-1)
         else:
             token_slots = adapter_ids.reshape(-1)
-        self.context.begin(ops.build_segments(token_slots, self.num_slots))
+        self.context.build(token_slots, self.num_slots)
         try:
             return forward(*args, **kwargs)
         finally:
