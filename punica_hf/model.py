@@ -37,8 +37,8 @@ class MultiLoraModel(nn.Module):
             adapters one batch may use. Any number can be registered.
         max_rank: the largest LoRA rank a loaded adapter may have in any module.
         gpu_pool_bytes: bytes of each device's adapter pool (factors of resident adapters, proportional to rank).
-            Default: 20% of the device memory free when the first adapter is loaded (1 GiB of address space on the
-            CPU).
+            Default: room for ``max_adapters`` adapters of ``max_rank`` on every linear layer, at most 20% of the
+            device memory free when the first adapter is loaded (at most 1 GiB on the CPU).
         host_pool_bytes: budget of the host tier (pinned memory) holding adapters off the device; past it, adapters
             are read again from their files when needed. Default 16 GiB.
     """

@@ -32,8 +32,10 @@ from ..layers import LoraContext, LoraHook
 from .host import HostTier
 from .pool import ChunkLayout, DevicePool
 
-CPU_POOL_BYTES = 1 << 30  # a CPU "device" pool: address space only until adapters are written into it
-GPU_POOL_FRACTION = 0.2  # default device pool: this share of the device memory free when the pool is made
+# Default pool: room for max_adapters adapters of max_rank on every linear layer, at most this share of the device
+# memory free when the pool is made (on the CPU, at most this many bytes of address space).
+GPU_POOL_FRACTION = 0.2
+CPU_POOL_BYTES = 1 << 30
 HOST_POOL_BYTES = 16 << 30  # default host tier budget
 
 
@@ -497,8 +499,13 @@ class AdapterStore:
         if device not in self.pools:
             dtype = lora_dtype(module, getattr(self.model, "dtype", torch.get_default_dtype()))
             element_size = torch.empty(0, dtype=dtype).element_size()
-            pool_bytes = self.gpu_pool_bytes if self.gpu_pool_bytes is not None else _default_pool_bytes(device)
-            num_rows = sum(1 for m in self.model.modules() if linear_features(m) is not None)
+            features = [linear_features(m) for m in self.model.modules()]
+            features = [f for f in features if f is not None]
+            pool_bytes = self.gpu_pool_bytes
+            if pool_bytes is None:  # room for max_adapters adapters of max_rank on every linear layer, capped
+                most = self.max_adapters * self.max_rank * sum(i + o for i, o in features) * element_size
+                pool_bytes = min(most, _default_pool_cap(device))
+            num_rows = len(features)
             self.pools[device] = DevicePool(device, dtype, pool_bytes // element_size, num_rows, self.max_adapters)
             new_pools.append(device)
         return self.pools[device]
@@ -558,7 +565,7 @@ class AdapterStore:
             )
 
 
-def _default_pool_bytes(device: torch.device) -> int:
+def _default_pool_cap(device: torch.device) -> int:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return int(free * GPU_POOL_FRACTION)
