@@ -47,6 +47,14 @@ def save_peft_adapter(
     return path
 
 
+def save_attn_and_mlp_adapters(base: torch.nn.Module, root: Path) -> dict[str, Path]:
+    """Two adapters of ``base`` under ``root``: "attn" (r=4 on q, v, o) and "mlp" (r=8 on gate, down)."""
+    return {
+        "attn": save_peft_adapter(base, root / "attn", r=4, target_modules=["q_proj", "v_proj", "o_proj"], seed=1),
+        "mlp": save_peft_adapter(base, root / "mlp", r=8, target_modules=["gate_proj", "down_proj"], seed=2),
+    }
+
+
 @dataclass
 class ModelState:
     """What a refused call must leave alone in a ``MultiLoraModel`` (see ``capture_state``)."""

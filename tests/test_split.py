@@ -6,12 +6,10 @@ PEFT, tests/test_parity.py). GPU splits (cuda:0 + cpu, CPU offload onto the GPU)
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 from accelerate import dispatch_model
-from helpers import save_peft_adapter, tiny_llama
+from helpers import save_attn_and_mlp_adapters, tiny_llama
 
 from punica_hf import MultiLoraModel
 
@@ -24,11 +22,7 @@ DEVICE_MAP = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layer
 
 @pytest.fixture(scope="module")
 def adapters(tmp_path_factory):
-    base, root = tiny_llama(), tmp_path_factory.mktemp("adapters")
-    return {
-        "attn": save_peft_adapter(base, root / "attn", r=4, target_modules=["q_proj", "v_proj", "o_proj"], seed=1),
-        "mlp": save_peft_adapter(base, root / "mlp", r=8, target_modules=["gate_proj", "down_proj"], seed=2),
-    }
+    return save_attn_and_mlp_adapters(tiny_llama(), tmp_path_factory.mktemp("adapters"))
 
 
 def served(model, adapters) -> MultiLoraModel:

@@ -3,12 +3,10 @@ offload (weights on the CPU, executed on cuda:0). Each must give PEFT's outputs 
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 from accelerate import dispatch_model
-from helpers import save_peft_adapter, tiny_llama
+from helpers import save_attn_and_mlp_adapters, tiny_llama
 from peft import PeftModel
 
 from punica_hf import MultiLoraModel
@@ -25,11 +23,7 @@ SPLIT = {"model.embed_tokens": 0, "model.layers.0": 0, "model.layers.1": "cpu", 
 
 @pytest.fixture(scope="module")
 def adapters(tmp_path_factory):
-    base, root = tiny_llama(), tmp_path_factory.mktemp("adapters")
-    return {
-        "attn": save_peft_adapter(base, root / "attn", r=4, target_modules=["q_proj", "v_proj", "o_proj"], seed=1),
-        "mlp": save_peft_adapter(base, root / "mlp", r=8, target_modules=["gate_proj", "down_proj"], seed=2),
-    }
+    return save_attn_and_mlp_adapters(tiny_llama(), tmp_path_factory.mktemp("adapters"))
 
 
 def split_model(kind: str, tmp_path):
