@@ -68,13 +68,19 @@ class ModelState:
 
 
 def lora_tensors(model) -> dict[str, torch.Tensor]:
-    """Copies of a ``MultiLoraModel``'s LoRA state: each device's pool (the part in use) and slot tables."""
+    """Copies of a ``MultiLoraModel``'s LoRA state: each device's slot tables and free extents, and each resident
+    adapter's chunk of the pool (the rest of a pool is unwritten memory)."""
     tensors = {}
     for device, pool in model._store.pools.items():
         tables = pool.tables
         for name in ("a_offsets", "b_offsets", "ranks"):
             tensors[f"{device}.{name}"] = getattr(tables, name).clone()
-        tensors[f"{device}.pool"] = tables.pool[: pool.allocator.capacity].clone()
+        tensors[f"{device}.free"] = torch.tensor(pool.allocator._free)
+    for adapter in model._store._resident.values():
+        for device, start in adapter.chunk_starts.items():
+            size = adapter.layouts[device].size
+            chunk = model._store.pools[device].tables.pool[start : start + size]
+            tensors[f"{device}.{adapter.name}.slot{adapter.slot}"] = chunk.clone()
     return tensors
 
 

@@ -94,6 +94,24 @@ def test_usage_error_is_one_line_with_code_2(capsys):
     assert err.strip().count("\n") == 0 and "expected NAME=PATH" in err
 
 
+@pytest.mark.parametrize(
+    "adapters, problem",
+    [
+        pytest.param(["base=./a"], "the name 'base' is reserved for the base model", id="reserved-name"),
+        pytest.param(["x=./a", "y=./b", "x=./c"], "the name 'x' is given twice (./a and ./c)", id="twice"),
+        pytest.param(["x=./a", "x=./a"], "the name 'x' is given twice (./a and ./a)", id="twice-same-path"),
+        pytest.param(["a:b=./a"], "adapter names cannot hold ':'", id="colon"),
+    ],
+)
+@pytest.mark.parametrize("command", ["generate", "dashboard"])
+def test_adapter_names_the_prompts_could_not_tell_apart_are_usage_errors(capsys, command, adapters, problem):
+    """Refused by the parser, before anything loads: none of the paths exists, so a load would fail otherwise."""
+    options = [option for adapter in adapters for option in ("--adapter", adapter)]
+    code, out, err = run(capsys, command, "--model", "demo", *options, "--prompt", "base:lora")
+    assert code == 2 and out == ""
+    assert err.strip().count("\n") == 0 and f"argument --adapter: {problem}" in err
+
+
 def test_prompt_for_an_adapter_that_is_not_loaded(capsys, demo_shaped_adapters):
     code, _, err = run(
         capsys, "generate", "--model", "demo", "--adapter", f"reverse={demo_shaped_adapters['reverse']}",
@@ -120,7 +138,7 @@ def test_python_m_punica_hf_error_is_one_line(tmp_path):
     )
     assert result.returncode == 1
     assert result.stderr.strip().splitlines() == [
-        f"error: no adapter folder at {missing} (run with --debug for the traceback)"
+        f"error: no adapter folder at {missing}; not a Hub repo id either (run with --debug for the traceback)"
     ]
 
 
@@ -174,6 +192,25 @@ def test_generate_with_the_demo_model(capsys, demo_shaped_adapters, tmp_path):
     for adapter, word, answer in zip(["reverse", "sort", "base"], ["lora", "punica", "adapter"], answers):
         assert any(f"│ {adapter} " in line and f"│ {word} " in line and f"│ {answer} " in line for line in lines)
     assert "3/3 rows done" in out
+
+
+def test_demo_prompts_take_the_word_bare_or_as_the_demo_shows_it(capsys):
+    """``punica-hf demo`` shows its prompts as "lora="; given so to ``generate`` they mean the word "lora"."""
+    adapters = demo.adapter_paths()
+    if not all(path.is_dir() for path in adapters.values()):
+        pytest.skip("the demo adapters are not built yet (examples/train_demo_model.py writes punica_hf/demo/adapters)")
+    prompts = ["reverse:lora=", "reverse:lora", "upper:adapter=", "base:punica="]
+    code, out, err = run(
+        capsys, "generate", "--model", "demo", *[option for p in prompts for option in ("--prompt", p)],
+        "--max-new-tokens", str(demo.MAX_ANSWER_TOKENS),
+    )
+    assert code == 0, err
+    answers = direct_answers(adapters, ["lora", "lora", "adapter", "punica"], ["reverse", "reverse", "upper", None])
+    rows = [line for line in out.splitlines() if line.startswith("│")]
+    assert len(rows) == len(prompts)
+    for row, prompt, answer in zip(rows, prompts, answers):
+        adapter, _, text = prompt.partition(":")
+        assert f"│ {adapter} " in row and f"│ {text} " in row and f"│ {answer} " in row, row
 
 
 @pytest.fixture(scope="module")

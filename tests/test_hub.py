@@ -12,7 +12,11 @@ from __future__ import annotations
 import copy
 import hashlib
 import os
+import re
 import shutil
+import subprocess
+import sys
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,7 +28,8 @@ from huggingface_hub import constants, scan_cache_dir, try_to_load_from_cache
 from peft import PeftModel
 from safetensors.torch import load_file
 
-from punica_hf import MultiLoraModel
+from punica_hf import MultiLoraModel, load_adapter_weights
+from punica_hf.formats import load_converted
 
 REPO = "punica-test/tiny-lora"
 LEGACY_REPO = "punica-test/tiny-lora-bin"
@@ -201,17 +206,21 @@ def unchanged(served, hub):
 
 
 @pytest.mark.parametrize(
-    "repo_id, options",
+    "repo_id, options, local",
     [
-        pytest.param("punica-test/not-cached", {}, id="unknown-repo"),
-        pytest.param("not-cached", {}, id="unknown-repo-without-org"),
-        pytest.param(REPO, {"revision": "no-such-tag"}, id="unknown-revision"),
-        pytest.param(REPO, {"revision": hashlib.sha1(b"other").hexdigest()}, id="uncached-commit"),
-        pytest.param(REPO, {"subfolder": "no/such/folder"}, id="unknown-subfolder"),
+        pytest.param("punica-test/not-cached", {}, "./punica-test/not-cached", id="unknown-repo"),
+        pytest.param("not-cached", {}, "./not-cached", id="unknown-repo-without-org"),
+        pytest.param(REPO, {"revision": "no-such-tag"}, f"./{REPO}", id="unknown-revision"),
+        pytest.param(REPO, {"revision": hashlib.sha1(b"other").hexdigest()}, f"./{REPO}", id="uncached-commit"),
+        pytest.param(REPO, {"subfolder": "no/such/folder"}, f"./{REPO}/no/such/folder", id="unknown-subfolder"),
     ],
 )
-def test_repo_not_in_the_cache(unchanged, hub, repo_id, options):
-    with pytest.raises(OSError, match=f"could not get adapter_config.json of Hub repo '{repo_id}'"):
+def test_repo_not_in_the_cache(unchanged, hub, repo_id, options, local):
+    problem = (
+        f"no local folder {local}, and getting adapter_config.json of Hub repo '{repo_id}' failed: HF_HUB_OFFLINE "
+        "is set and the Hugging Face cache has no copy of it"
+    )
+    with pytest.raises(FileNotFoundError, match=re.escape(problem)):
         unchanged.load_adapters({"x": repo_id}, cache_dir=hub.cache, **options)
 
 
@@ -220,12 +229,98 @@ def test_cached_repo_without_weights(unchanged, hub):
         unchanged.load_adapters({"x": NO_WEIGHTS_REPO}, cache_dir=hub.cache)
 
 
-def test_invalid_repo_id(unchanged, hub):
-    with pytest.raises(OSError, match="not a local folder nor a valid Hub repo id"):
-        unchanged.load_adapters({"x": "org/bad name!"}, cache_dir=hub.cache)
+@pytest.mark.parametrize("source", ["org/bad name!", "a/b/c", "./not-here", "-leading-dash"])
+def test_a_source_that_is_no_repo_id_is_not_looked_up_on_the_hub(unchanged, hub, monkeypatch, source):
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", _must_not_be_called)
+    with pytest.raises(FileNotFoundError, match=re.escape(f"no adapter folder at {Path(source)}; not a Hub repo id")):
+        unchanged.load_adapters({"x": source}, cache_dir=hub.cache)
+
+
+def _must_not_be_called(*args, **kwargs):
+    raise AssertionError("the Hub was asked")
+
+
+def test_a_file_is_not_taken_for_an_adapter_folder(unchanged, hub, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    shutil.copy(hub.local["main"] / "adapter_config.json", tmp_path)
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", _must_not_be_called)
+    with pytest.raises(FileNotFoundError, match="adapter_config.json is a file, not a PEFT adapter folder"):
+        unchanged.load_adapters({"x": "adapter_config.json"}, cache_dir=hub.cache)
 
 
 def test_a_missing_repo_leaves_the_cached_one_of_the_same_call_unloaded(unchanged, hub):
     with pytest.raises(OSError, match="punica-test/not-cached"):
         unchanged.load_adapters({"good": REPO, "bad": "punica-test/not-cached"}, revision="v2", cache_dir=hub.cache)
     assert "good" not in unchanged.adapters
+
+
+# ----------------------------------------------------------------------------- a mistyped local folder
+def test_a_mistyped_local_folder_says_both_where_it_looked(unchanged, hub, tmp_path, monkeypatch):
+    """``sql-lora`` has the shape of a Hub repo id, so the Hub is asked too; the error tells both answers."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError) as error:
+        unchanged.load_adapters({"sql": "sql-lora"}, cache_dir=hub.cache)
+    assert str(error.value).startswith("no local folder ./sql-lora, and getting adapter_config.json of Hub repo")
+    assert "HF_HUB_OFFLINE is set" in str(error.value)
+
+
+# Run in a fresh interpreter: huggingface_hub reads HF_HUB_OFFLINE and HF_ENDPOINT once, at import. Prints the
+# error (or "loaded") and the seconds the call took, on two lines.
+_LOAD_IN_A_SUBPROCESS = textwrap.dedent(
+    """
+    import sys, time
+    from punica_hf.formats import convert_adapter
+    start = time.perf_counter()
+    try:
+        convert_adapter(sys.argv[1], sys.argv[2], cache_dir=sys.argv[3])
+        print("loaded")
+    except Exception as error:
+        print(f"{type(error).__name__}: {error}".replace(chr(10), " "))
+    print(time.perf_counter() - start)
+    """
+)
+# The Hub as a machine without network sees it: nothing listens on the discard port.
+UNREACHABLE_HUB = {"HF_HUB_OFFLINE": "0", "HF_ENDPOINT": "http://127.0.0.1:9"}
+# huggingface_hub 2.x retries a failed request for about 23 s when nothing is cached; a few seconds is the promise.
+FEW_SECONDS = 10
+
+
+def load_in_a_subprocess(source: str, hub: Hub, tmp_path: Path, env: dict[str, str]) -> tuple[str, float]:
+    """``(outcome, seconds)`` of converting ``source`` (read through ``hub.cache``) in a fresh interpreter."""
+    result = subprocess.run(
+        [sys.executable, "-c", _LOAD_IN_A_SUBPROCESS, source, str(tmp_path / "out.safetensors"), str(hub.cache)],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+        env={**os.environ, "HF_HOME": str(tmp_path / "hf-home"), "OMP_NUM_THREADS": "1", **env},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    outcome, seconds = result.stdout.strip().splitlines()[-2:]
+    return outcome, float(seconds)
+
+
+@pytest.mark.parametrize(
+    "env", [pytest.param({"HF_HUB_OFFLINE": "1"}, id="offline"), pytest.param(UNREACHABLE_HUB, id="unreachable")]
+)
+def test_a_mistyped_local_folder_fails_within_seconds_without_the_hub(hub, tmp_path, env):
+    outcome, seconds = load_in_a_subprocess("sql-lora", hub, tmp_path, env)
+    assert outcome.startswith(
+        "FileNotFoundError: no local folder ./sql-lora, and getting adapter_config.json of Hub repo 'sql-lora' failed: "
+    )
+    hub_said = outcome.partition("failed: ")[2]
+    if "HF_ENDPOINT" in env:
+        assert "Connect" in hub_said  # the network error itself, e.g. "ConnectError: [Errno 111] Connection refused"
+    else:
+        assert hub_said == "HF_HUB_OFFLINE is set and the Hugging Face cache has no copy of it"
+    assert seconds < FEW_SECONDS
+
+
+@pytest.mark.parametrize("repo_id", [REPO, LEGACY_REPO])
+def test_a_cached_repo_loads_within_seconds_while_the_hub_is_unreachable(hub, tmp_path, repo_id):
+    outcome, seconds = load_in_a_subprocess(repo_id, hub, tmp_path, UNREACHABLE_HUB)
+    assert outcome == "loaded"
+    assert seconds < FEW_SECONDS
+    converted = load_converted(tmp_path / "out.safetensors")
+    expected = load_adapter_weights(hub.local["main"])
+    assert converted.modules.keys() == expected.modules.keys()
+    for name, factors in expected.modules.items():
+        assert torch.equal(converted.modules[name].lora_a, factors.lora_a)
+        assert torch.equal(converted.modules[name].lora_b, factors.lora_b)

@@ -123,6 +123,19 @@ def tokenize_examples(examples: list[dict[str, str]], tokenizer, max_length: int
     return tokenized
 
 
+def check_examples_fit(examples: list[dict[str, str]], tokenizer, max_positions: int) -> None:
+    """Refuse examples longer than the demo model's positions: it knows single words only (``lora`` -> ``arol``),
+    so an example cut to fit would teach it fragments, and the presets' prompts alone are longer than it reads."""
+    lengths = [len(tokenizer.prompt_ids(e["prompt"])) + len(tokenizer.response_ids(e["response"])) for e in examples]
+    too_long = sum(length > max_positions for length in lengths)
+    if too_long:
+        raise ValueError(
+            f"{too_long} of {len(examples)} examples do not fit the demo model's {max_positions} positions (the "
+            f'longest needs {max(lengths)} tokens, one a byte); it takes single words, e.g. {{"prompt": "lora", '
+            '"response": "arol"}: the presets are for real models'
+        )
+
+
 class RightPaddingCollator:
     """Batches tokenized examples, padding on the right; padding is masked out of attention and loss."""
 
@@ -212,7 +225,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"Cutting examples to the model's {max_positions} positions instead of --max-length {max_length}")
         max_length = max_positions
     try:
-        train_dataset = tokenize_examples(read_examples(args.data), tokenizer, max_length)
+        examples = read_examples(args.data)
+        if args.model == DEMO_MODEL:
+            check_examples_fit(examples, tokenizer, max_positions)
+        train_dataset = tokenize_examples(examples, tokenizer, max_length)
     except (OSError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1

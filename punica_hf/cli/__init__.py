@@ -1,4 +1,4 @@
-"""The ``punica-hf`` command line: ``demo``, ``generate``, ``dashboard`` and ``convert``.
+"""The ``punica-hf`` command line: ``demo``, ``generate``, ``dashboard``, ``convert`` and ``serve``.
 
 Every command runs inside ``main``, which turns any error into one line on stderr and exit code 1 (2 for a bad
 command line), unless ``--debug`` asks for the traceback. ``generate`` and ``dashboard`` build one batch whose
@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from rich.console import Console
 
 from .. import __version__
-from . import convert, demo, generate
+from . import convert, demo, generate, serve
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -88,4 +88,5 @@ def build_parser() -> argparse.ArgumentParser:
     demo.register(command)
     generate.register(command)
     convert.register(command)
+    serve.register(command)
     return parser

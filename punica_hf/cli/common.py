@@ -43,6 +43,18 @@ def name_and_path(value: str) -> tuple[str, str]:
     return name, path
 
 
+class AppendUniqueName(argparse.Action):
+    """``action="append"`` for ``NAME=...`` options whose ``type`` makes ``(name, value)`` pairs: a name given
+    twice is a usage error, since one of its two values would be silently dropped."""
+
+    def __call__(self, parser, namespace, pair: tuple[str, str], option_string=None) -> None:
+        pairs = list(getattr(namespace, self.dest) or [])
+        earlier = dict(pairs).get(pair[0])
+        if earlier is not None:
+            raise argparse.ArgumentError(self, f"the name {pair[0]!r} is given twice ({earlier} and {pair[1]})")
+        setattr(namespace, self.dest, [*pairs, pair])
+
+
 @dataclass(frozen=True)
 class TextCodec:
     """How one model's prompts become a left-padded batch and its tokens become text."""
@@ -59,7 +71,8 @@ def load_model(model_id: str, device: torch.device, dtype: torch.dtype, chat_tem
         if chat_template:
             raise ValueError("the demo model has no chat template; leave out --chat-template")
         codec = TextCodec(
-            encode_batch=demo.batch_prompts, decode=demo.decode,
+            encode_batch=lambda prompts, device: demo.batch_prompts(list(map(demo_input, prompts)), device),
+            decode=demo.decode,
             eos_token_ids=frozenset({demo.EOS_ID}), pad_token_id=demo.PAD_ID,
         )
         return load_demo_model(device, dtype), codec
@@ -91,6 +104,12 @@ def load_model(model_id: str, device: torch.device, dtype: torch.dtype, chat_tem
         pad_token_id=tokenizer.pad_token_id,
     )
     return model, codec
+
+
+def demo_input(prompt: str) -> str:
+    """The demo model's input word in a prompt, given bare (``lora``) or in the demo's prompt format (``lora=``, as
+    ``punica-hf demo`` shows it): ``demo.batch_prompts`` adds the ``=`` itself."""
+    return prompt.removesuffix("=")
 
 
 def load_demo_model(device: torch.device, dtype: torch.dtype):

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
 import time
+from collections.abc import Callable
 
 from rich.console import Console
 from rich.table import Table
@@ -12,7 +12,9 @@ from rich.text import Text
 
 from .. import demo, ops
 from ..model import MultiLoraModel
-from .common import BASE, DEMO_MODEL, add_device_arguments, demo_adapter_sources, load_demo_model, resolve_device, resolve_dtype
+from .common import (
+    BASE, DEMO_MODEL, add_device_arguments, demo_adapter_sources, load_demo_model, resolve_device, resolve_dtype,
+)
 
 
 def register(command: Callable[..., argparse.ArgumentParser]) -> None:

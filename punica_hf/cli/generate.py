@@ -16,8 +16,8 @@ from ..formats import load_adapter_weights
 from ..formats.jsonl import read_jsonl
 from ..model import MultiLoraModel
 from .common import (
-    BASE, DEMO_MODEL, add_device_arguments, demo_adapter_sources, load_model, name_and_path, positive_int,
-    resolve_device, resolve_dtype,
+    BASE, DEMO_MODEL, AppendUniqueName, add_device_arguments, demo_adapter_sources, load_model, name_and_path,
+    positive_int, resolve_device, resolve_dtype,
 )
 from .streaming import BatchStreamer, BatchView, Request
 
@@ -59,14 +59,15 @@ def _add_generation_arguments(parser: argparse.ArgumentParser, model_default: st
         + (f" (default: {model_default})" if model_default else ""),
     )
     parser.add_argument(
-        "--adapter", action="append", default=[], metavar="NAME=PATH", type=name_and_path,
+        "--adapter", action=AppendUniqueName, default=[], metavar="NAME=PATH", type=_adapter_option,
         help="load an adapter under NAME from a PEFT folder, Hub repo id or converted .safetensors file "
-        "(repeatable); with --model demo and no --adapter, the demo adapters are loaded",
+        f"(repeatable, each NAME once, not '{BASE}'); with --model demo and no --adapter, the demo adapters are "
+        "loaded",
     )
     parser.add_argument(
         "--prompt", action="append", default=[], metavar="NAME:TEXT", type=_prompt_request,
         help=f"a request: TEXT generated with adapter NAME, or with the base model for NAME '{BASE}' (repeatable; "
-        "one batch row each)",
+        "one batch row each); with --model demo, TEXT is a word, as in reverse:lora or reverse:lora=",
     )
     parser.add_argument(
         "--prompts-jsonl", metavar="FILE", type=Path,
@@ -97,6 +98,16 @@ def _add_generation_arguments(parser: argparse.ArgumentParser, model_default: st
         help="wrap each prompt as a user message with the tokenizer's chat template (instruct models)",
     )
     add_device_arguments(parser)
+
+
+def _adapter_option(value: str) -> tuple[str, str]:
+    """``NAME=PATH``, with a NAME that ``--prompt NAME:TEXT`` can address: not the base model's, without ':'."""
+    name, path = name_and_path(value)
+    if name == BASE:
+        raise argparse.ArgumentTypeError(f"the name {BASE!r} is reserved for the base model; pick another name")
+    if ":" in name:
+        raise argparse.ArgumentTypeError(f"adapter names cannot hold ':' (--prompt NAME:TEXT), got {name!r}")
+    return name, path
 
 
 def _prompt_request(value: str) -> Request:

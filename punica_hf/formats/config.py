@@ -1,22 +1,41 @@
 """PEFT ``adapter_config.json`` -> the few settings serving needs, with PEFT's scaling rules.
 
 Which modules an adapter changes is read off its weights (that is what PEFT loads too); the config decides
-each module's rank and alpha (``rank_pattern`` / ``alpha_pattern``) and thus its scaling. Features that
-would change the math and are not implemented are refused by name rather than silently ignored.
+each module's rank and alpha (``rank_pattern`` / ``alpha_pattern``) and thus its scaling. Every field read here
+is type-checked (a ``ValueError`` names the field and the value it got), and features that would change the math
+and are not implemented are refused by name rather than silently ignored.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import numbers
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+# Config keys of PEFT features punica_hf does not implement. Flags must be true/false/null; the other settings
+# are refused whenever set (null, [] and {} mean unset, as in PEFT).
+_REFUSED_FLAGS = {
+    "use_dora": "DoRA (use_dora=True)",
+    "lora_bias": "LoRA bias (lora_bias=True)",
+}
+_REFUSED_SETTINGS = {
+    "modules_to_save": "modules_to_save",
+    "layer_replication": "layer_replication",
+    "target_parameters": "target_parameters (LoRA on nn.Parameter)",
+    "trainable_token_indices": "trainable_token_indices",
+    "alora_invocation_tokens": "aLoRA (alora_invocation_tokens)",
+    "megatron_config": "Megatron layers (megatron_config)",
+}
+
 
 @dataclass(frozen=True)
 class LoraAdapterConfig:
+    """The settings of one LoRA adapter; every field is checked when the config is made (``ValueError``)."""
+
     r: int
     lora_alpha: float
     use_rslora: bool = False
@@ -24,22 +43,38 @@ class LoraAdapterConfig:
     alpha_pattern: dict[str, float] = field(default_factory=dict)
     base_model_name_or_path: str | None = None
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    # (compiled pattern, value) per rank_pattern / alpha_pattern entry, in order: a bad regex fails at load
+    _rank_rules: tuple[tuple[re.Pattern, int], ...] = field(init=False, compare=False, repr=False)
+    _alpha_rules: tuple[tuple[re.Pattern, float], ...] = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        _require(_is_rank(self.r), "r", "a positive integer", self.r)
+        _require(_is_finite_number(self.lora_alpha), "lora_alpha", "a finite number", self.lora_alpha)
+        _require(isinstance(self.use_rslora, bool), "use_rslora", "true or false", self.use_rslora)
+        _require(
+            self.base_model_name_or_path is None or isinstance(self.base_model_name_or_path, str),
+            "base_model_name_or_path", "a string or null", self.base_model_name_or_path,
+        )
+        rank_rules = _compile_patterns("rank_pattern", self.rank_pattern, _is_rank, "a positive integer")
+        alpha_rules = _compile_patterns("alpha_pattern", self.alpha_pattern, _is_finite_number, "a finite number")
+        object.__setattr__(self, "_rank_rules", rank_rules)
+        object.__setattr__(self, "_alpha_rules", alpha_rules)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "LoraAdapterConfig":
-        """Validate a PEFT LoRA config dict. Unknown keys (newer PEFT versions) are ignored."""
+        """Validate a PEFT LoRA config dict. Keys serving does not need (newer PEFT versions) are ignored."""
         if not isinstance(raw, dict):
             raise ValueError(f"adapter config must be a JSON object, got {type(raw).__name__}")
-        peft_type = str(raw.get("peft_type", "")).upper()
-        if peft_type != "LORA":
-            raise ValueError(f"only LoRA adapters are supported, this config has peft_type={raw.get('peft_type')!r}")
+        peft_type = raw.get("peft_type")
+        if not (isinstance(peft_type, str) and peft_type.upper() == "LORA"):
+            raise ValueError(f"only LoRA adapters are supported, this config has peft_type={peft_type!r}")
         _refuse_unsupported_features(raw)
         return cls(
-            r=int(raw.get("r", 8)),
-            lora_alpha=float(raw.get("lora_alpha", 8)),
-            use_rslora=bool(raw.get("use_rslora", False)),
-            rank_pattern={k: int(v) for k, v in (raw.get("rank_pattern") or {}).items()},
-            alpha_pattern={k: float(v) for k, v in (raw.get("alpha_pattern") or {}).items()},
+            r=raw.get("r", 8),  # PEFT's defaults for keys that are absent; null stays null and is refused
+            lora_alpha=raw.get("lora_alpha", 8),
+            use_rslora=_unless_null(raw, "use_rslora", False),
+            rank_pattern=_unless_null(raw, "rank_pattern", {}),
+            alpha_pattern=_unless_null(raw, "alpha_pattern", {}),
             base_model_name_or_path=raw.get("base_model_name_or_path"),
             raw=dict(raw),
         )
@@ -50,41 +85,74 @@ class LoraAdapterConfig:
             raw = json.loads(Path(path).read_text(encoding="utf-8"))
         except json.JSONDecodeError as error:
             raise ValueError(f"adapter config {path} is not valid JSON: {error}") from None
-        return cls.from_dict(raw)
+        try:
+            return cls.from_dict(raw)
+        except ValueError as error:
+            raise ValueError(f"adapter config {path}: {error}") from None
 
     def rank_for(self, module_name: str) -> int:
         """The rank PEFT gives ``module_name`` (a module path of the base model)."""
-        return int(_pattern_value(self.rank_pattern, module_name, self.r))
+        return _pattern_value(self._rank_rules, module_name, self.r)
 
     def scaling_for(self, module_name: str) -> float:
         """``alpha / r``, or ``alpha / sqrt(r)`` with rsLoRA, after ``rank_pattern`` / ``alpha_pattern``."""
         rank = self.rank_for(module_name)
-        alpha = float(_pattern_value(self.alpha_pattern, module_name, self.lora_alpha))
+        alpha = float(_pattern_value(self._alpha_rules, module_name, self.lora_alpha))
         return alpha / math.sqrt(rank) if self.use_rslora else alpha / rank
 
 
-def _pattern_value(patterns: dict[str, Any], module_name: str, default: Any) -> Any:
-    # PEFT's rule: the first pattern that matches the end of the name at a "." boundary wins.
+def _require(condition: bool, name: str, expected: str, value: Any) -> None:
+    if not condition:
+        raise ValueError(f"{name} must be {expected}, got {value!r}")
+
+
+def _is_rank(value: Any) -> bool:
+    # bool is an int subclass, but `True` is not a rank
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value > 0
+
+
+def _is_finite_number(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _unless_null(raw: dict[str, Any], key: str, default: Any) -> Any:
+    value = raw.get(key)
+    return default if value is None else value
+
+
+def _compile_patterns(name: str, patterns: Any, is_valid, expected: str) -> tuple[tuple[re.Pattern, Any], ...]:
+    """``patterns`` ({regex: value}) checked and compiled the way PEFT matches them against module names."""
+    _require(isinstance(patterns, dict), name, "a JSON object {pattern: value}", patterns)
+    rules = []
     for pattern, value in patterns.items():
-        if re.match(rf"(.*\.)?({pattern})$", module_name):
+        _require(isinstance(pattern, str), f"{name} key", "a string", pattern)
+        _require(is_valid(value), f"{name}[{pattern!r}]", expected, value)
+        try:
+            # PEFT's rule: a pattern matches the end of the module name at a "." boundary
+            rules.append((re.compile(rf"(.*\.)?({pattern})$"), value))
+        except re.error as error:
+            raise ValueError(f"{name} key {pattern!r} is not a valid regular expression: {error}") from None
+    return tuple(rules)
+
+
+def _pattern_value(rules: tuple[tuple[re.Pattern, Any], ...], module_name: str, default: Any) -> Any:
+    # PEFT's rule: the first pattern that matches wins
+    for pattern, value in rules:
+        if pattern.match(module_name):
             return value
     return default
 
 
 def _refuse_unsupported_features(raw: dict[str, Any]) -> None:
-    refusals = {
-        "use_dora": "DoRA (use_dora=True)",
-        "lora_bias": "LoRA bias (lora_bias=True)",
-        "modules_to_save": "modules_to_save",
-        "layer_replication": "layer_replication",
-        "target_parameters": "target_parameters (LoRA on nn.Parameter)",
-        "trainable_token_indices": "trainable_token_indices",
-        "alora_invocation_tokens": "aLoRA (alora_invocation_tokens)",
-        "megatron_config": "Megatron layers (megatron_config)",
-    }
-    for key, feature in refusals.items():
+    for key, feature in _REFUSED_FLAGS.items():
+        flag = raw.get(key)
+        _require(flag is None or isinstance(flag, bool), key, "true or false", flag)
+        if flag:
+            raise ValueError(f"{feature} is not supported by punica_hf yet")
+    for key, feature in _REFUSED_SETTINGS.items():
         if raw.get(key):
             raise ValueError(f"{feature} is not supported by punica_hf yet")
-    bias = raw.get("bias", "none")
+    bias = raw.get("bias")
+    _require(bias is None or isinstance(bias, str), "bias", "a string ('none')", bias)
     if bias not in (None, "none"):
         raise ValueError(f"bias={bias!r} is not supported by punica_hf yet (only bias='none')")

@@ -2,7 +2,7 @@
 
 A source is a local PEFT folder (``adapter_config.json`` + ``adapter_model.safetensors`` or legacy
 ``adapter_model.bin``) or a Hub repo id resolved through ``huggingface_hub`` (its cache and ``HF_HUB_OFFLINE``
-apply). Checkpoints are data: pickled
+apply; an unreachable Hub fails at once rather than after retries). Checkpoints are data: pickled
 ``.bin`` files are read with ``weights_only=True`` and nothing from a checkpoint is ever executed. Nothing here
 touches a model: the adapter store validates the result against the base model and only then writes it into the
 layers.
@@ -61,7 +61,11 @@ def resolve_adapter_files(
     token: str | bool | None = None,
     cache_dir: str | Path | None = None,
 ) -> tuple[Path, Path]:
-    """``(adapter_config.json, weights file)`` of a local PEFT folder or a Hub repo (downloaded or cached)."""
+    """``(adapter_config.json, weights file)`` of a local PEFT folder or a Hub repo (downloaded or cached).
+
+    A source that is not an existing local folder is looked up on the Hub only when it is a valid repo id
+    (``name`` or ``org/name``); a ``Path`` never is.
+    """
     local = Path(source).expanduser()
     if subfolder:
         local = local / subfolder
@@ -73,21 +77,40 @@ def resolve_adapter_files(
             if (local / name).is_file():
                 return config_path, local / name
         raise FileNotFoundError(f"{local} has neither {SAFETENSORS_NAME} nor {PICKLE_NAME}")
-    if isinstance(source, Path) or _looks_like_path(str(source)):
-        raise FileNotFoundError(f"no adapter folder at {local}")
-    return _download_from_hub(str(source), revision=revision, subfolder=subfolder, token=token, cache_dir=cache_dir)
+    if local.exists():
+        raise FileNotFoundError(f"{local} is a file, not a PEFT adapter folder (give the folder that holds it)")
+    if isinstance(source, Path) or not _is_hub_repo_id(source):
+        raise FileNotFoundError(f"no adapter folder at {local}; not a Hub repo id either")
+    return _download_from_hub(
+        source, revision=revision, subfolder=subfolder, token=token, cache_dir=cache_dir, local=local
+    )
 
 
-def _looks_like_path(source: str) -> bool:
-    # A Hub id is "name" or "org/name"; anything else is meant as a local path that does not exist.
-    return source.startswith((".", "/", "~")) or source.count("/") > 1 or "\\" in source
+def _is_hub_repo_id(source: str) -> bool:
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(source)
+    except HFValidationError:
+        return False
+    return True
 
 
-def _download_from_hub(repo_id, *, revision, subfolder, token, cache_dir) -> tuple[Path, Path]:
-    from huggingface_hub import hf_hub_download
-    from huggingface_hub.errors import EntryNotFoundError, HFValidationError
+def _download_from_hub(repo_id: str, *, revision, subfolder, token, cache_dir, local: Path) -> tuple[Path, Path]:
+    from huggingface_hub import constants, get_hf_file_metadata, hf_hub_download, hf_hub_url, try_to_load_from_cache
+    from huggingface_hub.errors import EntryNotFoundError
+
+    def cached(filename: str):
+        """The cached file's path, a marker that the file is known not to exist, or None (nothing known)."""
+        path_in_repo = f"{subfolder}/{filename}" if subfolder else filename
+        return try_to_load_from_cache(repo_id, path_in_repo, cache_dir=cache_dir, revision=revision)
 
     def fetch(filename: str) -> Path:
+        if cached(filename) is None and not constants.HF_HUB_OFFLINE:
+            # With nothing cached, hf_hub_download retries a failed request for about 23 s (huggingface_hub 2.x).
+            # One request without retries first makes an unreachable Hub or a missing repo fail at once.
+            url = hf_hub_url(repo_id, filename, subfolder=subfolder, revision=revision)
+            get_hf_file_metadata(url, token=token, timeout=constants.HF_HUB_ETAG_TIMEOUT)
         return Path(
             hf_hub_download(
                 repo_id, filename, subfolder=subfolder, revision=revision, token=token, cache_dir=cache_dir
@@ -96,11 +119,18 @@ def _download_from_hub(repo_id, *, revision, subfolder, token, cache_dir) -> tup
 
     try:
         config_path = fetch(CONFIG_NAME)
-    except HFValidationError as error:
-        raise FileNotFoundError(f"no adapter at {repo_id!r}: not a local folder nor a valid Hub repo id") from error
     except Exception as error:  # offline and not cached, unknown repo, no access, network error
-        raise OSError(f"could not get {CONFIG_NAME} of Hub repo {repo_id!r}: {error}") from error
-    for name in (SAFETENSORS_NAME, PICKLE_NAME):
+        hub_said = (
+            "HF_HUB_OFFLINE is set and the Hugging Face cache has no copy of it"
+            if constants.HF_HUB_OFFLINE
+            else f"{type(error).__name__}: {error}"
+        )
+        raise FileNotFoundError(
+            f"no local folder ./{local.as_posix()}, and getting {CONFIG_NAME} of Hub repo {repo_id!r} failed: "
+            f"{hub_said}"
+        ) from error
+    # A weights file in the cache first: with the Hub unreachable, asking for the other one would fail.
+    for name in sorted((SAFETENSORS_NAME, PICKLE_NAME), key=lambda name: not isinstance(cached(name), str)):
         try:
             return config_path, fetch(name)
         except EntryNotFoundError:

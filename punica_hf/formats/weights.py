@@ -24,12 +24,30 @@ class ModuleLora:
 
 @dataclass(frozen=True)
 class AdapterWeights:
-    """A whole adapter: base-model module name -> its LoRA factors."""
+    """A whole adapter: base-model module name -> its LoRA factors.
+
+    Every factor is checked to hold finite values only (``ValueError`` naming the module otherwise), whatever
+    made it: a PEFT checkpoint, a converted file or code.
+    """
 
     modules: dict[str, ModuleLora]
     config: LoraAdapterConfig
     source: str
 
+    def __post_init__(self) -> None:
+        for module_name, factors in self.modules.items():
+            for factor_name in ("lora_a", "lora_b"):
+                if not _all_finite(getattr(factors, factor_name)):
+                    raise ValueError(
+                        f"adapter {self.source}: module {module_name} has NaN or Inf values in its {factor_name}"
+                    )
+
     @property
     def max_rank(self) -> int:
         return max(m.rank for m in self.modules.values())
+
+
+def _all_finite(tensor: torch.Tensor) -> bool:
+    # A sum is finite unless some value is NaN or Inf or the sum overflows: one reduction, several times cheaper
+    # than an element-wise isfinite; the exact check runs only when the sum is not finite.
+    return bool(torch.isfinite(tensor.sum())) or bool(torch.isfinite(tensor).all())

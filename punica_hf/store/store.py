@@ -113,6 +113,8 @@ class AdapterStore:
         self._resident: OrderedDict[int, Adapter] = OrderedDict()  # least recently used first
         self._free_slots = list(range(max_adapters))
         self._reader: ThreadPoolExecutor | None = None
+        # Bumped when a hook or a pool is added: CUDA graphs captured before then miss it and must be captured again.
+        self.layout_version = 0
         self.counters = dict(hits=0, host_loads=0, disk_loads=0, evictions=0, bytes_to_gpu=0)
 
     @contextlib.contextmanager
@@ -193,6 +195,8 @@ class AdapterStore:
                 del self.pools[device]
             raise
 
+        if new_hooks or new_pools:
+            self.layout_version += 1
         assigned = {}
         for name, (weights, source, source_kwargs, _, layouts, device_bytes) in planned.items():
             index = self._free_index()

@@ -1,0 +1,33 @@
+"""Serving: continuous batching with an adapter per request (``Engine``) and an OpenAI-compatible HTTP server.
+
+The engine needs only torch and transformers; the server (``punica_hf.serving.app``, ``punica-hf serve``) needs
+the ``serve`` extra (FastAPI, uvicorn, prometheus_client).
+"""
+
+from .engine import (
+    Completion,
+    Delta,
+    Engine,
+    EngineClosedError,
+    EngineConfig,
+    EngineStats,
+    QueueFullError,
+    RequestHandle,
+    SamplingParams,
+)
+from .text import DemoTokenizer, HFTokenizer, TextStream
+
+__all__ = [
+    "Completion",
+    "Delta",
+    "DemoTokenizer",
+    "Engine",
+    "EngineClosedError",
+    "EngineConfig",
+    "EngineStats",
+    "HFTokenizer",
+    "QueueFullError",
+    "RequestHandle",
+    "SamplingParams",
+    "TextStream",
+]

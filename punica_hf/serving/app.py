@@ -1,0 +1,367 @@
+"""The OpenAI-compatible HTTP server around an ``Engine`` (FastAPI; run it with uvicorn, or ``punica-hf serve``).
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream: true`` for server-sent events),
+``GET /v1/models``, ``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (vLLM's bodies; only when
+runtime loading is on, and only from paths under the allowed directories), ``GET /health``, ``GET /metrics``.
+The request's ``model`` names an adapter, or the base model. Errors are OpenAI's error JSON: 400 bad body or
+too long, 401 wrong or missing API key (every route but ``/health``), 404 unknown model, 429 queue full, 503 the
+engine is not running. A client that disconnects has its requests cancelled (their KV blocks freed). The app
+starts the engine and, when the server shuts down (SIGTERM), lets it finish the requests in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import time
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import aclosing, asynccontextmanager
+from pathlib import Path
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .engine import Completion, Delta, Engine, EngineClosedError, QueueFullError, RequestHandle, SamplingParams
+from .metrics import ServingMetrics
+from .protocol import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatMessageOut,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorDetail,
+    ErrorResponse,
+    LoadLoraAdapterRequest,
+    ModelCard,
+    ModelList,
+    UnloadLoraAdapterRequest,
+    Usage,
+    new_id,
+)
+
+DISCONNECT_POLL_SECONDS = 0.25  # how often a non-streaming request checks that its client is still there
+
+
+class APIError(Exception):
+    """An error answered with OpenAI's error JSON."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", code: str | None = None,
+                 param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.code, self.param = status, message, type, code, param
+
+    def response(self) -> JSONResponse:
+        body = ErrorResponse(error=ErrorDetail(message=self.message, type=self.type, param=self.param, code=self.code))
+        return JSONResponse(body.model_dump(), status_code=self.status)
+
+
+def create_app(
+    engine: Engine,
+    model_name: str,
+    *,
+    model_source: str | None = None,
+    adapter_sources: Mapping[str, str] | None = None,
+    api_key: str | None = None,
+    lora_dirs: Sequence[str | Path] | None = None,
+) -> FastAPI:
+    """The server of ``engine`` (not started yet: the app starts it, and drains it on shutdown).
+
+    ``model_name`` is the base model's id in the API; ``model_source`` and ``adapter_sources`` are where the
+    weights came from (shown by ``/v1/models``). ``lora_dirs`` turns on runtime adapter loading, from paths under
+    those directories only (symlinks resolved); None keeps it off.
+    """
+    server = _Server(engine, model_name, model_source, adapter_sources or {}, lora_dirs)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        yield
+        await asyncio.to_thread(engine.shutdown, True)
+
+    app = FastAPI(title="punica-hf", summary="OpenAI-compatible multi-LoRA serving", lifespan=lifespan)
+    app.state.server = server
+
+    def check_api_key(request: Request) -> None:
+        if api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+            raise APIError(401, "missing or wrong API key (send 'Authorization: Bearer <key>')", code="invalid_api_key")
+
+    api = APIRouter(dependencies=[Depends(check_api_key)])
+
+    @api.post("/v1/completions", response_model=CompletionResponse)
+    async def completions(body: CompletionRequest, request: Request):
+        adapter = server.adapter_for(body.model)
+        params = _bad_request_on_value_error(lambda: body.sampling_params(body.max_new_tokens()))
+        prompts = _bad_request_on_value_error(body.prompts)
+        handles = server.submit([(prompt, adapter, params) for prompt in prompts])
+        response_id = new_id("cmpl")
+        if body.stream:
+            return _event_stream(server.stream_completion(response_id, body.model, handles), handles)
+        results = await _results_unless_disconnected(request, handles)
+        if results is None:
+            return Response(status_code=499)
+        choices = [CompletionChoice(index=i, text=c.text, finish_reason=c.finish_reason) for i, c in enumerate(results)]
+        return CompletionResponse(id=response_id, model=body.model, choices=choices, usage=Usage.of(results))
+
+    @api.post("/v1/chat/completions", response_model=ChatCompletionResponse)
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        adapter = server.adapter_for(body.model)
+        prompt_ids = _bad_request_on_value_error(lambda: server.chat_prompt(body.chat()))
+        max_tokens = body.requested_max_tokens() or max(engine.max_model_len - len(prompt_ids), 1)
+        params = _bad_request_on_value_error(lambda: body.sampling_params(max_tokens))
+        handles = server.submit([(prompt_ids, adapter, params)])
+        response_id = new_id("chatcmpl")
+        if body.stream:
+            return _event_stream(server.stream_chat(response_id, body.model, handles[0]), handles)
+        results = await _results_unless_disconnected(request, handles)
+        if results is None:
+            return Response(status_code=499)
+        (result,) = results
+        choice = ChatChoice(index=0, message=ChatMessageOut(content=result.text), finish_reason=result.finish_reason)
+        return ChatCompletionResponse(id=response_id, model=body.model, choices=[choice], usage=Usage.of(results))
+
+    @api.get("/v1/models", response_model=ModelList)
+    async def models():
+        return server.model_list()
+
+    @api.get("/metrics")
+    async def metrics():
+        content, content_type = server.metrics.render()
+        return Response(content, media_type=content_type)
+
+    if lora_dirs is not None:
+
+        @api.post("/v1/load_lora_adapter")
+        def load_lora_adapter(body: LoadLoraAdapterRequest):  # blocking file reads: FastAPI runs it in a thread
+            server.load_adapter(body.lora_name, body.lora_path)
+            return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+        @api.post("/v1/unload_lora_adapter")
+        def unload_lora_adapter(body: UnloadLoraAdapterRequest):
+            server.unload_adapter(body.lora_name)
+            return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
+
+    app.include_router(api)
+
+    @app.get("/health")
+    async def health():
+        if not engine.running:
+            raise APIError(503, "the engine is not running", type="server_error", code="engine_not_running")
+        return {"status": "ok"}
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, error: APIError):
+        return error.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, error: RequestValidationError):
+        problems = "; ".join(
+            f"{'.'.join(str(part) for part in problem['loc'] if part != 'body') or 'body'}: {problem['msg']}"
+            for problem in error.errors()
+        )
+        return APIError(400, f"invalid request: {problems}").response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, error: StarletteHTTPException):
+        return APIError(error.status_code, str(error.detail), code=str(error.status_code)).response()
+
+    return app
+
+
+class _Server:
+    """The state behind the routes: the engine, the model names and where their weights came from, metrics."""
+
+    def __init__(self, engine: Engine, model_name: str, model_source: str | None, adapter_sources: Mapping[str, str],
+                 lora_dirs: Sequence[str | Path] | None) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.model_source = model_source
+        self.adapter_sources = dict(adapter_sources)
+        self.lora_dirs = None if lora_dirs is None else [Path(os.path.realpath(d)) for d in lora_dirs]
+        self.metrics = ServingMetrics(engine)
+        self.created = int(time.time())
+
+    # -------------------------------------------------------------- models
+    def adapter_for(self, model: str) -> str | None:
+        """The adapter a request's ``model`` names (None for the base model); 404 for anything else."""
+        if model == self.model_name:
+            return None
+        if model in self.engine.model.adapters:
+            return model
+        raise APIError(404, f"The model '{model}' does not exist", param="model", code="model_not_found")
+
+    def model_list(self) -> ModelList:
+        base = ModelCard(id=self.model_name, created=self.created, root=self.model_source,
+                         max_model_len=self.engine.max_model_len)
+        adapters = [
+            ModelCard(id=name, created=self.created, root=self.adapter_sources.get(name), parent=self.model_name)
+            for name in sorted(self.engine.model.adapters)
+        ]
+        return ModelList(data=[base, *adapters])
+
+    def load_adapter(self, name: str, path: str) -> None:
+        if name == self.model_name or name in self.engine.model.adapters:
+            raise APIError(400, f"The lora adapter '{name}' has already been loaded.", param="lora_name")
+        resolved = Path(os.path.realpath(path))
+        if not any(resolved == allowed or allowed in resolved.parents for allowed in self.lora_dirs):
+            raise APIError(400, f"lora_path '{path}' is not under a directory the server allows (--lora-dir)",
+                           param="lora_path")
+        if not resolved.exists():
+            raise APIError(400, f"lora_path '{path}' does not exist", param="lora_path")
+        try:
+            self.engine.model.load_adapters({name: str(resolved)})
+        except (ValueError, KeyError, OSError) as error:
+            raise APIError(400, f"could not load '{path}': {error}", param="lora_path") from error
+        self.adapter_sources[name] = str(resolved)
+
+    def unload_adapter(self, name: str) -> None:
+        if name not in self.engine.model.adapters:
+            raise APIError(404, f"The lora adapter '{name}' cannot be found.", param="lora_name",
+                           code="model_not_found")
+        self.engine.model.unload_adapter(name)  # requests using it finish first; its name is free at once
+        self.adapter_sources.pop(name, None)
+
+    # -------------------------------------------------------------- requests
+    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
+        if self.engine.tokenizer is None:
+            raise ValueError("this server has no tokenizer: chat needs one")
+        return self.engine.tokenizer.encode_chat(messages)
+
+    def submit(self, requests: list[tuple[str | list[int], str | None, SamplingParams]]) -> list[RequestHandle]:
+        """Submit all (one choice each) or none."""
+        handles = []
+        try:
+            for prompt, adapter, params in requests:
+                handles.append(self.engine.submit(prompt, adapter, params))
+        except BaseException as error:
+            for handle in handles:
+                handle.cancel()
+            if isinstance(error, KeyError):
+                raise APIError(404, str(error.args[0]), param="model", code="model_not_found") from error
+            if isinstance(error, ValueError):
+                raise APIError(400, str(error)) from error
+            if isinstance(error, QueueFullError):
+                raise APIError(429, str(error), type="server_overloaded", code="queue_full") from error
+            if isinstance(error, EngineClosedError):
+                raise APIError(503, str(error), type="server_error", code="engine_not_running") from error
+            raise
+        return handles
+
+    async def stream_completion(self, response_id: str, model: str, handles: list[RequestHandle]) -> AsyncIterator[str]:
+        async with aclosing(_merged(handles)) as pieces:
+            async for index, delta in pieces:
+                if delta.finish_reason == "error":
+                    yield _error_event(handles[index])
+                    return
+                if delta.text or delta.finish_reason:
+                    choice = CompletionChoice(index=index, text=delta.text, finish_reason=delta.finish_reason)
+                    yield _event(CompletionResponse(id=response_id, model=model, choices=[choice]))
+        usage = Usage.of([handle.result(timeout=0) for handle in handles])
+        yield _event(CompletionResponse(id=response_id, model=model, choices=[], usage=usage))
+
+    async def stream_chat(self, response_id: str, model: str, handle: RequestHandle) -> AsyncIterator[str]:
+        def chunk(delta: ChatDelta, finish_reason: str | None = None) -> str:
+            choice = ChatChunkChoice(index=0, delta=delta, finish_reason=finish_reason)
+            return _event(ChatCompletionChunk(id=response_id, model=model, choices=[choice]))
+
+        yield chunk(ChatDelta(role="assistant", content=""))
+        async with aclosing(aiter(handle)) as pieces:
+            async for delta in pieces:
+                if delta.finish_reason == "error":
+                    yield _error_event(handle)
+                    return
+                if delta.text:
+                    yield chunk(ChatDelta(content=delta.text))
+                if delta.finish_reason:
+                    yield chunk(ChatDelta(), delta.finish_reason)
+        usage = Usage.of([handle.result(timeout=0)])
+        yield _event(ChatCompletionChunk(id=response_id, model=model, choices=[], usage=usage))
+
+
+def _bad_request_on_value_error(make):
+    try:
+        return make()
+    except ValueError as error:
+        raise APIError(400, str(error)) from error
+
+
+async def _results_unless_disconnected(request: Request, handles: list[RequestHandle]) -> list[Completion] | None:
+    """The requests' completions; None (and the requests cancelled) if the client goes away first."""
+    results = asyncio.ensure_future(asyncio.gather(*(handle.aresult() for handle in handles)))
+    try:
+        while True:
+            done, _ = await asyncio.wait({results}, timeout=DISCONNECT_POLL_SECONDS)
+            if done:
+                break
+            if await request.is_disconnected():
+                return None
+    finally:
+        if not results.done():
+            results.cancel()
+            for handle in handles:
+                handle.cancel()
+    completions = results.result()
+    failed = [c for c in completions if c.finish_reason == "error"]
+    if failed:
+        raise APIError(500, f"generation failed: {failed[0].error}", type="server_error", code="generation_failed")
+    return completions
+
+
+def _event_stream(events: AsyncIterator[str], handles: list[RequestHandle]) -> StreamingResponse:
+    """Server-sent events ending with ``data: [DONE]``. When the client disconnects, Starlette cancels the
+    stream: the requests are cancelled with it (a no-op for those that finished)."""
+
+    async def body() -> AsyncIterator[str]:
+        try:
+            async with aclosing(events):
+                async for event in events:
+                    yield event
+            yield "data: [DONE]\n\n"
+        finally:
+            for handle in handles:
+                handle.cancel()
+
+    return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+async def _merged(handles: list[RequestHandle]) -> AsyncIterator[tuple[int, Delta]]:
+    """``(choice index, delta)`` of several requests as they come."""
+    pieces: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, handle: RequestHandle) -> None:
+        async for delta in handle:
+            await pieces.put((index, delta))
+        await pieces.put((index, None))
+
+    pumps = [asyncio.create_task(pump(index, handle)) for index, handle in enumerate(handles)]
+    try:
+        running = len(handles)
+        while running:
+            index, delta = await pieces.get()
+            if delta is None:
+                running -= 1
+            else:
+                yield index, delta
+    finally:
+        for task in pumps:
+            task.cancel()
+
+
+def _event(body) -> str:
+    return f"data: {body.model_dump_json()}\n\n"
+
+
+def _error_event(handle: RequestHandle) -> str:
+    message = f"generation failed: {handle.result(timeout=0).error}"
+    error = ErrorResponse(error=ErrorDetail(message=message, type="server_error", code="generation_failed"))
+    return _event(error)

@@ -1,0 +1,859 @@
+"""Continuous batching in which every request brings its own LoRA adapter and its own generation settings.
+
+Built on transformers' continuous batching (``transformers/generation/continuous_batching``, tested with 5.17 and
+5.24): its paged KV cache, scheduler (chunked prefill, offloading when the cache is full), packed ``[1, T]``
+batches, attention paths and CUDA graphs do the work. transformers has no per-request adapter and no per-request
+sampling, so this module extends it at three points and drives its batch processor from its own loop:
+
+- ``_AdapterSlotIOs``: the batch inputs gain ``adapter_ids`` ``[1, T]``, the GPU slot of each packed token's
+  request (-1 = base model and padding), filled in the same walk over the scheduled requests that packs the
+  tokens, in a static buffer (CUDA graphs captured once read new values at every replay). The wrapped model's
+  ``forward`` takes it to the LoRA layers.
+- ``_ScoreKeepingRunner``: greedy decoding stays inside transformers' (graphable) step; the step also copies its
+  logits into a static buffer, from which requests that sample draw their token afterwards with their own
+  temperature / top-k / top-p and their own seeded generator, so a seeded request gives the same text whatever
+  else is in the batch.
+- ``_OutputRouter``: each new token goes to its request's handle (streaming text, stop strings and token ids,
+  finish reasons), in the engine thread.
+
+transformers builds those objects inside its batch processor without a hook to pass other classes, so the engine
+switches the class of the two instances to the subclasses above (keeping every reference transformers holds).
+Prefix caching (block sharing) is turned off: two requests with the same prompt but different adapters have
+different keys and values, and transformers' block hashes know only the tokens.
+
+Adapters are pinned for each request's lifetime through ``MultiLoraModel.acquire(..., block=False)``: a request
+whose adapter is still being loaded, or does not fit next to the adapters running requests hold, waits in the
+engine's queue while the batch keeps going. The queue is bounded (``QueueFullError``); cancelling a request frees
+its KV blocks at the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import itertools
+import math
+import random
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+
+import torch
+from transformers import ContinuousBatchingConfig, GenerationConfig
+from transformers.generation.continuous_batching.input_outputs import ContinuousBatchingIOs
+from transformers.generation.continuous_batching.model_runner import ModelRunner
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+from ..store import AdapterCapacityError, AdapterLease, AdapterNotReady
+from .text import TextStream, Tokenizer, as_tokenizer
+
+logger = logging.getLogger(__name__)
+TESTED_TRANSFORMERS = ">=5.17,<5.25"
+FINISH_REASONS = ("stop", "length", "cancelled", "error")
+CPU_MAX_RUNNING = 16  # CPU defaults: transformers would size the cache from free RAM (gigabytes, tens of seconds)
+CPU_MAX_BATCH_TOKENS = 256
+IDLE_POLL_SECONDS = 0.002  # how often a request waiting for its adapter to load retries
+
+
+class QueueFullError(RuntimeError):
+    """The engine's queue holds ``EngineConfig.max_queue`` requests already: retry later."""
+
+
+class EngineClosedError(RuntimeError):
+    """The engine is not running (not started, shutting down, or stopped after an error)."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request generates. ``temperature=0`` is greedy decoding (the same tokens as ``generate()``).
+
+    ``top_k=0`` and ``top_p=1`` turn those filters off; ``seed`` makes sampling repeatable (a random seed
+    otherwise). Generation stops after ``max_new_tokens``, at an end-of-sequence token (unless ``ignore_eos``),
+    at any of ``stop_token_ids``, or at the first of the ``stop`` strings (left out of the text).
+    """
+
+    max_new_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
+        if not (isinstance(self.temperature, (int, float)) and 0 <= self.temperature < math.inf):
+            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
+        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0, got {self.top_k!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be token ids (integers >= 0), got {self.stop_token_ids!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Sizing of an ``Engine``; ``None`` lets transformers size it from free accelerator memory.
+
+    On the CPU the defaults are small instead: ``CPU_MAX_RUNNING`` requests, ``CPU_MAX_BATCH_TOKENS`` tokens per
+    step, and a KV cache that holds ``max_running`` requests of ``max_model_len`` tokens.
+
+    Args:
+        max_queue: requests waiting to run at most (submitted, not yet scheduled); one more -> ``QueueFullError``.
+        max_running: requests in one batch at most (transformers' ``max_requests_per_batch``).
+        max_batch_tokens: packed tokens per step at most (longer prefills are split over steps).
+        kv_blocks: blocks of the paged KV cache (each holds a page of tokens for every layer).
+        max_model_len: prompt + new tokens of one request at most (default: the model's position limit).
+        cuda_graphs: capture each step shape in a CUDA graph (None: transformers decides).
+        warmup: capture the graphs at start instead of on first use.
+    """
+
+    max_queue: int = 256
+    max_running: int | None = None
+    max_batch_tokens: int | None = None
+    kv_blocks: int | None = None
+    max_model_len: int | None = None
+    cuda_graphs: bool | None = None
+    warmup: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("max_queue", "max_running", "max_batch_tokens", "kv_blocks", "max_model_len"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True)
+class Delta:
+    """One streamed piece of a request: its new tokens and their text; ``finish_reason`` on the last piece."""
+
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: str | None = None
+
+
+@dataclass(frozen=True)
+class Completion:
+    """A finished request. ``text`` ends before the stop string that stopped it; ``token_ids`` leave out the
+    end-of-sequence or stop token that stopped it.
+
+    ``completion_tokens`` counts every token the model generated (a stopping token included); times are
+    ``time.perf_counter()`` values. ``finish_reason`` is one of ``FINISH_REASONS``.
+    """
+
+    request_id: str
+    adapter: str | None
+    prompt_token_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: str
+    completion_tokens: int
+    submitted_at: float
+    first_token_at: float | None
+    finished_at: float
+    token_times: tuple[float, ...] = field(repr=False, default=())
+    error: str | None = None
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        return None if self.first_token_at is None else self.first_token_at - self.submitted_at
+
+    @property
+    def time_per_output_token(self) -> float | None:
+        """Mean seconds between output tokens after the first (None with fewer than two)."""
+        if len(self.token_times) < 2:
+            return None
+        return (self.token_times[-1] - self.token_times[0]) / (len(self.token_times) - 1)
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine. ``queued``: submitted, not yet handed to the scheduler (waiting for room or for
+    its adapter); ``waiting``: in the scheduler, not yet started; ``running``: holding KV blocks;
+    ``dropped_and_freed``: requests that ended while transformers still ran them (cancelled, client gone, stop
+    string) and were dropped with their KV blocks freed; ``rejected``: submissions refused, the queue full."""
+
+    queued: int
+    waiting: int
+    running: int
+    last_batch_requests: int
+    last_batch_tokens: int
+    steps: int
+    prompt_tokens: int
+    generated_tokens: int
+    finished: dict[str, int]
+    dropped_and_freed: int
+    rejected: int
+    kv_free_fraction: float
+
+
+class RequestHandle:
+    """A submitted request: iterate it (``for delta in handle`` / ``async for``) to stream its pieces, or wait for
+    the ``Completion`` with ``result()`` / ``await aresult()``; ``cancel()`` stops it and frees its KV memory."""
+
+    def __init__(self, engine: Engine, request_id: str, adapter: str | None, prompt_token_ids: tuple[int, ...]):
+        self.request_id = request_id
+        self.adapter = adapter
+        self.prompt_token_ids = prompt_token_ids
+        self._engine = engine
+        self._deltas: list[Delta] = []
+        self._completion: Completion | None = None
+        self._condition = threading.Condition()
+        self._async_wakers: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
+
+    @property
+    def done(self) -> bool:
+        return self._completion is not None
+
+    def cancel(self) -> None:
+        """Stop generating (no-op once finished); the request finishes with reason ``"cancelled"``."""
+        if not self.done:
+            self._engine._cancel(self.request_id)
+
+    def result(self, timeout: float | None = None) -> Completion:
+        with self._condition:
+            if not self._condition.wait_for(lambda: self._completion is not None, timeout):
+                raise TimeoutError(f"request {self.request_id} did not finish within {timeout} s")
+            return self._completion
+
+    async def aresult(self) -> Completion:
+        async for _ in self:
+            pass
+        return self._completion
+
+    def __iter__(self) -> Iterator[Delta]:
+        index = 0
+        while True:
+            with self._condition:
+                self._condition.wait_for(lambda: index < len(self._deltas) or self._completion is not None)
+                pending, finished = self._deltas[index:], self._completion is not None
+            yield from pending
+            index += len(pending)
+            if finished and index == len(self._deltas):
+                return
+
+    async def __aiter__(self) -> AsyncIterator[Delta]:
+        loop, woken = asyncio.get_running_loop(), asyncio.Event()
+        with self._condition:
+            self._async_wakers.append((loop, woken))
+        try:
+            index = 0
+            while True:
+                woken.clear()  # before reading: a delta published after this read sets it again
+                with self._condition:
+                    pending, finished = self._deltas[index:], self._completion is not None
+                for delta in pending:
+                    yield delta
+                index += len(pending)
+                if finished and index == len(self._deltas):
+                    return
+                if not pending:
+                    await woken.wait()
+        finally:
+            with self._condition:
+                self._async_wakers.remove((loop, woken))
+
+    # -------------------------------------------------------------- engine side
+    def _publish(self, delta: Delta | None, completion: Completion | None = None) -> None:
+        with self._condition:
+            if delta is not None:
+                self._deltas.append(delta)
+            if completion is not None:
+                self._completion = completion
+            self._condition.notify_all()
+            wakers = list(self._async_wakers)
+        for loop, woken in wakers:
+            try:
+                loop.call_soon_threadsafe(woken.set)
+            except RuntimeError:  # that consumer's event loop is closed: nobody is waiting there any more
+                pass
+
+
+@dataclass
+class _Request:
+    """The engine's record of one request, from submission to its completion."""
+
+    handle: RequestHandle
+    params: SamplingParams
+    stop_token_ids: frozenset[int]  # end-of-sequence ids (unless ignore_eos) and the request's stop ids
+    text: TextStream | None
+    submitted_at: float
+    generator: torch.Generator | None = None  # sampling requests only
+    warpers: tuple = ()
+    lease: AdapterLease | None = None  # pins the adapter on the GPU from admission to the end
+    slot: int = -1
+    seen_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    token_times: list[float] = field(default_factory=list)
+
+    @property
+    def request_id(self) -> str:
+        return self.handle.request_id
+
+
+class Engine:
+    """Continuous batching over a ``MultiLoraModel``: ``submit`` requests, each with its adapter (or None for the
+    base model) and its ``SamplingParams``, from any thread; one engine thread runs the batch.
+
+    ``tokenizer`` (a transformers tokenizer or any object with ``encode``/``decode``) is needed for text prompts,
+    streamed text and stop strings; without it prompts are token ids and outputs token ids only. While the engine
+    runs it owns the model: transformers may switch its attention implementation to a paged one, restored by
+    ``shutdown()``.
+
+        with Engine(model, tokenizer) as engine:
+            handle = engine.submit("Hello", adapter="sql", params=SamplingParams(max_new_tokens=32))
+            for delta in handle:
+                print(delta.text, end="")
+    """
+
+    def __init__(self, model, tokenizer=None, config: EngineConfig | None = None) -> None:
+        self.model = model
+        self.hf_model = model.model  # what transformers' continuous batching runs; its forward takes slots
+        self.tokenizer: Tokenizer | None = None if tokenizer is None else as_tokenizer(tokenizer)
+        self.config = config or EngineConfig()
+        text_config = self.hf_model.config.get_text_config()
+        self.vocab_size = text_config.vocab_size
+        self.eos_token_ids = frozenset(_eos_token_ids(self.hf_model, tokenizer))
+        self.max_model_len = min(
+            self.config.max_model_len or math.inf, getattr(text_config, "max_position_embeddings", None) or math.inf
+        )
+        if self.max_model_len == math.inf:
+            raise ValueError("the model config has no max_position_embeddings: give EngineConfig(max_model_len=...)")
+        self._requests: dict[str, _Request] = {}  # every request not yet finished, by id
+        self._queue: deque[_Request] = deque()  # submitted, not yet handed to transformers
+        self._lock = threading.Lock()  # guards _queue, _requests (insertions) and _cancels
+        self._cancels: set[str] = set()
+        self._wake = threading.Event()
+        self._accepting = False
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._ids = itertools.count()
+        self._counters = Counter()
+        self._finished = Counter()
+        self._last_batch = (0, 0)
+        self._listeners: list[Callable[[Completion], None]] = []
+        self._manager = None  # transformers' ContinuousBatchingManager and batch processor, made by start()
+        self._processor = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> Engine:
+        """Build transformers' batch processor (and capture CUDA graphs), then start the engine thread."""
+        if self._thread is not None:
+            raise RuntimeError("the engine was started already")
+        device = self.hf_model.device
+        with torch.inference_mode():
+            self._manager = self.hf_model.init_continuous_batching(
+                generation_config=self._generation_config(), continuous_batching_config=self._cb_config(device)
+            )
+            try:
+                processor = self._manager._create_batch_processor()
+                cb_config = self._manager.continuous_batching_config
+                _AdapterSlotIOs.adopt(processor.inputs_and_outputs, self._slot_of)
+                _ScoreKeepingRunner.adopt(processor.model_runner, cb_config.max_requests_per_batch, self.vocab_size)
+                processor.output_router = _OutputRouter(self)
+                self._manager.batch_processor = processor
+                if self.config.warmup:
+                    processor.warmup(self.hf_model)
+            except BaseException:
+                self._restore_attention()
+                raise
+        self._processor = processor
+        self._graphs_layout = self.model._store.layout_version
+        self.max_model_len = min(self.max_model_len, cb_config.num_blocks * _page_size(cb_config))
+        self._accepting = True
+        self._thread = threading.Thread(target=self._run, name="punica-hf-engine", daemon=True)
+        self._thread.start()
+        return self
+
+    def shutdown(self, drain: bool = True, timeout: float | None = None) -> None:
+        """Stop taking requests; finish the ones in flight (``drain``) or cancel them; stop the engine thread."""
+        self._accepting = False
+        if not drain:
+            with self._lock:
+                self._cancels.update(self._requests)
+        self._stop = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                raise TimeoutError(f"the engine did not stop within {timeout} s")
+        self._restore_attention()
+
+    def _restore_attention(self) -> None:
+        """Give the model back the attention implementation transformers switched from (if it did)."""
+        if self._manager is not None and self._manager._original_attn_impl is not None:
+            self.hf_model.set_attn_implementation(self._manager._original_attn_impl)
+            self._manager._original_attn_impl = None
+
+    def __enter__(self) -> Engine:
+        return self.start() if self._thread is None else self
+
+    def __exit__(self, *exc_info) -> None:
+        self.shutdown(drain=exc_info[0] is None)
+
+    @property
+    def running(self) -> bool:
+        """Whether the engine takes requests (started, not shutting down, no fatal error)."""
+        return self._accepting and self._error is None
+
+    @property
+    def error(self) -> BaseException | None:
+        """The error that stopped the engine thread, if one did."""
+        return self._error
+
+    def add_listener(self, listener: Callable[[Completion], None]) -> None:
+        """Call ``listener(completion)`` in the engine thread whenever a request finishes (metrics, logs)."""
+        self._listeners.append(listener)
+
+    # ------------------------------------------------------------------ requests
+    def submit(
+        self,
+        prompt: str | Sequence[int],
+        adapter: str | None = None,
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+    ) -> RequestHandle:
+        """Queue a request; returns at once. ``prompt`` is text (needs a tokenizer) or token ids.
+
+        Raises ``KeyError`` for an adapter that is not registered, ``ValueError`` for a bad prompt or settings
+        (empty, longer than ``max_model_len`` with its new tokens, a token id outside the vocabulary),
+        ``QueueFullError`` when the queue is full and ``EngineClosedError`` when the engine is not running.
+        """
+        params = params or SamplingParams()
+        if not self.running:
+            raise EngineClosedError(
+                "the engine is not running" + (f": it stopped after an error: {self._error}" if self._error else "")
+            )
+        if adapter is not None and adapter not in self.model.adapters:
+            raise KeyError(f"unknown adapter {adapter!r}; registered: {sorted(self.model.adapters)}")
+        prompt_ids = self._prompt_ids(prompt)
+        if len(prompt_ids) + params.max_new_tokens > self.max_model_len:
+            raise ValueError(
+                f"the prompt ({len(prompt_ids)} tokens) plus max_new_tokens ({params.max_new_tokens}) exceeds the "
+                f"{self.max_model_len}-token limit of this engine"
+            )
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer: give the engine one, or use stop_token_ids")
+        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
+        generator = None
+        if not params.greedy:
+            seed = params.seed if params.seed is not None else random.randrange(2**63)
+            generator = torch.Generator(self.hf_model.device).manual_seed(seed)
+        with self._lock:
+            if len(self._queue) + self._waiting_count() >= self.config.max_queue:
+                self._counters["rejected"] += 1
+                raise QueueFullError(f"the engine's queue is full ({self.config.max_queue} requests waiting)")
+            request_id = request_id or f"req-{next(self._ids)}"
+            if request_id in self._requests:
+                raise ValueError(f"request id {request_id!r} is in use")
+            request = _Request(
+                handle=RequestHandle(self, request_id, adapter, tuple(prompt_ids)),
+                params=params,
+                stop_token_ids=frozenset(stop_ids),
+                text=None if self.tokenizer is None else TextStream(self.tokenizer.decode, params.stop),
+                submitted_at=time.perf_counter(),
+                generator=generator,
+                warpers=_warpers(params) if generator is not None else (),
+            )
+            self._requests[request_id] = request
+            self._queue.append(request)
+        self._wake.set()
+        return request.handle
+
+    def generate(
+        self,
+        prompts: Sequence[str | Sequence[int]],
+        adapters: Sequence[str | None],
+        params: SamplingParams | None = None,
+    ) -> list[Completion]:
+        """Submit every prompt with its adapter and wait for all: the completions in the prompts' order."""
+        if len(prompts) != len(adapters):
+            raise ValueError(f"{len(prompts)} prompts but {len(adapters)} adapters")
+        handles = [self.submit(prompt, adapter, params) for prompt, adapter in zip(prompts, adapters)]
+        return [handle.result() for handle in handles]
+
+    def stats(self) -> EngineStats:
+        scheduler = None if self._processor is None else self._processor.scheduler
+        return EngineStats(
+            queued=len(self._queue),
+            waiting=self._waiting_count(),
+            running=0 if scheduler is None else len(scheduler.active_requests),
+            last_batch_requests=self._last_batch[0],
+            last_batch_tokens=self._last_batch[1],
+            steps=self._counters["steps"],
+            prompt_tokens=self._counters["prompt_tokens"],
+            generated_tokens=self._counters["generated_tokens"],
+            finished={reason: self._finished[reason] for reason in FINISH_REASONS},
+            dropped_and_freed=self._counters["dropped_and_freed"],
+            rejected=self._counters["rejected"],
+            kv_free_fraction=1.0 if scheduler is None else _kv_free_fraction(self._processor.cache),
+        )
+
+    def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs a tokenizer: give the engine one, or submit token ids")
+            prompt_ids = list(self.tokenizer.encode(prompt))
+        else:
+            prompt_ids = list(prompt)
+            bad = [
+                t for t in prompt_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size
+            ]
+            if bad:
+                raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size}), got {bad[:5]}")
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        return prompt_ids
+
+    def _waiting_count(self) -> int:
+        """Requests in transformers' scheduler that have not started yet."""
+        return 0 if self._processor is None else len(self._processor.scheduler.waiting_requests)
+
+    def _cancel(self, request_id: str) -> None:
+        with self._lock:
+            self._cancels.add(request_id)
+        self._wake.set()
+
+    def _slot_of(self, request_id: str) -> int:
+        """GPU slot of a scheduled request's adapter (-1: base model, or transformers' own warm-up requests)."""
+        request = self._requests.get(request_id)
+        return -1 if request is None else request.slot
+
+    # ------------------------------------------------------------------ engine thread
+    def _run(self) -> None:
+        if self.hf_model.device.type == "cuda":
+            torch.cuda.set_device(self.hf_model.device)
+        try:
+            with torch.inference_mode():
+                while True:
+                    self._admit()
+                    cancelled = self._send_cancellations()
+                    has_batch = self._processor.prepare_next_batch()  # drops cancelled requests, frees their KV
+                    for request in cancelled:
+                        self._counters["dropped_and_freed"] += 1
+                        if not request.handle.done:
+                            self._complete(request, "cancelled")
+                        self._release(request)
+                    if has_batch:
+                        self._step()
+                        continue
+                    if self._stop and not self._requests:
+                        return
+                    self._wake.wait(IDLE_POLL_SECONDS if self._queue else None)
+                    self._wake.clear()
+        except BaseException as error:  # the batch state is unknown now: fail every request, refuse new ones
+            logger.exception("the engine thread stopped")
+            self._error = error
+            for request in list(self._requests.values()):
+                if not request.handle.done:
+                    self._complete(request, "error", error=f"the engine stopped: {error}")
+                self._release(request)
+
+    def _admit(self) -> None:
+        """Hand queued requests, in order, to transformers' scheduler while it has room, each once its adapter is
+        pinned on the GPU. A request whose adapter is still loading waits without holding up the others; once one
+        finds every GPU slot pinned, the adapter requests behind it wait too (base requests go on), so the pinned
+        adapters drain and it gets its slot."""
+        room = self._processor.cb_config.max_requests_per_batch - self._waiting_count()
+        slots_full = False
+        with self._lock:
+            candidates = list(self._queue)
+        for request in candidates:
+            if room <= 0:
+                return
+            adapter = request.handle.adapter
+            if adapter is not None:
+                if slots_full:
+                    continue
+                try:
+                    request.lease = self.model.acquire([adapter], block=False)
+                except AdapterNotReady:  # being read in the background: retry at the next step
+                    continue
+                except AdapterCapacityError:
+                    slots_full = True
+                    continue
+                except Exception as error:  # e.g. KeyError: unloaded after submission
+                    self._remove_from_queue(request)
+                    self._complete(request, "error", error=f"adapter {adapter!r}: {error}")
+                    self._release(request)
+                    continue
+                request.slot = request.lease.slots[0]
+            self._remove_from_queue(request)
+            self._manager.add_request(
+                list(request.handle.prompt_token_ids),
+                request_id=request.request_id,
+                max_new_tokens=request.params.max_new_tokens,
+                streaming=True,
+                eos_token_id=sorted(request.stop_token_ids),
+            )
+            self._counters["prompt_tokens"] += len(request.handle.prompt_token_ids)
+            room -= 1
+
+    def _remove_from_queue(self, request: _Request) -> None:
+        with self._lock:
+            self._queue.remove(request)
+
+    def _send_cancellations(self) -> list[_Request]:
+        """Pass the cancelled requests to transformers; return those it drops at the next ``prepare``."""
+        with self._lock:
+            cancels, self._cancels = self._cancels, set()
+            queued = [r for r in self._queue if r.request_id in cancels]
+            for request in queued:
+                self._queue.remove(request)
+        for request in queued:
+            self._complete(request, "cancelled")
+            self._release(request)
+        handed_over = []
+        for request_id in cancels:
+            request = self._requests.get(request_id)
+            if request is not None and request not in queued:
+                self._manager.cancel_request(request_id)
+                handed_over.append(request)
+        return handed_over
+
+    def _step(self) -> None:
+        """One forward over the scheduled requests, then each request's new token."""
+        processor, io = self._processor, self._processor.inputs_and_outputs
+        layout = self.model._store.layout_version
+        if layout != self._graphs_layout:  # a LoRA hook added since the graphs were captured: capture again
+            graphs = getattr(io, "graphs", None)
+            if graphs is not None:
+                io.graphs = type(graphs)()
+            self._graphs_layout = layout
+        self._last_batch = (len(io.requests_in_batch), sum(s.query_length for s in io.requests_in_batch))
+        try:
+            batch_data = io.get_model_kwargs(use_padding=processor.model_runner.pad_inputs)
+            processor.model_runner.compute_batch(self.hf_model, batch_data)
+            self._sample_requests_that_sample(io)
+            io.retrieve_device_outputs()
+        except Exception as error:  # this batch's requests fail; the others and the engine go on
+            logger.exception("a batch failed")
+            processor.handle_batch_error(error)
+            return
+        self._counters["steps"] += 1
+        processor.update_batch()
+
+    def _sample_requests_that_sample(self, io) -> None:
+        """Replace the greedy token of each sampling request by one drawn with its own settings and generator."""
+        rows = [future.state.request_id for future in io.requests_in_batch if future.has_new_token]
+        sampling = [(row, self._requests.get(rid)) for row, rid in enumerate(rows)]
+        sampling = [(row, r) for row, r in sampling if r is not None and not r.params.greedy]
+        if not sampling:
+            return
+        scores = self._processor.model_runner.kept_scores
+        stream = io.compute_stream
+        with torch.cuda.stream(stream) if stream is not None else nullcontext():
+            for row, request in sampling:
+                row_scores = scores[row : row + 1]
+                for warper in request.warpers:
+                    row_scores = warper(None, row_scores)
+                token = torch.multinomial(row_scores.softmax(dim=-1), 1, generator=request.generator)
+                io.output_ids[0, row] = token[0, 0]
+
+    def _on_output(self, request_id: str, generated: list[int], finished: bool) -> None:
+        """A request's tokens so far (transformers' view), after a step."""
+        request = self._requests.get(request_id)
+        if request is None or request.handle.done:
+            return  # ended here already (stop string): transformers drops it at the next step
+        new_tokens = generated[request.seen_tokens :]
+        request.seen_tokens = len(generated)
+        now = time.perf_counter()
+        request.token_times.extend([now] * len(new_tokens))
+        self._counters["generated_tokens"] += len(new_tokens)
+        stopped_by_token = bool(new_tokens) and new_tokens[-1] in request.stop_token_ids
+        kept = new_tokens[:-1] if stopped_by_token else new_tokens
+        request.token_ids.extend(kept)
+        text = request.text.add(kept) if request.text is not None else ""
+        if kept or text:
+            request.handle._publish(Delta(tuple(kept), text))
+        if request.text is not None and request.text.stopped:
+            self._complete(request, "stop")
+            if finished:
+                self._release(request)
+            else:  # transformers still runs it: it is dropped (and its KV freed) at the next step
+                self._cancel(request_id)
+        elif finished:
+            self._complete(request, "stop" if stopped_by_token else "length")
+            self._release(request)
+
+    def _on_failure(self, request_id: str, error: BaseException | str) -> None:
+        request = self._requests.get(request_id)
+        if request is not None:
+            if not request.handle.done:
+                self._complete(request, "error", error=str(error))
+            self._release(request)
+
+    def _complete(self, request: _Request, reason: str, error: str | None = None) -> None:
+        """Hand out the request's last piece and its completion; tell the listeners."""
+        tail = request.text.finish() if request.text is not None else ""
+        completion = Completion(
+            request_id=request.request_id,
+            adapter=request.handle.adapter,
+            prompt_token_ids=request.handle.prompt_token_ids,
+            token_ids=tuple(request.token_ids),
+            text=request.text.text if request.text is not None else "",
+            finish_reason=reason,
+            completion_tokens=request.seen_tokens,
+            submitted_at=request.submitted_at,
+            first_token_at=request.token_times[0] if request.token_times else None,
+            finished_at=time.perf_counter(),
+            token_times=tuple(request.token_times),
+            error=error,
+        )
+        request.handle._publish(Delta((), tail, reason), completion)
+        self._finished[reason] += 1
+        for listener in self._listeners:
+            listener(completion)
+
+    def _release(self, request: _Request) -> None:
+        """Forget a request transformers no longer runs, and give its adapter lease back."""
+        with self._lock:
+            self._requests.pop(request.request_id, None)
+        if request.lease is not None:
+            request.lease.release()
+            request.lease = None
+
+    # ------------------------------------------------------------------ transformers' settings
+    def _generation_config(self) -> GenerationConfig:
+        """Greedy, no logits processors: per-request settings are applied by the engine."""
+        return GenerationConfig(
+            do_sample=False,
+            eos_token_id=sorted(self.eos_token_ids) or -1,
+            pad_token_id=getattr(self.hf_model.generation_config, "pad_token_id", None),
+        )
+
+    def _cb_config(self, device: torch.device) -> ContinuousBatchingConfig:
+        config = self.config
+        max_running, max_batch_tokens, kv_blocks = config.max_running, config.max_batch_tokens, config.kv_blocks
+        if device.type == "cpu":
+            max_running = max_running or CPU_MAX_RUNNING
+            max_batch_tokens = max_batch_tokens or CPU_MAX_BATCH_TOKENS
+        cb_config = ContinuousBatchingConfig(
+            max_requests_per_batch=max_running,
+            max_batch_tokens=max_batch_tokens,
+            allow_block_sharing=False,
+            use_async_batching=False,
+            use_cuda_graph=config.cuda_graphs,
+        )
+        if kv_blocks is None and device.type == "cpu":
+            kv_blocks = math.ceil(max_running * self.max_model_len / _page_size(cb_config))
+        cb_config.num_blocks = kv_blocks
+        return cb_config
+
+
+# ---------------------------------------------------------------------- transformers extension points
+class _AdapterSlotIOs(ContinuousBatchingIOs):
+    """transformers' batch inputs plus ``adapter_ids`` ``[1, T]``: the GPU adapter slot of every packed token."""
+
+    _slot_of: Callable[[str], int]
+    _token_slots: torch.Tensor  # [1, max_batch_tokens] int32 on the model's device; -1 = base model / padding
+
+    @classmethod
+    def adopt(cls, io: ContinuousBatchingIOs, slot_of: Callable[[str], int]) -> None:
+        if type(io) is not ContinuousBatchingIOs:
+            raise TypeError(f"expected transformers' synchronous ContinuousBatchingIOs, got {type(io).__name__}")
+        io.__class__ = cls
+        io._slot_of = slot_of
+        io._token_slots = torch.full((1, io.cache.max_batch_tokens), -1, dtype=torch.int32, device=io.device)
+
+    def prepare_batch_tensors(self, requests_in_batch, *args, **kwargs) -> None:
+        super().prepare_batch_tensors(requests_in_batch, *args, **kwargs)
+        slots = [
+            slot
+            for future_state in requests_in_batch
+            for slot in [self._slot_of(future_state.state.request_id)] * future_state.query_length
+        ]
+        self._token_slots[0, : len(slots)] = torch.tensor(slots, dtype=torch.int32, device=self.device)
+        self._token_slots[0, len(slots) : max(self.num_q_tokens, len(slots))] = -1  # padding up to a graph's size
+
+    def get_model_kwargs(self, *args, **kwargs):
+        model_kwargs = super().get_model_kwargs(*args, **kwargs)
+        model_kwargs["adapter_ids"] = self._token_slots[:, : model_kwargs["input_ids"].shape[1]]
+        return model_kwargs
+
+
+class _ScoreKeepingRunner(ModelRunner):
+    """transformers' model runner (greedy) that also leaves each step's scores in ``kept_scores`` ``[R, V]``."""
+
+    kept_scores: torch.Tensor
+
+    @classmethod
+    def adopt(cls, runner: ModelRunner, max_rows: int, vocab_size: int) -> None:
+        runner.__class__ = cls
+        device = runner.inputs_and_outputs.device
+        runner.kept_scores = torch.zeros(max_rows, vocab_size, dtype=torch.float32, device=device)
+
+    def _sample(self, scores: torch.Tensor, output_ids: torch.Tensor) -> None:
+        self.kept_scores[: scores.shape[1]].copy_(scores[0])  # scores [1, rows, V]; a static copy, graphable
+        super()._sample(scores, output_ids)
+
+
+class _OutputRouter:
+    """Takes the place of transformers' output router: hands each request's output to the engine."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+
+    def deliver(self, output) -> None:
+        self.deliver_batch([output])
+
+    def deliver_batch(self, outputs) -> None:
+        for output in outputs:
+            if output.error is not None:
+                self._engine._on_failure(output.request_id, output.error)
+            else:
+                self._engine._on_output(output.request_id, output.generated_tokens, output.is_finished())
+
+    def fail_and_deliver(self, state, error: Exception) -> None:
+        self._engine._on_failure(state.request_id, error)
+
+
+# ---------------------------------------------------------------------- helpers
+def _warpers(params: SamplingParams) -> tuple:
+    """transformers' own warpers for a sampling request, in ``generate()``'s order."""
+    warpers = [TemperatureLogitsWarper(params.temperature)] if params.temperature != 1 else []
+    if params.top_k > 0:
+        warpers.append(TopKLogitsWarper(params.top_k))
+    if params.top_p < 1:
+        warpers.append(TopPLogitsWarper(params.top_p))
+    return tuple(warpers)
+
+
+def _eos_token_ids(hf_model, tokenizer) -> set[int]:
+    eos = getattr(hf_model.generation_config, "eos_token_id", None)
+    ids = set(eos if isinstance(eos, (list, tuple)) else [eos])
+    ids.add(getattr(tokenizer, "eos_token_id", None))
+    return {i for i in ids if isinstance(i, int) and i >= 0}
+
+
+def _page_size(cb_config: ContinuousBatchingConfig) -> int:
+    """Tokens per KV page (``page_size`` since transformers 5.18, ``block_size`` before)."""
+    return getattr(cb_config, "page_size", None) or cb_config.block_size
+
+
+def _kv_free_fraction(cache) -> float:
+    if hasattr(cache, "compute_free_capacity"):  # transformers >= 5.18
+        return float(cache.compute_free_capacity())
+    return cache.get_num_free_blocks() / cache.num_blocks

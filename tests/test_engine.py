@@ -1,0 +1,321 @@
+"""The serving engine without HTTP: continuous batching in which every request has its own adapter and settings.
+
+Greedy outputs are compared with ``generate()`` of the same prompt and adapter, computed before the engine takes
+the model (transformers' continuous batching may switch the model's attention implementation while it runs).
+"""
+
+import threading
+
+import pytest
+import torch
+from helpers import save_peft_adapter, tiny_llama
+
+from punica_hf import MultiLoraModel, demo
+from punica_hf.serving import (
+    DemoTokenizer,
+    Engine,
+    EngineClosedError,
+    EngineConfig,
+    QueueFullError,
+    SamplingParams,
+    TextStream,
+)
+
+WORDS = demo.sample_words(6, seed=7, held_out=True)
+DEMO_ADAPTERS = [*demo.TASKS, None]
+TINY_ADAPTERS = ["a", "b", "c"]
+
+
+@pytest.fixture(scope="module")
+def demo_model():
+    """The demo model with its three adapters, and the greedy answers of ``generate()`` per (adapter, word)."""
+    model = MultiLoraModel(demo.load_base_model(), max_adapters=3)
+    model.load_adapters(demo.adapter_paths())
+    answers = {
+        adapter: dict(zip(WORDS, demo.generate_answers(model, WORDS, adapter_ids=[adapter] * len(WORDS))))
+        for adapter in DEMO_ADAPTERS
+    }
+    return model, answers
+
+
+@pytest.fixture(scope="module")
+def tiny_adapters(tmp_path_factory):
+    """PEFT folders of three random adapters for ``tiny_base()``."""
+    folder = tmp_path_factory.mktemp("adapters")
+    return {
+        name: save_peft_adapter(tiny_base(), folder / name, seed=i, r=4, lora_alpha=8,
+                                target_modules=["q_proj", "v_proj", "down_proj"])
+        for i, name in enumerate(TINY_ADAPTERS)
+    }
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tiny_adapters):
+    model = MultiLoraModel(tiny_base(), max_adapters=len(tiny_adapters))
+    model.load_adapters(tiny_adapters)
+    return model
+
+
+def tiny_base():
+    """A tiny random Llama without an end-of-sequence token: every request runs to its max_new_tokens."""
+    base = tiny_llama(max_position_embeddings=256)
+    base.generation_config.eos_token_id = None
+    return base
+
+
+def reference_tokens(model, prompt: list[int], adapter: str | None, new_tokens: int) -> list[int]:
+    output = model.generate(
+        torch.tensor([prompt], device=model.device), adapter_ids=[adapter], max_new_tokens=new_tokens,
+        do_sample=False, pad_token_id=0,
+    )
+    return output[0, len(prompt):].tolist()
+
+
+def tiny_prompt(seed: int, length: int) -> list[int]:
+    return torch.randint(1, 100, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_concurrent_greedy_requests_equal_generate_for_every_adapter(demo_model):
+    model, answers = demo_model
+    requests = [(word, adapter) for word in WORDS for adapter in DEMO_ADAPTERS]
+    params = SamplingParams(max_new_tokens=demo.MAX_ANSWER_TOKENS)
+    with Engine(model, DemoTokenizer(), EngineConfig(max_running=8)) as engine:
+        handles = [engine.submit(demo.make_prompt(word), adapter, params) for word, adapter in requests]
+        completions = [handle.result(timeout=60) for handle in handles]
+        stats = engine.stats()
+    for (word, adapter), completion in zip(requests, completions):
+        assert completion.text == answers[adapter][word], (word, adapter)
+        assert completion.finish_reason == "stop"  # the demo answers end with EOS
+        assert completion.adapter == adapter
+    for word in WORDS:  # each adapter does its own task
+        assert len({c.text for (w, _), c in zip(requests, completions) if w == word}) == len(DEMO_ADAPTERS)
+    assert stats.steps < sum(c.completion_tokens for c in completions)  # requests shared steps
+    assert stats.generated_tokens == sum(c.completion_tokens for c in completions)
+    assert stats.finished["stop"] == len(requests) and stats.running == stats.queued == 0
+
+
+def test_requests_join_and_leave_a_running_batch_with_outputs_unchanged(tiny_model):
+    """A long request runs while others arrive mid-way, and short ones finish and leave before it ends."""
+    plan = [  # (adapter, prompt, new tokens)
+        ("a", tiny_prompt(0, 5), 60),
+        ("b", tiny_prompt(1, 9), 3),
+        (None, tiny_prompt(2, 3), 20),
+        ("c", tiny_prompt(3, 12), 7),
+        ("a", tiny_prompt(4, 4), 1),
+        ("b", tiny_prompt(5, 30), 15),
+    ]
+    expected = [reference_tokens(tiny_model, prompt, adapter, n) for adapter, prompt, n in plan]
+    with Engine(tiny_model, config=EngineConfig(max_running=4)) as engine:
+        first = engine.submit(plan[0][1], plan[0][0], SamplingParams(max_new_tokens=plan[0][2]))
+        next(iter(first))  # the long request is decoding: the others join its batch
+        handles = [first] + [
+            engine.submit(prompt, adapter, SamplingParams(max_new_tokens=n)) for adapter, prompt, n in plan[1:]
+        ]
+        completions = [handle.result(timeout=60) for handle in handles]
+    for completion, tokens in zip(completions, expected):
+        assert list(completion.token_ids) == tokens
+        assert completion.finish_reason == "length" and completion.completion_tokens == len(tokens)
+    long_request, short_requests = completions[0], completions[1:]
+    assert all(c.first_token_at < long_request.finished_at for c in short_requests)  # joined while it ran
+    assert any(c.finished_at < long_request.token_times[-2] for c in short_requests)  # left before it ended
+
+
+def test_streamed_pieces_add_up_to_the_completion(demo_model):
+    model, answers = demo_model
+    with Engine(model, DemoTokenizer()) as engine:
+        handle = engine.submit(demo.make_prompt(WORDS[0]), "reverse", SamplingParams(max_new_tokens=12))
+        deltas = list(handle)
+        completion = handle.result()
+    assert "".join(d.text for d in deltas) == completion.text == answers["reverse"][WORDS[0]]
+    assert [t for d in deltas for t in d.token_ids] == list(completion.token_ids)
+    assert [d.finish_reason for d in deltas] == [None] * (len(deltas) - 1) + ["stop"]
+
+
+def test_async_streaming(demo_model):
+    model, answers = demo_model
+
+    async def stream(engine):
+        handle = engine.submit(demo.make_prompt(WORDS[1]), "upper", SamplingParams(max_new_tokens=12))
+        pieces = [delta.text async for delta in handle]
+        return pieces, await handle.aresult()
+
+    import asyncio
+
+    with Engine(model, DemoTokenizer()) as engine:
+        pieces, completion = asyncio.run(stream(engine))
+    assert "".join(pieces) == completion.text == answers["upper"][WORDS[1]]
+
+
+@pytest.mark.parametrize(
+    ("params", "text", "reason"),
+    [
+        (SamplingParams(max_new_tokens=12, stop=("NI",)), "PU", "stop"),
+        (SamplingParams(max_new_tokens=12, stop=("XYZ", "CA")), "PUNI", "stop"),
+        (SamplingParams(max_new_tokens=12, stop_token_ids=(ord("I"),)), "PUN", "stop"),
+        (SamplingParams(max_new_tokens=3), "PUN", "length"),
+        (SamplingParams(max_new_tokens=12, stop=("Q",)), "PUNICA", "stop"),  # EOS before any stop string
+    ],
+)
+def test_stop_strings_stop_tokens_and_max_tokens(demo_model, params, text, reason):
+    model, _ = demo_model
+    with Engine(model, DemoTokenizer()) as engine:
+        handle = engine.submit(demo.make_prompt("punica"), "upper", params)
+        streamed = "".join(delta.text for delta in handle)
+        completion = handle.result()
+        engine.shutdown()
+        stats = engine.stats()
+    assert (completion.text, completion.finish_reason) == (text, reason)
+    assert streamed == text  # the stop string is never streamed, not even in part
+    assert stats.running == 0 and stats.kv_free_fraction == 1.0
+
+
+def test_text_stream_holds_back_a_possible_stop_string():
+    stream = TextStream(lambda ids: "".join(map(chr, ids)), stop=["abc"])
+    assert stream.add([ord("x"), ord("a")]) == "x"  # "a" could start "abc"
+    assert stream.add([ord("b")]) == ""
+    assert stream.add([ord("d")]) == "abd"  # it did not
+    assert stream.add([ord("a"), ord("b"), ord("c"), ord("z")]) == ""
+    assert stream.stopped and stream.text == "xabd" and stream.finish() == ""
+
+
+def test_seeded_sampling_is_repeatable_whatever_runs_beside_it(tiny_model):
+    prompt = tiny_prompt(10, 6)
+    sampled = SamplingParams(max_new_tokens=24, temperature=1.5, seed=1234)
+    with Engine(tiny_model, config=EngineConfig(max_running=4)) as engine:
+        alone = engine.submit(prompt, "a", sampled).result(timeout=60)
+        crowd = [engine.submit(tiny_prompt(20 + i, 5 + i), "b", SamplingParams(max_new_tokens=30)) for i in range(3)]
+        crowded = engine.submit(prompt, "a", sampled).result(timeout=60)
+        other_seed = engine.submit(prompt, "a", SamplingParams(max_new_tokens=24, temperature=1.5, seed=99))
+        top_1 = engine.submit(prompt, "a", SamplingParams(max_new_tokens=24, temperature=1.5, top_k=1, seed=5))
+        other_seed, top_1 = other_seed.result(timeout=60), top_1.result(timeout=60)
+        [handle.result(timeout=60) for handle in crowd]
+    assert alone.token_ids == crowded.token_ids
+    assert other_seed.token_ids != alone.token_ids
+    assert list(top_1.token_ids) == reference_tokens(tiny_model, prompt, "a", 24)  # top-k 1 is greedy
+    assert list(alone.token_ids) != list(top_1.token_ids)
+
+
+def test_cancel_stops_the_request_and_frees_its_kv_blocks(tiny_model):
+    with Engine(tiny_model, config=EngineConfig(max_running=2)) as engine:
+        kv_free_idle = engine.stats().kv_free_fraction
+        handle = engine.submit(tiny_prompt(30, 40), "b", SamplingParams(max_new_tokens=200))
+        stream = iter(handle)
+        next(stream)
+        assert engine.stats().kv_free_fraction < kv_free_idle  # it holds KV blocks now
+        handle.cancel()
+        completion = handle.result(timeout=30)
+        engine.shutdown()
+        stats = engine.stats()
+    assert completion.finish_reason == "cancelled" and 0 < completion.completion_tokens < 200
+    assert stats.dropped_and_freed == 1 and stats.running == 0
+    assert stats.kv_free_fraction == kv_free_idle
+
+
+def test_more_adapters_than_gpu_slots_wait_for_a_slot_without_holding_the_batch(tiny_adapters):
+    model = MultiLoraModel(tiny_base(), max_adapters=1)
+    model.load_adapters(tiny_adapters)
+    plan = [(adapter, tiny_prompt(70 + i, 4 + i), 12) for i, adapter in enumerate(["a", "b", None, "c", "a", None])]
+    expected = [reference_tokens(model, prompt, adapter, n) for adapter, prompt, n in plan]
+    evictions_before = model.adapter_stats["evictions"]
+    with Engine(model, config=EngineConfig(max_running=4)) as engine:
+        handles = [engine.submit(prompt, adapter, SamplingParams(max_new_tokens=n)) for adapter, prompt, n in plan]
+        completions = [handle.result(timeout=60) for handle in handles]
+    assert [list(c.token_ids) for c in completions] == expected
+    a, b, base = completions[0], completions[1], completions[2]
+    assert b.first_token_at > a.finished_at  # one slot: b waited for a's requests to give it back
+    assert base.first_token_at < a.finished_at  # the base request did not wait
+    assert model.adapter_stats["evictions"] > evictions_before
+
+
+def test_the_queue_is_bounded(tiny_model):
+    config = EngineConfig(max_running=1, max_queue=2)
+    with Engine(tiny_model, config=config) as engine:
+        accepted, refused = [], 0
+        for i in range(6):
+            try:
+                accepted.append(engine.submit(tiny_prompt(40 + i, 4), None, SamplingParams(max_new_tokens=40)))
+            except QueueFullError:
+                refused += 1
+        assert refused > 0 and len(accepted) <= config.max_queue + config.max_running
+        completions = [handle.result(timeout=60) for handle in accepted]
+    assert all(c.finish_reason == "length" for c in completions)
+
+
+def test_shutdown_drains_the_requests_in_flight(tiny_model):
+    engine = Engine(tiny_model).start()
+    handles = [
+        engine.submit(tiny_prompt(50 + i, 6), TINY_ADAPTERS[i % 3], SamplingParams(max_new_tokens=10)) for i in range(5)
+    ]
+    engine.shutdown(drain=True, timeout=60)
+    assert [handle.result(timeout=0).finish_reason for handle in handles] == ["length"] * 5
+    with pytest.raises(EngineClosedError):
+        engine.submit([1, 2, 3])
+
+
+def test_shutdown_without_drain_cancels(tiny_model):
+    engine = Engine(tiny_model).start()
+    handle = engine.submit(tiny_prompt(60, 6), "a", SamplingParams(max_new_tokens=200))
+    next(iter(handle))
+    engine.shutdown(drain=False, timeout=60)
+    assert handle.result(timeout=0).finish_reason == "cancelled"
+
+
+def test_bad_requests_are_refused_by_name(demo_model, tiny_model):
+    model, _ = demo_model
+    with Engine(model, DemoTokenizer()) as engine:
+        with pytest.raises(KeyError, match="unknown adapter 'nope'"):
+            engine.submit("lora=", "nope")
+        with pytest.raises(ValueError, match="exceeds the 64-token limit"):
+            engine.submit("x" * 60, None, SamplingParams(max_new_tokens=10))
+        with pytest.raises(ValueError, match="prompt is empty"):
+            engine.submit([])
+        with pytest.raises(ValueError, match=r"integers in \[0, 259\)"):
+            engine.submit([1, 300])
+        assert engine.stats().queued == 0
+    with Engine(tiny_model) as engine:
+        with pytest.raises(ValueError, match="needs a tokenizer"):
+            engine.submit("text")
+        with pytest.raises(ValueError, match="stop strings need a tokenizer"):
+            engine.submit([1, 2], None, SamplingParams(stop=("x",)))
+    for bad in (dict(max_new_tokens=0), dict(temperature=-1.0), dict(top_p=0.0), dict(top_k=-1), dict(stop=("",))):
+        with pytest.raises(ValueError):
+            SamplingParams(**bad)
+
+
+def test_submit_from_many_threads(demo_model):
+    model, answers = demo_model
+    results = {}
+
+    def client(adapter):
+        for word in WORDS[:3]:
+            handle = engine.submit(demo.make_prompt(word), adapter, SamplingParams(max_new_tokens=12))
+            results[adapter, word] = handle.result(timeout=60).text
+
+    with Engine(model, DemoTokenizer()) as engine:
+        threads = [threading.Thread(target=client, args=(adapter,)) for adapter in DEMO_ADAPTERS]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    assert results == {(a, w): answers[a][w] for a in DEMO_ADAPTERS for w in WORDS[:3]}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_graph_replays_follow_each_steps_adapters(tiny_adapters, tmp_path):
+    """Steps replayed from CUDA graphs captured at start read every step's slots, including those of an adapter
+    registered after the capture that targets modules no other adapter does."""
+    late = save_peft_adapter(tiny_base(), tmp_path / "late", seed=9, r=4, lora_alpha=8,
+                             target_modules=["o_proj", "gate_proj"])
+    model = MultiLoraModel(tiny_base().to("cuda"), max_adapters=4)
+    model.load_adapters({**tiny_adapters, "late": late})
+    adapters = ["a", None, "late", "b", "c"]
+    plan = [(adapter, tiny_prompt(80 + i, 3 + 2 * i), 16 + i) for i, adapter in enumerate(adapters)]
+    expected = [reference_tokens(model, prompt, adapter, n) for adapter, prompt, n in plan]
+    model.unload_adapter("late")
+    config = EngineConfig(max_running=8, max_batch_tokens=128, kv_blocks=16, cuda_graphs=True)
+    with Engine(model, config=config) as engine:
+        model.load_adapters({"late": late})
+        handles = [engine.submit(prompt, adapter, SamplingParams(max_new_tokens=n)) for adapter, prompt, n in plan]
+        completions = [handle.result(timeout=120) for handle in handles]
+    assert [list(c.token_ids) for c in completions] == expected

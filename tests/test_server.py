@@ -1,0 +1,461 @@
+"""``punica-hf serve`` as a real server process on a free port, driven by the ``openai`` client and raw HTTP.
+
+Two servers run for the whole module: the demo model with its adapters (API key, runtime adapter loading on),
+and a tiny random Llama with a word-level tokenizer that has a chat template (long generations, for cancelling).
+Every answer is compared with offline greedy ``generate()`` in this process. A third server checks that SIGTERM
+lets a running request finish before the process exits.
+"""
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+from helpers import save_peft_adapter, tiny_llama
+from prometheus_client.parser import text_string_to_metric_families
+from tokenizers import Tokenizer, models, pre_tokenizers, processors
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+
+from punica_hf import MultiLoraModel, demo
+
+API_KEY = "test-key"
+WORDS = demo.sample_words(2, seed=11, held_out=True)
+DEMO_ADAPTERS = [*demo.TASKS, None]
+STARTUP_TIMEOUT_SECONDS = 120
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} {% endfor %}assistant :"
+
+
+class Server:
+    """A ``punica-hf serve`` process; ``url`` ends with ``/v1``."""
+
+    def __init__(self, args: list[str], log_path: Path) -> None:
+        self.port = _free_port()
+        self.log_path = log_path
+        self.log = open(log_path, "w")
+        command = [sys.executable, "-m", "punica_hf", "serve", *args, "--port", str(self.port), "--device", "cpu"]
+        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, env=_child_env())
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.url = f"{self.base}/v1"
+        deadline = time.monotonic() + STARTUP_TIMEOUT_SECONDS
+        while True:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the server exited: {log_path.read_text()}")
+            try:
+                if httpx.get(f"{self.base}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the server did not start: {log_path.read_text()}")
+            time.sleep(0.2)
+
+    def metrics(self, headers: dict | None = None) -> dict[str, float]:
+        """Every sample of ``/metrics``: ``name{label="value"}`` (or ``name``) -> value."""
+        text = httpx.get(f"{self.base}/metrics", headers=headers or {}).raise_for_status().text
+        samples = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+                samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+        return samples
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+        self.log.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _child_env() -> dict[str, str]:
+    """The test's environment, with this checkout first on the path (the tests may run from another folder)."""
+    root = str(Path(__file__).absolute().parents[1])
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+
+
+def wait_until(condition, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError("condition not met in time")
+        time.sleep(0.05)
+
+
+# ---------------------------------------------------------------------- fixtures
+@pytest.fixture(scope="module")
+def demo_answers():
+    """Offline greedy answers of the demo model, per adapter and word."""
+    model = MultiLoraModel(demo.load_base_model(), max_adapters=3)
+    model.load_adapters(demo.adapter_paths())
+    return {
+        adapter: dict(zip(WORDS, demo.generate_answers(model, WORDS, adapter_ids=[adapter] * len(WORDS))))
+        for adapter in DEMO_ADAPTERS
+    }
+
+
+@pytest.fixture(scope="module")
+def lora_dir(tmp_path_factory) -> Path:
+    """An allowed --lora-dir holding a copy of the demo's sort adapter, and a symlink that leads out of it."""
+    folder = tmp_path_factory.mktemp("lora_dir")
+    shutil.copytree(demo.adapter_paths()["sort"], folder / "sort_copy")
+    (folder / "escape").symlink_to(demo.adapter_paths()["upper"], target_is_directory=True)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def demo_server(tmp_path_factory, lora_dir):
+    server = Server(
+        ["--model", "demo", "--api-key", API_KEY, "--allow-runtime-lora", "--lora-dir", str(lora_dir)],
+        tmp_path_factory.mktemp("logs") / "demo_server.log",
+    )
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def client(demo_server):
+    return openai.OpenAI(base_url=demo_server.url, api_key=API_KEY, max_retries=0, timeout=60)
+
+
+def make_tiny_chat_model(folder: Path) -> tuple[Path, Path]:
+    """A tiny random Llama with a word-level tokenizer that has a chat template, and a PEFT adapter for it."""
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "user": 3, "assistant": 4, "system": 5, ":": 6}
+    vocab.update({f"w{i}": len(vocab) + i for i in range(93)})
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    tokenizer.chat_template = CHAT_TEMPLATE
+    base = tiny_llama(vocab_size=len(vocab), max_position_embeddings=4096, bos_token_id=1, eos_token_id=2,
+                      pad_token_id=0)
+    model_dir, adapter_dir = folder / "model", folder / "adapter"
+    base.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    save_peft_adapter(base, adapter_dir, seed=3, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"])
+    return model_dir, adapter_dir
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dirs(tmp_path_factory):
+    return make_tiny_chat_model(tmp_path_factory.mktemp("tiny_chat"))
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tmp_path_factory, tiny_model_dirs):
+    model_dir, adapter_dir = tiny_model_dirs
+    server = Server(
+        ["--model", str(model_dir), "--adapter", f"tiny={adapter_dir}", "--max-queue", "4", "--max-running", "2"],
+        tmp_path_factory.mktemp("logs") / "tiny_server.log",
+    )
+    yield server
+    server.stop()
+
+
+# ---------------------------------------------------------------------- completions
+def test_concurrent_requests_over_adapters_and_base_equal_offline_generate(demo_server, demo_answers):
+    async def ask_all():
+        client = openai.AsyncOpenAI(base_url=demo_server.url, api_key=API_KEY, max_retries=0, timeout=60)
+        requests = [(adapter, word) for adapter in DEMO_ADAPTERS for word in WORDS]
+        responses = await asyncio.gather(*(
+            client.completions.create(
+                model=adapter or "demo", prompt=demo.make_prompt(word), max_tokens=12, temperature=0
+            )
+            for adapter, word in requests
+        ))
+        await client.close()
+        return requests, responses
+
+    requests, responses = asyncio.run(ask_all())
+    for (adapter, word), response in zip(requests, responses):
+        choice = response.choices[0]
+        assert (choice.text, choice.finish_reason) == (demo_answers[adapter][word], "stop"), (adapter, word)
+        assert response.model == (adapter or "demo")
+        assert response.usage.prompt_tokens == len(demo.make_prompt(word)) + 1  # BOS + bytes
+        assert response.usage.completion_tokens == len(choice.text) + 1  # the answer + EOS
+        assert response.usage.total_tokens == response.usage.prompt_tokens + response.usage.completion_tokens
+
+
+def test_streaming_equals_non_streaming(client, demo_answers):
+    for adapter in ("reverse", "sort"):
+        stream = client.completions.create(
+            model=adapter, prompt=demo.make_prompt(WORDS[0]), max_tokens=12, temperature=0, stream=True
+        )
+        chunks = list(stream)
+        text = "".join(choice.text for chunk in chunks for choice in chunk.choices)
+        whole = client.completions.create(
+            model=adapter, prompt=demo.make_prompt(WORDS[0]), max_tokens=12, temperature=0
+        )
+        assert text == whole.choices[0].text == demo_answers[adapter][WORDS[0]]
+        finish = [choice.finish_reason for chunk in chunks for choice in chunk.choices if choice.finish_reason]
+        assert finish == ["stop"]
+        assert chunks[-1].choices == [] and chunks[-1].usage.model_dump() == whole.usage.model_dump()
+
+
+def test_several_prompts_give_one_choice_each(client, demo_answers):
+    response = client.completions.create(
+        model="upper", prompt=[demo.make_prompt(word) for word in WORDS], max_tokens=12, temperature=0
+    )
+    assert [c.index for c in response.choices] == list(range(len(WORDS)))
+    assert [c.text for c in response.choices] == [demo_answers["upper"][word] for word in WORDS]
+
+
+@pytest.mark.parametrize(
+    ("options", "text", "finish_reason"),
+    [
+        (dict(stop="NI"), "PU", "stop"),
+        (dict(stop=["zz", "CA"]), "PUNI", "stop"),
+        (dict(max_tokens=3), "PUN", "length"),
+        (dict(extra_body={"stop_token_ids": [ord("N")]}), "PU", "stop"),
+    ],
+)
+def test_stop_strings_and_max_tokens(client, options, text, finish_reason):
+    options = {"max_tokens": 12, **options}
+    response = client.completions.create(model="upper", prompt="punica=", temperature=0, **options)
+    assert (response.choices[0].text, response.choices[0].finish_reason) == (text, finish_reason)
+    stream = client.completions.create(model="upper", prompt="punica=", temperature=0, stream=True, **options)
+    assert "".join(c.text for chunk in stream for c in chunk.choices) == text
+
+
+def test_seeded_sampling_repeats(client):
+    def sample(seed):
+        response = client.completions.create(
+            model="reverse", prompt="adapter=", max_tokens=12, temperature=3.0, seed=seed
+        )
+        return response.choices[0].text
+
+    assert sample(5) == sample(5)
+    assert len({sample(seed) for seed in range(6)}) > 1
+
+
+def test_models_lists_the_base_and_every_adapter(client):
+    models = {card.id: card for card in client.models.list().data}
+    assert set(models) == {"demo", *demo.TASKS}
+    assert models["demo"].parent is None
+    assert all(models[name].parent == "demo" for name in demo.TASKS)
+
+
+# ---------------------------------------------------------------------- runtime adapters
+def test_runtime_load_and_unload(demo_server, client, lora_dir, demo_answers):
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    load = httpx.post(f"{demo_server.url}/load_lora_adapter", headers=headers,
+                      json={"lora_name": "sorter", "lora_path": str(lora_dir / "sort_copy")})
+    assert load.status_code == 200 and "sorter" in load.text
+    assert {c.id: c.parent for c in client.models.list().data}["sorter"] == "demo"
+    response = client.completions.create(
+        model="sorter", prompt=demo.make_prompt(WORDS[0]), max_tokens=12, temperature=0
+    )
+    assert response.choices[0].text == demo_answers["sort"][WORDS[0]]
+
+    again = httpx.post(f"{demo_server.url}/load_lora_adapter", headers=headers,
+                       json={"lora_name": "sorter", "lora_path": str(lora_dir / "sort_copy")})
+    assert again.status_code == 400 and "already been loaded" in again.json()["error"]["message"]
+
+    unload = httpx.post(f"{demo_server.url}/unload_lora_adapter", headers=headers, json={"lora_name": "sorter"})
+    assert unload.status_code == 200
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="sorter", prompt="lora=", max_tokens=4)
+    gone = httpx.post(f"{demo_server.url}/unload_lora_adapter", headers=headers, json={"lora_name": "sorter"})
+    assert gone.status_code == 404 and gone.json()["error"]["code"] == "model_not_found"
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "escape",  # a symlink inside the allowed directory that resolves outside it
+        "sort_copy/../..",  # a path that climbs out
+        "missing",  # inside, but not there
+    ],
+)
+def test_runtime_load_only_from_allowed_directories(demo_server, lora_dir, path):
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    response = httpx.post(f"{demo_server.url}/load_lora_adapter", headers=headers,
+                          json={"lora_name": "outside", "lora_path": str(lora_dir / path)})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "lora_path"
+    assert "outside" not in {c["id"] for c in httpx.get(f"{demo_server.url}/models", headers=headers).json()["data"]}
+
+
+def test_runtime_loading_is_off_unless_enabled(tiny_server):
+    response = httpx.post(f"{tiny_server.url}/load_lora_adapter", json={"lora_name": "x", "lora_path": "/tmp"})
+    assert response.status_code == 404 and "error" in response.json()
+
+
+# ---------------------------------------------------------------------- auth and errors
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--allow-runtime-lora"], "needs at least one --lora-dir"),
+        (["--lora-dir", "."], "only used with --allow-runtime-lora"),
+        (["--allow-runtime-lora", "--lora-dir", "/no/such/dir"], "not a directory"),
+    ],
+)
+def test_serve_refuses_bad_runtime_lora_options(capsys, args, message):
+    from punica_hf.cli import main
+
+    assert main(["serve", "--model", "demo", *args]) == 1
+    assert message in capsys.readouterr().err
+
+
+def test_api_key_is_required_everywhere_but_health(demo_server):
+    calls = [
+        ("GET", "/v1/models", None),
+        ("GET", "/metrics", None),
+        ("POST", "/v1/completions", {"model": "demo", "prompt": "lora=", "max_tokens": 2}),
+        ("POST", "/v1/chat/completions", {"model": "demo", "messages": [{"role": "user", "content": "hi"}]}),
+        ("POST", "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/tmp"}),
+        ("POST", "/v1/unload_lora_adapter", {"lora_name": "upper"}),
+    ]
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
+        for method, path, body in calls:
+            response = httpx.request(method, demo_server.base + path, json=body, headers=headers)
+            assert response.status_code == 401, (method, path, headers)
+            assert response.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(f"{demo_server.base}/health").status_code == 200
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=demo_server.url, api_key="wrong", max_retries=0).models.list()
+    assert "upper" in {c["id"] for c in httpx.get(f"{demo_server.url}/models",
+                                                   headers={"Authorization": f"Bearer {API_KEY}"}).json()["data"]}
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "message"),
+    [
+        ({"model": "nope", "prompt": "lora="}, 404, "does not exist"),
+        ({"model": "upper", "prompt": "x" * 60, "max_tokens": 10}, 400, "exceeds the 64-token limit"),
+        ({"model": "upper"}, 400, "prompt"),
+        ({"model": "upper", "prompt": "lora=", "n": 2}, 400, "not supported by this server: n"),
+        ({"model": "upper", "prompt": "lora=", "temperature": -1}, 400, "temperature"),
+        ({"model": "upper", "prompt": "lora=", "max_tokens": 0}, 400, "max_tokens"),
+        ({"model": "upper", "prompt": [1, 999]}, 400, "integers in [0, 259)"),
+        ({"model": "upper", "prompt": []}, 400, "empty"),
+    ],
+)
+def test_errors_are_openai_error_json(demo_server, body, status, message):
+    response = httpx.post(f"{demo_server.url}/completions", json=body,
+                          headers={"Authorization": f"Bearer {API_KEY}"})
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert message in error["message"] and error["type"]
+
+
+def test_malformed_json_and_chat_without_template_are_400(demo_server):
+    headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+    broken = httpx.post(f"{demo_server.url}/completions", content=b"{not json", headers=headers)
+    assert broken.status_code == 400 and "JSON" in broken.json()["error"]["message"]
+    chat = httpx.post(f"{demo_server.url}/chat/completions", headers=headers,
+                      json={"model": "upper", "messages": [{"role": "user", "content": "lora"}]})
+    assert chat.status_code == 400 and "no chat template" in chat.json()["error"]["message"]
+
+
+def test_full_queue_answers_429(tiny_server):
+    async def burst():
+        async with httpx.AsyncClient(base_url=tiny_server.url, timeout=60) as http:
+            body = {"model": "tiny", "prompt": [1, 7, 8], "max_tokens": 300, "ignore_eos": True, "temperature": 0}
+            return await asyncio.gather(*(http.post("/completions", json=body) for _ in range(12)))
+
+    responses = asyncio.run(burst())
+    statuses = [response.status_code for response in responses]
+    assert set(statuses) == {200, 429}
+    rejected = next(r for r in responses if r.status_code == 429).json()["error"]
+    assert rejected["code"] == "queue_full"
+    assert all(r.json()["usage"]["completion_tokens"] == 300 for r in responses if r.status_code == 200)
+    assert tiny_server.metrics()["punica_requests_rejected_total"] >= statuses.count(429)
+
+
+# ---------------------------------------------------------------------- chat (tiny model with a template)
+def test_chat_completions_equal_offline_generate(tiny_server, tiny_model_dirs):
+    model_dir, adapter_dir = tiny_model_dirs
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = MultiLoraModel(AutoModelForCausalLM.from_pretrained(model_dir).eval(), max_adapters=1)
+    model.load_adapters({"tiny": adapter_dir})
+    client = openai.OpenAI(base_url=tiny_server.url, api_key="unused", max_retries=0, timeout=60)
+    messages = [{"role": "system", "content": "w1 w2"}, {"role": "user", "content": "w5 w9 w13"}]
+    for adapter in ("tiny", None):
+        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")
+        prompt = prompt["input_ids"] if not isinstance(prompt, torch.Tensor) else prompt
+        output = model.generate(prompt, adapter_ids=[adapter], max_new_tokens=16, do_sample=False, pad_token_id=0)
+        expected = tokenizer.decode(output[0, prompt.shape[1]:], skip_special_tokens=True)
+        name = adapter or str(model_dir)
+        response = client.chat.completions.create(model=name, messages=messages, max_tokens=16, temperature=0)
+        assert response.choices[0].message.content == expected and response.choices[0].message.role == "assistant"
+        assert response.usage.prompt_tokens == prompt.shape[1]
+        stream = client.chat.completions.create(model=name, messages=messages, max_tokens=16, temperature=0,
+                                                stream=True)
+        chunks = list(stream)
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
+        assert chunks[0].choices[0].delta.role == "assistant" and chunks[-1].usage.total_tokens > 0
+
+
+# ---------------------------------------------------------------------- disconnects, metrics, SIGTERM
+def test_client_disconnect_cancels_and_frees_kv(tiny_server):
+    before = tiny_server.metrics()
+    body = {"model": "tiny", "prompt": [1, 9, 4, 12], "max_tokens": 3000, "ignore_eos": True, "temperature": 0}
+    with httpx.stream("POST", f"{tiny_server.url}/completions", json={**body, "stream": True}, timeout=60) as stream:
+        lines = stream.iter_lines()
+        assert next(line for line in lines if line.startswith("data:"))
+    with pytest.raises(httpx.ReadTimeout):  # a non-streaming request whose client gives up
+        httpx.post(f"{tiny_server.url}/completions", json=body, timeout=1.0)
+
+    def both_dropped():
+        now = tiny_server.metrics()
+        return now["punica_requests_dropped_and_freed_total"] - before["punica_requests_dropped_and_freed_total"] == 2
+
+    wait_until(both_dropped)
+    after = tiny_server.metrics()
+    cancelled = 'punica_requests_total{finish_reason="cancelled"}'
+    assert after[cancelled] - before[cancelled] == 2
+    assert after["punica_running_requests"] == 0 and after["punica_kv_cache_free_fraction"] == 1.0
+    assert after["punica_generation_tokens_total"] - before["punica_generation_tokens_total"] < 2 * 3000
+
+
+def test_metrics_count_requests_tokens_and_latencies(demo_server, client):
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    before = demo_server.metrics(headers)
+    response = client.completions.create(model="reverse", prompt="metrics=", max_tokens=12, temperature=0)
+    after = demo_server.metrics(headers)
+    delta = {name: after[name] - before.get(name, 0) for name in after}
+    assert delta['punica_requests_total{finish_reason="stop"}'] == 1
+    assert delta["punica_prompt_tokens_total"] == response.usage.prompt_tokens
+    assert delta["punica_generation_tokens_total"] == response.usage.completion_tokens
+    assert delta["punica_time_to_first_token_seconds_count"] == 1
+    assert delta["punica_request_latency_seconds_count"] == 1
+    assert 1 <= delta["punica_time_per_output_token_seconds_count"] <= response.usage.completion_tokens - 1
+    assert after["punica_adapter_registered"] == len(demo.TASKS)
+    assert after["punica_queue_length"] == 0 and after["punica_running_requests"] == 0
+    for name in ("punica_adapter_evictions_total", "punica_batch_requests", "punica_kv_cache_free_fraction"):
+        assert name in after
+
+
+def test_sigterm_finishes_running_requests_then_exits(tmp_path, tiny_model_dirs):
+    model_dir, adapter_dir = tiny_model_dirs
+    server = Server(["--model", str(model_dir), "--adapter", f"tiny={adapter_dir}"], tmp_path / "server.log")
+    try:
+        body = {"model": "tiny", "prompt": [1, 5, 6], "max_tokens": 400, "ignore_eos": True, "temperature": 0,
+                "stream": True}
+        with httpx.stream("POST", f"{server.url}/completions", json=body, timeout=60) as stream:
+            events = (line[len("data: "):] for line in stream.iter_lines() if line.startswith("data: "))
+            first = json.loads(next(events))
+            server.process.send_signal(signal.SIGTERM)
+            rest = list(events)
+        assert first["choices"][0]["finish_reason"] is None
+        assert rest[-1] == "[DONE]"
+        usage = json.loads(rest[-2])["usage"]
+        finish = [c["finish_reason"] for event in rest[:-1] for c in json.loads(event)["choices"] if c["finish_reason"]]
+        assert usage["completion_tokens"] == 400 and finish == ["length"]
+        assert server.process.wait(timeout=60) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal it handled
+    finally:
+        server.stop()
