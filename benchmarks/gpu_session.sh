@@ -1,30 +1,115 @@
 #!/bin/bash
-# One device-machine session: build the kernels, run the GPU tests, benchmark; MEMCHECK=1 adds a memcheck of both paths.
-# Usage (repo root, on the GPU machine): OUT=<dir> bash benchmarks/gpu_session.sh [pytest -k expression]
+# One device call, everything measured on the H200: the GPU, the kernel build, the GPU tests, then the op, adapter
+# store and generate() benchmarks. Every part runs under `timeout`, cut to what is left of one overall budget, so a
+# hang costs its part only. Into $OUT go six files: session.log (every part's output), pytest.log,
+# bench_ops_h200.json/.md, bench_adapters_h200.json, bench_generate_h200.json. A short summary is printed last.
+#
+#   OUT=$OUT bash benchmarks/gpu_session.sh          # from the repository root on the GPU machine
+#
+# Environment:
+#   ONLY="build tests ops adapters generate"   the parts to run (default: all, in this order; the kernel build runs
+#                                              whenever another part does, so no part pays for it in its timeout)
+#   SKIP_TESTS=1                               leave out the GPU tests
+#   PYTEST_ARGS="-k compile"                   extra pytest arguments
+#   GEN_FLAGS="..."                            bench_generate.py flags (default below: every system, ~4 minutes)
+#   ADAPTER_FLAGS="..."                        bench_adapters.py flags (default: the issue-8 setup, ~2 minutes)
+#   BUDGET_S=530                               seconds for the whole call
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD PUNICA_HF_CACHE=${PUNICA_HF_CACHE:-/tmp/punica_hf_cache}
 OUT=${OUT:-/tmp/punica_out}
+ONLY=${ONLY:-build tests ops adapters generate}
+[ -n "$SKIP_TESTS" ] && ONLY=${ONLY//tests/}
+GEN_FLAGS=${GEN_FLAGS:---modes eager,compiled --distinct 1,8,32 --prefill-heavy eager --profile compiled}
+BUDGET_S=${BUDGET_S:-530}
 mkdir -p "$OUT"
-log() { echo "== $(date +%T) $*" | tee -a "$OUT/log"; }
+LOG="$OUT/session.log"
+SUMMARY=()
 
-log "gpu"; nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu,power.draw --format=csv | tee -a "$OUT/log"
-log "build"; ( time python3 -m punica_hf.ops.build ) 2>&1 | tail -5 | tee -a "$OUT/log" || { log "BUILD FAILED"; exit 1; }
-log "tests"; python3 -m pytest -q -p no:cacheprovider tests/gpu ${1:+-k "$1"} 2>&1 | tee "$OUT/pytest.log" | tail -25 | tee -a "$OUT/log"
-log "bench"; python3 benchmarks/bench_ops.py --out-dir "$OUT" 2>&1 | tail -30 | tee -a "$OUT/log"
-[ -n "$MEMCHECK" ] && { log "memcheck"
-timeout 60 compute-sanitizer --tool memcheck --print-limit 5 python3 - <<'PY' 2>&1 | tail -8 | tee -a "$OUT/log"
-import torch
-from punica_hf.ops import cuda as cuda_ops
-from punica_hf.ops.segments import build_segments
-for tokens, hidden_in, hidden_out, rank in ((37, 1000, 2056, 13), (700, 1000, 2056, 24)):
-    slots = torch.randint(-1, 6, (tokens,), dtype=torch.int32, device="cuda")
-    x = torch.randn(tokens, hidden_in, device="cuda", dtype=torch.bfloat16)
-    y = torch.randn(tokens, hidden_out, device="cuda", dtype=torch.bfloat16)
-    a = torch.randn(6, rank, hidden_in, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(6, hidden_out, rank, device="cuda", dtype=torch.bfloat16)
-    ranks = torch.randint(0, rank + 1, (6,), dtype=torch.int32, device="cuda")
-    cuda_ops.lora_add(y, x, a, b, ranks, build_segments(slots, 6, "cuda"))
-torch.cuda.synchronize()
-print("memcheck script done")
+log() { echo "== $(date +%T) [$SECONDS s] $*" | tee -a "$LOG"; }
+wanted() { [[ " $ONLY " == *" $1 "* ]]; }
+
+# part NAME CAP_S COMMAND...: run COMMAND with a timeout of min(CAP_S, budget left), output appended to the log;
+# skipped when less than 30 s are left. Returns the command's status.
+part() {
+    local name=$1 cap=$2; shift 2
+    local left=$((BUDGET_S - SECONDS)) started=$SECONDS status
+    local limit=$((cap < left ? cap : left))
+    if ((limit < 30)); then
+        log "$name: skipped, ${left} s of the budget left"; SUMMARY+=("$name|skipped|0"); return 1
+    fi
+    log "$name (timeout ${limit} s): $*"
+    timeout -k 10 "$limit" "$@" >>"$LOG" 2>&1
+    status=$?
+    ((status == 124 || status == 137)) && log "$name: TIMED OUT after ${limit} s"
+    log "$name: exit $status after $((SECONDS - started)) s"
+    SUMMARY+=("$name|$status|$((SECONDS - started))")
+    return $status
+}
+
+log "gpu"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu,power.draw,memory.used \
+    --format=csv 2>&1 | tee -a "$LOG"
+python3 -c "import torch, transformers; print('torch', torch.__version__, 'CUDA', torch.version.cuda,
+'transformers', transformers.__version__)" 2>&1 | tee -a "$LOG"
+
+if wanted build || wanted tests || wanted ops || wanted adapters || wanted generate; then
+    part build 180 python3 -m punica_hf.ops.build || { log "BUILD FAILED: nothing else runs"; ONLY=""; }
+fi
+if wanted tests; then
+    part tests 180 bash -c "python3 -m pytest -q -p no:cacheprovider tests/gpu $PYTEST_ARGS > '$OUT/pytest.log' 2>&1"
+    [ -f "$OUT/pytest.log" ] && tail -3 "$OUT/pytest.log" | tee -a "$LOG"
+fi
+# The benchmarks use the CUDA kernels or fail: a silent fallback to the PyTorch ops would time the wrong code.
+export PUNICA_HF_BACKEND=${PUNICA_HF_BACKEND:-cuda}
+wanted ops && part ops 150 python3 benchmarks/bench_ops.py --out-dir "$OUT"
+wanted adapters && part adapters 200 \
+    python3 benchmarks/bench_adapters.py --output "$OUT/bench_adapters_h200.json" $ADAPTER_FLAGS
+wanted generate && part generate 330 \
+    python3 benchmarks/bench_generate.py --output "$OUT/bench_generate_h200.json" $GEN_FLAGS
+
+log "summary"
+{
+    echo "| part | exit | seconds |"
+    echo "|---|---|---|"
+    for row in "${SUMMARY[@]}"; do echo "| ${row//|/ | } |"; done
+    [ -f "$OUT/pytest.log" ] && echo && echo "pytest: $(tail -1 "$OUT/pytest.log")"
+    python3 - "$OUT" <<'PY'
+import json, sys
+from pathlib import Path
+
+out = Path(sys.argv[1])
+
+
+def load(name):
+    try:
+        return json.loads((out / name).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+ops = load("bench_ops_h200.json")
+if ops:
+    rows = ops["results"]
+    met = sum(bool(r.get("met")) for r in rows)
+    worst = max(rows, key=lambda r: r.get("ratio", 0))
+    print(f"\nbench_ops: {met} of {len(rows)} rows meet their target; worst ours/peer {worst.get('ratio', 0):.2f} "
+          f"({worst.get('hidden_in')}->{worst.get('rank')}->{worst.get('hidden_out')} {worst.get('case')})")
+adapters = load("bench_adapters_h200.json")
+if adapters:
+    done = list(adapters.get("section_seconds", {}))
+    print("\nbench_adapters:" + ("" if "summary" in adapters else f" cut short; sections done: {done}"))
+    for row in adapters.get("summary", []):
+        met = "met " if row["met"] else "MISS"
+        print(f"  {met} {row['value']:8.2f} {row['unit']:9s} {row['target']:10s} {row['what']}")
+generate = load("bench_generate_h200.json")
+if generate:
+    print("\nbench_generate (ratio to base, same mode and case):")
+    for name, ratio in generate.get("ratios", {}).items():
+        print(f"  {ratio:5.2f}  {name}")
+    for name, cost in generate.get("decode_step_lora_cost", {}).items():
+        if "added_ms" in cost:
+            added, over = cost["added_ms"], cost["added_over_floor"]
+            print(f"  LoRA adds {added:.2f} ms per decode step, {over:.1f}x its bytes floor: {name}")
 PY
-} ; log "done"
+} 2>&1 | tee -a "$LOG"
+log "done"

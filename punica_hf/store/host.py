@@ -25,8 +25,7 @@ class HostTier:
     @staticmethod
     def allocate(size: int, dtype: torch.dtype) -> torch.Tensor:
         """An empty host buffer of ``size`` elements for a chunk, pinned where CUDA can use that."""
-        buffer = torch.empty(size, dtype=dtype)
-        return buffer.pin_memory() if torch.cuda.is_available() else buffer
+        return torch.empty(size, dtype=dtype, pin_memory=torch.cuda.is_available())
 
     def get(self, index: int) -> dict[torch.device, torch.Tensor] | None:
         copy = self._copies.get(index)

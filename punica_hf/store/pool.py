@@ -87,12 +87,16 @@ class ChunkLayout:
 
     def fill(self, chunk: torch.Tensor, factors: dict[str, ModuleLora]) -> None:
         """Write ``factors`` into ``chunk`` ``[size]`` (casting to its dtype); alignment gaps are zeroed."""
-        chunk.zero_()
+        written = 0  # end of what is written so far: the gap up to the next factor is zeroed
         for name, place in self.modules.items():
             module = factors[name]
             a_size, b_size = module.lora_a.numel(), module.lora_b.numel()
+            chunk[written : place.a_offset].zero_()
             chunk[place.a_offset : place.a_offset + a_size].view_as(module.lora_a).copy_(module.lora_a)
+            chunk[place.a_offset + a_size : place.b_offset].zero_()
             chunk[place.b_offset : place.b_offset + b_size].view(module.rank, -1).copy_(module.lora_b.T)
+            written = place.b_offset + b_size
+        chunk[written:].zero_()
 
     def table_columns(self, num_rows: int, chunk_start: int) -> torch.Tensor:
         """``[3, num_rows]`` int64 on the CPU: a slot's column of a_offsets, b_offsets and ranks for this chunk

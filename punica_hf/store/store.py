@@ -70,6 +70,15 @@ class Adapter:
         return {**self.__dict__, "reading": None, "copies_done": {}}
 
 
+@dataclass
+class _Undo:
+    """What one registration call made and must take away again if it fails."""
+
+    hooks: list[str] = field(default_factory=list)
+    rows: list[tuple[DevicePool, str]] = field(default_factory=list)
+    pools: list[torch.device] = field(default_factory=list)
+
+
 class AdapterLease:
     """Holds adapters resident and registered until ``release()``; ``slots`` = their device slots (-1 = base)."""
 
@@ -150,7 +159,8 @@ class AdapterStore:
         """Register ``{name: (weights, source, source_kwargs)}``, all or none. Returns ``{name: index}``.
 
         ``source`` is what to read again once the host copy is dropped (a path or Hub id), or the weights
-        themselves for adapters given in memory.
+        themselves for adapters given in memory. Checks and planning hold the lock; building the host copies (the
+        heavy part) does not, so running forwards go on meanwhile.
         """
         with self.changing():
             for name in adapters:
@@ -158,44 +168,64 @@ class AdapterStore:
             modules = self._base_modules()
             for name, (weights, _, _) in adapters.items():
                 self._check_fits(name, weights, modules)
-            return self._commit(adapters, modules)
-
-    def _commit(self, adapters, modules: dict[str, nn.Module]) -> dict[str, int]:
-        new_pools, new_hooks, new_rows = [], [], []
+            undo = _Undo()
+            try:
+                planned = self._plan(adapters, modules, undo)
+            except BaseException:
+                self._undo(undo)
+                raise
         try:
-            planned = {}
-            for name, (weights, source, source_kwargs) in adapters.items():
-                factors_by_device: dict[torch.device, dict[str, ModuleLora]] = {}
-                for module_name in sorted(weights.modules):
-                    module = modules[module_name]
-                    pool = self._pool_for(module, new_pools)
-                    if module_name not in pool.rows:
-                        new_rows.append((pool, module_name))
-                    pool.row_for(module_name)
-                    factors_by_device.setdefault(pool.device, {})[module_name] = weights.modules[module_name]
-                layouts = {
-                    device: ChunkLayout.plan(factors, self.pools[device].rows)
-                    for device, factors in factors_by_device.items()
-                }
-                device_bytes = sum(layout.size * self.pools[d].element_size for d, layout in layouts.items())
-                self._check_sizes(name, layouts, device_bytes)
-                planned[name] = (weights, source, source_kwargs, factors_by_device, layouts, device_bytes)
-            for name, (weights, *_rest) in planned.items():
-                for module_name in weights.modules:
-                    if module_name not in self.hooks:
-                        new_hooks.append(module_name)
-                        self.hooks[module_name] = self._hook(module_name, modules[module_name])
-            host_copies = {name: self._host_chunks(plan[4], plan[3]) for name, plan in planned.items()}
+            with torch.inference_mode(False), torch.no_grad():
+                host_copies = {name: self._host_chunks(plan[4], plan[3]) for name, plan in planned.items()}
+            with self.changing():
+                for name in adapters:  # another thread may have taken a name meanwhile
+                    self._check_new_name(name)
+                return self._register(planned, host_copies, undo)
         except BaseException:  # any failure or interrupt: undo every change of this call
-            for module_name in new_hooks:
-                self.hooks.pop(module_name).remove()
-            for pool, module_name in new_rows:
-                del pool.rows[module_name]
-            for device in new_pools:
-                del self.pools[device]
+            with self.lock:
+                self._undo(undo)
             raise
 
-        if new_hooks or new_pools:
+    def _plan(self, adapters, modules: dict[str, nn.Module], undo: "_Undo") -> dict[str, tuple]:
+        """Each adapter's chunk layout per device; makes the pools, table rows and hooks it needs (noted in
+        ``undo``)."""
+        planned = {}
+        for name, (weights, source, source_kwargs) in adapters.items():
+            factors_by_device: dict[torch.device, dict[str, ModuleLora]] = {}
+            for module_name in sorted(weights.modules):
+                module = modules[module_name]
+                pool = self._pool_for(module, undo.pools)
+                if module_name not in pool.rows:
+                    undo.rows.append((pool, module_name))
+                pool.row_for(module_name)
+                factors_by_device.setdefault(pool.device, {})[module_name] = weights.modules[module_name]
+                if module_name not in self.hooks:
+                    undo.hooks.append(module_name)
+                    self.hooks[module_name] = self._hook(module_name, module)
+            layouts = {
+                device: ChunkLayout.plan(factors, self.pools[device].rows) for device, factors in factors_by_device.items()
+            }
+            device_bytes = sum(layout.size * self.pools[d].element_size for d, layout in layouts.items())
+            self._check_sizes(name, layouts, device_bytes)
+            planned[name] = (weights, source, source_kwargs, factors_by_device, layouts, device_bytes)
+        return planned
+
+    def _undo(self, undo: "_Undo") -> None:
+        """Remove the hooks, rows and pools a failed call made, unless an adapter registered since uses them."""
+        used_modules = {m for a in self._by_index.values() for layout in a.layouts.values() for m in layout.modules}
+        used_devices = {d for a in self._by_index.values() for d in a.layouts}
+        for module_name in undo.hooks:
+            if module_name not in used_modules:
+                self.hooks.pop(module_name).remove()
+        for pool, module_name in undo.rows:
+            if module_name not in used_modules:
+                del pool.rows[module_name]
+        for device in undo.pools:
+            if device not in used_devices:
+                del self.pools[device]
+
+    def _register(self, planned: dict[str, tuple], host_copies: dict, undo: "_Undo") -> dict[str, int]:
+        if undo.hooks or undo.pools:
             self.layout_version += 1
         assigned = {}
         for name, (weights, source, source_kwargs, _, layouts, device_bytes) in planned.items():
@@ -252,6 +282,8 @@ class AdapterStore:
 
     def acquire(self, adapters: Sequence[str | int | None], block: bool = True) -> AdapterLease:
         """Hold ``adapters`` resident and registered; the lease's ``slots`` has one slot per entry (-1 = base)."""
+        if block:
+            self._read_cold(adapters)
         with self.changing():
             entries = [self.lookup(adapter) for adapter in adapters]
             needed = list({id(a): a for a in entries if a is not None}.values())
@@ -298,6 +330,18 @@ class AdapterStore:
                     f"this batch's adapters need {missing * pool.element_size / 2**20:.1f} MiB more on {device}; "
                     f"with what running calls hold there is room for less (pool {self._pool_summary()})"
                 )
+
+    def _read_cold(self, adapters: Sequence[str | int | None]) -> None:
+        """Read the sources of adapters with no host copy, without holding the lock (other calls go on)."""
+        with self.lock:
+            cold = {id(a): a for a in map(self.lookup, adapters) if a is not None and a.slot is None}
+            cold = [a for a in cold.values() if a.index not in self.host and a.prefetched is None]
+        for adapter in cold:
+            with torch.inference_mode(False), torch.no_grad():
+                chunks = self._read_source(adapter)
+            with self.lock:
+                if not adapter.unloaded and adapter.index not in self.host and adapter.prefetched is None:
+                    adapter.prefetched = chunks
 
     def _release(self, adapters: Iterable[Adapter]) -> None:
         with self.changing():
