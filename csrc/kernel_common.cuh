@@ -1,5 +1,5 @@
-// Device helpers shared by the LoRA kernels: 16-byte vector loads widened to float, cp.async, and the
-// internal launchers of the two paths (per-token SIMT, segment-tiled tensor cores).
+// Device helpers shared by the LoRA kernels: 16-byte vectors widened to float and back, cp.async, programmatic
+// dependent launch, rank lookups; and the internal launchers of the two paths (per-token chunks, segment tiles).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -30,25 +30,26 @@ struct Vec {
   static constexpr int kSize = 16 / sizeof(T);
 };
 
-// Loads Vec<T>::kSize elements (16-byte aligned) and widens them to float.
+// The Vec<T>::kSize elements packed in `raw`, widened to float. `raw` is taken by value: a reference bound to a
+// global word lets nvcc split the 16-byte load into 2-byte ones (seen in kernel v2's SASS).
 template <typename T>
-__device__ __forceinline__ void load_vec(const T* ptr, float (&out)[Vec<T>::kSize]) {
-  const uint4 raw = *reinterpret_cast<const uint4*>(ptr);
+__device__ __forceinline__ void widen(uint4 raw, float (&out)[Vec<T>::kSize]) {
   const T* elems = reinterpret_cast<const T*>(&raw);
 #pragma unroll
   for (int i = 0; i < Vec<T>::kSize; ++i) out[i] = to_float(elems[i]);
 }
 
 template <typename T>
-__device__ __forceinline__ void store_vec(T* ptr, const float (&values)[Vec<T>::kSize]) {
+__device__ __forceinline__ uint4 narrow(const float (&values)[Vec<T>::kSize]) {
   uint4 raw;
   T* elems = reinterpret_cast<T*>(&raw);
 #pragma unroll
   for (int i = 0; i < Vec<T>::kSize; ++i) elems[i] = from_float<T>(values[i]);
-  *reinterpret_cast<uint4*>(ptr) = raw;
+  return raw;
 }
 
-// 16-byte global->shared copy that bypasses registers; fill=false writes 16 zero bytes and reads nothing.
+// 16-byte global->shared copy that bypasses registers; fill=false writes 16 zero bytes and reads nothing
+// (gmem_src must still be a valid address).
 __device__ __forceinline__ void cp_async_16(void* smem_dst, const void* gmem_src, bool fill) {
   const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem_dst));
   const int src_bytes = fill ? 16 : 0;
@@ -57,18 +58,26 @@ __device__ __forceinline__ void cp_async_16(void* smem_dst, const void* gmem_src
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int kPending>
 __device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
 }
 
-// The segment holding sorted position `position`: the last g < num_segments with starts[g] <= position.
-// When position is past every token with an adapter this lands on a padding segment (slot -1).
-__device__ __forceinline__ int find_segment(const int32_t* segment_starts, int num_segments, int position) {
-  int lo = 0, hi = num_segments;
-  while (hi - lo > 1) {
-    const int mid = (lo + hi) / 2;
-    if (segment_starts[mid] <= position) lo = mid; else hi = mid;
-  }
-  return lo;
+// Programmatic dependent launch (sm_90+; no-ops below, and when the grid was launched without the attribute).
+// The shrink lets the expand grid start early; the expand waits for the whole shrink grid (its writes visible)
+// before it reads the shrink's output, and may read anything else (inputs written before the shrink) earlier.
+__device__ __forceinline__ void allow_dependent_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wait_for_primary_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// Rank of `slot` in this layer, clamped to [0, max_rank] (the workspaces are sized by max_rank).
+__device__ __forceinline__ int rank_of(const int32_t* lora_ranks, int slot, int max_rank) {
+  return slot < 0 ? 0 : max(0, min(lora_ranks[slot], max_rank));
 }
 
 }  // namespace punica
@@ -80,3 +89,22 @@ size_t punica_tiled_workspace_floats(const PunicaLoraProblem& problem);
 cudaError_t punica_tiled_launch(const PunicaLoraProblem& problem, float* workspace, cudaStream_t stream);
 // Largest max_rank the tiled path takes; above it the per-token path runs.
 constexpr int kTiledMaxRank = 128;
+
+// Launches `kernel` on `stream`; with `programmatic` set, the grid may start while the previous kernel of the
+// stream (which must call allow_dependent_launch) still runs, and must wait_for_primary_grid before reading
+// that kernel's output. Captured in a CUDA graph as a programmatic edge.
+template <typename... Params, typename... Args>
+cudaError_t launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                          bool programmatic, Args... args) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attribute;
+  config.numAttrs = programmatic ? 1 : 0;
+  return cudaLaunchKernelEx(&config, kernel, static_cast<Params>(args)...);
+}

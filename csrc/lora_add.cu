@@ -4,9 +4,9 @@
 
 namespace {
 
-// Up to this many tokens (decode batches) the per-token path runs: it is latency-bound there and a token
-// re-reading a shared adapter hits L2. Above it, the segment-tiled tensor-core path reads each adapter's
-// weights once per 64-token tile.
+// Up to this many tokens (decode batches) the per-token path runs: latency-bound, and its chunks already share
+// each adapter's factors among up to 16 tokens. Above it, the segment-tiled tensor-core path shares them among
+// the 64 positions of a tile.
 constexpr int kPerTokenMaxTokens = 256;
 
 bool use_tiled(const PunicaLoraProblem& p) {
@@ -20,7 +20,7 @@ extern "C" size_t punica_lora_workspace_floats(const PunicaLoraProblem* problem)
 }
 
 extern "C" cudaError_t punica_lora_add(const PunicaLoraProblem* problem, float* workspace, cudaStream_t stream) {
-  if (problem->num_tokens == 0 || problem->max_rank == 0 || problem->num_segments == 0) return cudaSuccess;
+  if (problem->num_tokens == 0 || problem->max_rank == 0 || problem->num_slots == 0) return cudaSuccess;
   return use_tiled(*problem) ? punica_tiled_launch(*problem, workspace, stream)
                              : punica_per_token_launch(*problem, workspace, stream);
 }

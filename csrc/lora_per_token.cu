@@ -1,198 +1,415 @@
-// Per-token path (decode): every token reads its own adapter's A and B rows with 16-byte coalesced loads.
-// Bound by bytes and latency, not arithmetic, so plain fp32 FMAs on CUDA cores. Two launches:
-//   shrink: grid (T, K slices of 32 lanes x 16 bytes), 8 warps; each warp dots its x slice with up to 4 rows
-//           of A at once and writes one fp32 partial per (slice, token, row): no atomics, no zeroing.
-//   expand: grid (T, H_out / 256), 256 output elements per block; sums the partials into v (fp32, shared
-//           memory), then y[t, n] += B[s, n, :rank] . v with a few lanes sharing each row of B (coalesced).
-// Tokens sharing an adapter re-read it, from L2 after the first: cheap up to a few hundred tokens.
+// Per-token path (decode, fp32, ranks above 128): bound by latency and bytes, not arithmetic, so fp32 FMAs on
+// CUDA cores. Work is cut into chunks: up to kChunk consecutive positions of sorted_token_ids that share one slot
+// (a chunk starts where the slot changes and at every multiple of kChunk). A block of either kernel runs at the
+// chunk's first position and loads the adapter's factors once for all the chunk's tokens; blocks at other
+// positions exit after the lookup. With every token its own adapter, each chunk is one token.
+// Every block moves up to 64 rank rows x 512 bytes = 32 KB of factors: small ranks take kGroup (2 or 4) K slices
+// (shrink) or column chunks (expand) of 32 lanes x 16 bytes per block.
+//   shrink: grid (T, K slices / kGroup); the block's 64 (row, slice) pieces of A and the chunk's x slices go to
+//           shared memory by cp.async; warp w dots its 8 pieces with two tokens at a time, one warp_sum_8 per
+//           token; one fp32 partial per (slice, position, row).
+//   expand: grid (T, column chunks / kGroup); the chunk's Bt columns and y rows go to shared memory by
+//           cp.async, v = sum of the slice partials; warps then own (token, column chunk) items, each lane a
+//           16-byte run of outputs, looping over the rank rows.
+// The expand is launched as a programmatic dependent of the shrink: its chunk lookup, Bt and y loads overlap
+// the shrink, and it waits for the shrink grid only before reading the partials.
 #include "kernel_common.cuh"
 
 namespace punica {
 namespace {
 
-constexpr int kShrinkWarps = 8;
-constexpr int kShrinkRowsPerPass = 4;  // rows of A one warp loads before reducing: loads in flight
-constexpr int kExpandThreads = 256;
-constexpr int kExpandBatch = 4;  // rows of B a lane group loads before reducing: loads in flight
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int kChunk = 8;            // most tokens a block serves (it reuses the factors it loads for all)
+constexpr int kRowsPerWarp = 8;      // shrink: pieces of A one warp dots with a token (one warp_sum_8)
+constexpr int kPieces = kWarps * kRowsPerWarp;  // shrink: (row, K slice) pieces of A per block and pass
+constexpr int kTileRanks = 64;       // expand: rank rows of Bt staged in shared memory at a time
+constexpr int kItemsPerWarp = 2;     // expand: (token, column chunk) items a warp owns per pass
+constexpr int kMaxGroup = 4;         // most K slices / column chunks one block takes
+constexpr int kSumBatch = 16;        // expand: slice partials a thread loads at once
+constexpr unsigned kFullMask = 0xffffffffu;
+static_assert(kChunk + 1 < 32, "the chunk lookup uses one lane per position, plus the previous one");
 
 template <typename T>
-__host__ __device__ constexpr int slice_elems() { return 32 * Vec<T>::kSize; }  // input elements per (warp, K slice)
+__host__ __device__ constexpr int slice_elems() { return 32 * Vec<T>::kSize; }  // K elements of one slice
 
-// v_partial: [num_slices, T, R] fp32; entry (slice, t, row) = A[s, row, slice] . x[t, slice], row < rank.
-template <typename T>
-__global__ void __launch_bounds__(kShrinkWarps * 32)
-shrink_per_token_kernel(const T* __restrict__ x, const T* __restrict__ lora_a, const int32_t* __restrict__ lora_ranks,
-                        const int32_t* __restrict__ token_slots, float* __restrict__ v_partial, int num_tokens,
-                        int hidden_in, int max_rank, int num_slots) {
-  constexpr int kVec = Vec<T>::kSize;
-  const int token = blockIdx.x;
-  const int slice = blockIdx.y;
-  const int slot = token_slots[token];
-  if (slot < 0 || slot >= num_slots) return;  // out-of-range slots are treated as "no adapter"
-  const int rank = min(lora_ranks[slot], max_rank);
-  const int lane = threadIdx.x % 32;
-  const int warp = threadIdx.x / 32;
+// The chunk a block at sorted position `position` serves; size 0 when the position does not start a chunk, has
+// no adapter, or its slot's rank is 0 (nothing to do).
+struct Chunk {
+  int size;          // tokens of the chunk, 0..kChunk
+  int rank;          // rank of its slot, 1..max_rank when size > 0
+  int64_t offset;    // the slot's factor offset in the pool (A for the shrink, Bt for the expand)
+  int tokens[kChunk];
+};
 
-  const int k = slice * slice_elems<T>() + lane * kVec;
-  const bool k_in_range = k < hidden_in;
-  float x_vec[kVec];
-  if (k_in_range) {
-    load_vec(x + static_cast<size_t>(token) * hidden_in + k, x_vec);
-  } else {
-#pragma unroll
-    for (int i = 0; i < kVec; ++i) x_vec[i] = 0.f;
-  }
-  const T* a_slot = lora_a + static_cast<size_t>(slot) * max_rank * hidden_in;
-  float* v_out = v_partial + (static_cast<size_t>(slice) * num_tokens + token) * max_rank;
-
-  // Warp w takes rows w, w + 8, w + 16, w + 24 in its first pass, then the next 32 rows, ...
-  for (int first_row = warp; first_row < rank; first_row += kShrinkWarps * kShrinkRowsPerPass) {
-    float a_vec[kShrinkRowsPerPass][kVec];
-#pragma unroll
-    for (int i = 0; i < kShrinkRowsPerPass; ++i) {
-      const int row = first_row + i * kShrinkWarps;
-      if (k_in_range && row < rank) {
-        load_vec(a_slot + static_cast<size_t>(row) * hidden_in + k, a_vec[i]);
-      } else {
-#pragma unroll
-        for (int j = 0; j < kVec; ++j) a_vec[i][j] = 0.f;
-      }
+// All threads call it; warp 0 looks the chunk up (lane i: position - 1 + i), then a barrier publishes it.
+__device__ __forceinline__ void find_chunk(const int32_t* sorted_token_ids, const int32_t* token_slots,
+                                           const int32_t* lora_ranks, const int64_t* offsets, int num_tokens,
+                                           int num_slots, int max_rank, int position, Chunk& chunk) {
+  if (threadIdx.x < 32) {
+    const int lane = threadIdx.x;
+    const int q = position - 1 + lane;
+    int slot = -2, token = 0;  // -2: outside the tokens, differs from every slot
+    if (lane <= kChunk && q >= 0 && q < num_tokens) {
+      token = sorted_token_ids[q];
+      slot = token_slots[token];
+      if (slot < 0 || slot >= num_slots) slot = -1;
     }
-    float dot[kShrinkRowsPerPass];
-#pragma unroll
-    for (int i = 0; i < kShrinkRowsPerPass; ++i) {
-      dot[i] = 0.f;
-#pragma unroll
-      for (int j = 0; j < kVec; ++j) dot[i] = fmaf(a_vec[i][j], x_vec[j], dot[i]);
-    }
-#pragma unroll
-    for (int offset = 16; offset > 0; offset /= 2) {
-#pragma unroll
-      for (int i = 0; i < kShrinkRowsPerPass; ++i) dot[i] += __shfl_xor_sync(0xffffffffu, dot[i], offset);
-    }
+    const int first_slot = __shfl_sync(kFullMask, slot, 1);
+    const int previous_slot = __shfl_sync(kFullMask, slot, 0);
+    const bool starts_chunk = position % kChunk == 0 || previous_slot != first_slot;
+    // Lane i >= 1 holds position + i - 1; the chunk ends before the first lane whose slot differs or whose
+    // position is the next multiple of kChunk. Lane kChunk + 1 always ends it (slot -2).
+    const bool ends = lane >= 1 && (slot != first_slot || (lane >= 2 && (position + lane - 1) % kChunk == 0));
+    const int size = __ffs(__ballot_sync(kFullMask, ends)) - 2;
     if (lane == 0) {
-#pragma unroll
-      for (int i = 0; i < kShrinkRowsPerPass; ++i) {
-        const int row = first_row + i * kShrinkWarps;
-        if (row < rank) v_out[row] = dot[i];
+      int rank = 0;
+      int64_t offset = 0;
+      if (starts_chunk && first_slot >= 0) {  // both loads in flight together; the offset is used only if rank > 0
+        rank = rank_of(lora_ranks, first_slot, max_rank);
+        offset = offsets[first_slot];
       }
+      chunk.size = rank > 0 ? size : 0;
+      chunk.rank = rank;
+      chunk.offset = offset;
     }
-  }
-}
-
-// y[t, n] += sum_{r < rank} B[s, n, r] * v[t, r], v[t, r] = sum over slices of v_partial.
-// A group of lanes_per_row lanes shares each row of B, lane j reading its vectors j, j + lanes_per_row, ...:
-// with lanes_per_row = the row's vector count, a warp reads 512 contiguous bytes per load instruction.
-// The block covers kExpandThreads rows; each group takes lanes_per_row of them, kExpandBatch at a time.
-template <typename T>
-__global__ void __launch_bounds__(kExpandThreads)
-expand_per_token_kernel(T* __restrict__ y, const T* __restrict__ lora_b, const int32_t* __restrict__ lora_ranks,
-                        const int32_t* __restrict__ token_slots, const float* __restrict__ v_partial, int num_tokens,
-                        int hidden_out, int max_rank, int num_slots, int num_slices, int lanes_per_row) {
-  constexpr int kVec = Vec<T>::kSize;
-  extern __shared__ float v_shared[];  // [max_rank]: v of this token, zero past its rank
-  const int token = blockIdx.x;
-  const int slot = token_slots[token];
-  if (slot < 0 || slot >= num_slots) return;
-  const int rank = min(lora_ranks[slot], max_rank);
-  if (rank == 0) return;
-
-  for (int r = threadIdx.x; r < max_rank; r += kExpandThreads) {
-    float sum = 0.f;
-    if (r < rank) {
-      for (int slice = 0; slice < num_slices; ++slice)
-        sum += v_partial[(static_cast<size_t>(slice) * num_tokens + token) * max_rank + r];
-    }
-    v_shared[r] = sum;
+    if (lane >= 1 && lane <= size) chunk.tokens[lane - 1] = token;
   }
   __syncthreads();
+}
 
-  const int num_groups = kExpandThreads / lanes_per_row;
-  const int group = threadIdx.x / lanes_per_row;
-  const int lane_in_group = threadIdx.x % lanes_per_row;
-  const bool vector_rows = max_rank % kVec == 0;  // rows 16-byte aligned
-  const T* b_slot = lora_b + static_cast<size_t>(slot) * hidden_out * max_rank;
-  T* y_row = y + static_cast<size_t>(token) * hidden_out;
-  for (int first = 0; first < lanes_per_row; first += kExpandBatch) {
-    int n[kExpandBatch];
-    float y_old[kExpandBatch], partial[kExpandBatch];
+// A 16-byte shared-memory load ptxas may not hoist out of a loop (a volatile PTX load; an asm volatile plain load
+// was still hoisted): re-reading the A pieces for every pair of tokens keeps 8 x 8 widened floats out of the
+// registers (hoisted, they cost half the blocks per multiprocessor, or spills under a register cap).
+__device__ __forceinline__ uint4 load_shared_16(const uint4* ptr) {
+  uint4 v;
+  const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(ptr));
+  asm volatile("ld.volatile.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(address));
+  return v;
+}
+
+// Sums each of 8 values over the warp in 9 shuffles (not 8 x 5): halves the values at every step, so afterwards
+// lane l holds the warp's sum of values[(l >> 2) & 7].
+__device__ __forceinline__ float warp_sum_8(const float (&values)[8]) {
+  const int lane = threadIdx.x % 32;
+  float quad[4], pair[2];
+  const bool upper16 = lane & 16, upper8 = lane & 8, upper4 = lane & 4;
 #pragma unroll
-    for (int b = 0; b < kExpandBatch; ++b) {  // y first: its latency overlaps the B loads
-      n[b] = first + b < lanes_per_row ? blockIdx.y * kExpandThreads + (first + b) * num_groups + group : hidden_out;
-      y_old[b] = n[b] < hidden_out && lane_in_group == 0 ? to_float(y_row[n[b]]) : 0.f;
+  for (int i = 0; i < 4; ++i) {  // keep values i + 4 * upper16, send the other half to lane ^ 16
+    const float keep = upper16 ? values[i + 4] : values[i];
+    const float send = upper16 ? values[i] : values[i + 4];
+    quad[i] = keep + __shfl_xor_sync(kFullMask, send, 16);
+  }
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const float keep = upper8 ? quad[i + 2] : quad[i];
+    const float send = upper8 ? quad[i] : quad[i + 2];
+    pair[i] = keep + __shfl_xor_sync(kFullMask, send, 8);
+  }
+  float sum = (upper4 ? pair[1] : pair[0]) + __shfl_xor_sync(kFullMask, upper4 ? pair[0] : pair[1], 4);
+  sum += __shfl_xor_sync(kFullMask, sum, 2);
+  sum += __shfl_xor_sync(kFullMask, sum, 1);
+  return sum;
+}
+
+// v_partial [num_slices, T, max_rank] fp32: entry (slice, p, r) = A_s[r, slice] . x[token(p), slice] for the
+// positions p of every chunk and r < its rank; nothing else is written. The block takes kGroup consecutive
+// K slices (1, 2 or 4) and kPieces (row, slice) pieces of A per pass: piece q = w + 8 i belongs to warp w, slice
+// w % group, row w / group + (8 / group) i. Pieces and x go to shared memory by cp.async (no registers held
+// while loads fly, so more blocks fit). Dynamic shared memory: A [kPieces][32], x [kChunk][group][32] (16 B each).
+template <typename T, int kGroup>
+__global__ void __launch_bounds__(kThreads, 4)
+shrink_chunk_kernel(const T* __restrict__ x, const T* __restrict__ pool, const int64_t* __restrict__ a_offsets,
+                    const int32_t* __restrict__ lora_ranks, const int32_t* __restrict__ token_slots,
+                    const int32_t* __restrict__ sorted_token_ids, float* __restrict__ v_partial, int num_tokens,
+                    int hidden_in, int max_rank, int num_slots, int num_slices) {
+  allow_dependent_launch();  // every shrink block has started: the expand grid may fill the free multiprocessors
+  constexpr int kVec = Vec<T>::kSize;
+  extern __shared__ uint4 smem_vectors[];
+  uint4* a_shared = smem_vectors;
+  uint4* x_shared = smem_vectors + kPieces * 32;
+  __shared__ Chunk chunk;
+  const int position = blockIdx.x;
+  find_chunk(sorted_token_ids, token_slots, lora_ranks, a_offsets, num_tokens, num_slots, max_rank, position, chunk);
+  const int size = chunk.size;
+  if (size == 0) return;
+  const int rank = chunk.rank;
+  const T* lora_a = pool + chunk.offset;
+  const int lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32;
+  const int first_slice = blockIdx.y * kGroup;
+  const int slice = first_slice + warp % kGroup;
+  const int row_stride = kWarps / kGroup;
+  const int rows_per_pass = kPieces / kGroup;
+
+  auto load_pieces = [&](int row0) {  // zero past the rank or H_in
+#pragma unroll 1
+    for (int e = threadIdx.x; e < kPieces * 32; e += kThreads) {
+      const int q = e / 32;
+      const int row = row0 + q % kWarps / kGroup + row_stride * (q / kWarps);
+      const int k = (first_slice + q % kWarps % kGroup) * slice_elems<T>() + e % 32 * kVec;
+      const bool fill = row < rank && k < hidden_in;
+      cp_async_16(a_shared + e, fill ? lora_a + static_cast<size_t>(row) * hidden_in + k : x, fill);
     }
+  };
+  load_pieces(0);
+  for (int e = threadIdx.x; e < size * kGroup * 32; e += kThreads) {  // x slices of the chunk's tokens
+    const int j = e / (kGroup * 32), k = (first_slice + e / 32 % kGroup) * slice_elems<T>() + e % 32 * kVec;
+    const bool fill = k < hidden_in;
+    cp_async_16(x_shared + e, fill ? x + static_cast<size_t>(chunk.tokens[j]) * hidden_in + k : x, fill);
+  }
+  cp_async_commit();
+
+  for (int row0 = 0;;) {
+    cp_async_wait<0>();
+    __syncthreads();
+    // The row this lane's warp_sum_8 result belongs to.
+    const int row = row0 + warp / kGroup + row_stride * ((lane >> 2) & 7);
+    const bool writes = lane % 4 == 0 && row < rank && slice < num_slices;
+    const uint4* pieces = a_shared + warp * 32 + lane;  // piece warp + 8 i at pieces[i * 8 * 32]
+    for (int j0 = 0; j0 < size; j0 += 2) {  // two tokens at a time: two independent reduction chains
+      float x_vals[2][kVec], dots[2][kRowsPerWarp];
 #pragma unroll
-    for (int b = 0; b < kExpandBatch; ++b) {
-      partial[b] = 0.f;
-      if (n[b] >= hidden_out) continue;
-      const T* b_row = b_slot + static_cast<size_t>(n[b]) * max_rank;
-      if (vector_rows) {
-        for (int r0 = lane_in_group * kVec; r0 < rank; r0 += lanes_per_row * kVec) {
-          float b_vec[kVec];
-          load_vec(b_row + r0, b_vec);
+      for (int t = 0; t < 2; ++t)
+        widen<T>(x_shared[(min(j0 + t, size - 1) * kGroup + warp % kGroup) * 32 + lane], x_vals[t]);
 #pragma unroll
-          for (int j = 0; j < kVec; ++j) partial[b] = fmaf(r0 + j < rank ? b_vec[j] : 0.f, v_shared[r0 + j], partial[b]);
+      for (int i = 0; i < kRowsPerWarp; ++i) {
+        float a_vals[kVec];
+        widen<T>(load_shared_16(pieces + i * kWarps * 32), a_vals);
+#pragma unroll
+        for (int t = 0; t < 2; ++t) {
+          dots[t][i] = 0.f;
+#pragma unroll
+          for (int e = 0; e < kVec; ++e) dots[t][i] = fmaf(a_vals[e], x_vals[t][e], dots[t][i]);
         }
-      } else {
-        for (int r = lane_in_group; r < rank; r += lanes_per_row)
-          partial[b] = fmaf(to_float(b_row[r]), v_shared[r], partial[b]);
+      }
+#pragma unroll
+      for (int t = 0; t < 2; ++t) {
+        const float sum = warp_sum_8(dots[t]);
+        if (writes && j0 + t < size)
+          v_partial[(static_cast<size_t>(slice) * num_tokens + position + j0 + t) * max_rank + row] = sum;
       }
     }
-    for (int offset = lanes_per_row / 2; offset > 0; offset /= 2) {
-#pragma unroll
-      for (int b = 0; b < kExpandBatch; ++b) partial[b] += __shfl_xor_sync(0xffffffffu, partial[b], offset);
-    }
-    if (lane_in_group == 0) {
-#pragma unroll
-      for (int b = 0; b < kExpandBatch; ++b)
-        if (n[b] < hidden_out) y_row[n[b]] = from_float<T>(y_old[b] + partial[b]);
-    }
+    row0 += rows_per_pass;
+    if (row0 >= rank) break;
+    __syncthreads();  // every warp is done with the pieces before they are replaced
+    load_pieces(row0);
+    cp_async_commit();
   }
 }
 
-// Lanes sharing a row of B: the largest power of two up to 32 that divides the row's 16-byte vector count
-// (1 when rows are not 16-byte aligned). Any power of two is correct; dividing keeps every load coalesced.
-int lanes_per_row_for(int max_rank, int vec) {
-  if (max_rank % vec != 0) return 1;
-  const int vectors = max_rank / vec;
-  int lanes = 1;
-  while (lanes < 32 && vectors % (2 * lanes) == 0) lanes *= 2;
-  return lanes;
+// y[token(p), n] += sum_{r < rank} Bt_s[r, n] * v[p, r] for the chunk's positions p, v[p, r] = sum over slices of
+// v_partial. The block takes kGroup consecutive column chunks of 32 x 16 bytes. Work items are (token, column
+// chunk) pairs: warp w owns items w + 8 u (u < 2) of each pass of 16, each lane a 16-byte run of outputs.
+// Dynamic shared memory: Bt tiles [buffers][tile_rows][kGroup * 32], y [kChunk][kGroup * 32] (16-byte vectors),
+// then v [kChunk][max_rank] fp32. Several passes only when the rank fits one tile (kGroup > 1 needs rank <= 32).
+template <typename T, int kGroup>
+__global__ void __launch_bounds__(kThreads, 4)
+expand_chunk_kernel(T* __restrict__ y, const T* __restrict__ pool, const int64_t* __restrict__ b_offsets,
+                    const int32_t* __restrict__ lora_ranks, const int32_t* __restrict__ token_slots,
+                    const int32_t* __restrict__ sorted_token_ids, const float* __restrict__ v_partial,
+                    int num_tokens, int hidden_out, int max_rank, int num_slots, int num_slices) {
+  constexpr int kVec = Vec<T>::kSize;
+  extern __shared__ uint4 smem_vectors[];
+  __shared__ Chunk chunk;
+  const int position = blockIdx.x;
+  find_chunk(sorted_token_ids, token_slots, lora_ranks, b_offsets, num_tokens, num_slots, max_rank, position, chunk);
+  const int size = chunk.size;
+  if (size == 0) return;
+  const int rank = chunk.rank;
+  const T* lora_bt = pool + chunk.offset;
+  const int lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32;
+  constexpr int row_vectors = kGroup * 32;
+  const int col0 = blockIdx.y * kGroup * slice_elems<T>();
+  const int tile_rows = min(max_rank, kTileRanks);
+  uint4* tiles = smem_vectors;
+  uint4* y_tile = tiles + (max_rank > kTileRanks ? 2 : 1) * tile_rows * row_vectors;
+  float* v_shared = reinterpret_cast<float*>(y_tile + kChunk * row_vectors);
+
+  // Rank rows [tile * kTileRanks, +kTileRanks) of Bt, this block's columns, into buffer `buffer`.
+  auto load_tile = [&](int tile, int buffer) {
+    const int first = tile * kTileRanks;
+    const int rows = min(kTileRanks, rank - first);
+    for (int i = threadIdx.x; i < rows * row_vectors; i += kThreads) {
+      const int r = i / row_vectors, c = col0 + i % row_vectors * kVec;
+      if (c < hidden_out)
+        cp_async_16(tiles + (buffer * tile_rows + r) * row_vectors + i % row_vectors,
+                    lora_bt + static_cast<size_t>(first + r) * hidden_out + c, true);
+    }
+  };
+  load_tile(0, 0);
+  for (int i = threadIdx.x; i < size * row_vectors; i += kThreads) {  // y rows of the chunk's tokens
+    const int c = col0 + i % row_vectors * kVec;
+    if (c < hidden_out)
+      cp_async_16(y_tile + i, y + static_cast<size_t>(chunk.tokens[i / row_vectors]) * hidden_out + c, true);
+  }
+  cp_async_commit();
+
+  wait_for_primary_grid();  // the shrink's partials are complete from here on
+  // v[j, r] = sum over slices: lanes_per_entry consecutive lanes share an entry (j, r), each summing every
+  // lanes_per_entry-th slice, so small chunks still have one L2 round trip of loads in flight; then shuffles.
+  const int entries = size * rank;
+  int lanes_per_entry = 1;
+  while (lanes_per_entry < 32 && 2 * lanes_per_entry * entries <= kThreads && 2 * lanes_per_entry <= num_slices)
+    lanes_per_entry *= 2;
+  const size_t slice_stride = static_cast<size_t>(num_tokens) * max_rank;
+  for (int base = 0; base < entries * lanes_per_entry; base += kThreads) {  // uniform trip count: whole warps
+    const int i = base + threadIdx.x, entry = i / lanes_per_entry, part = i % lanes_per_entry;
+    const int j = entry / rank, r = entry % rank;
+    float sum = 0.f;
+    if (entry < entries) {
+      const float* partial = v_partial + static_cast<size_t>(position + j) * max_rank + r;
+      // kSumBatch predicated loads per batch, all in flight before the first add (a runtime-bounded loop is
+      // compiled into one load at a time: kernel v3's first run lost up to 16 L2 round trips here).
+      for (int s0 = part; s0 < num_slices; s0 += kSumBatch * lanes_per_entry) {
+        float parts[kSumBatch];
+#pragma unroll
+        for (int b = 0; b < kSumBatch; ++b) {
+          const int s = s0 + b * lanes_per_entry;
+          parts[b] = s < num_slices ? partial[s * slice_stride] : 0.f;
+        }
+#pragma unroll
+        for (int b = 0; b < kSumBatch; ++b) sum += parts[b];
+      }
+    }
+    for (int offset = lanes_per_entry / 2; offset > 0; offset /= 2) sum += __shfl_xor_sync(kFullMask, sum, offset);
+    if (entry < entries && part == 0) v_shared[j * max_rank + r] = sum;
+  }
+
+  const int items = size * kGroup;
+  float acc[kItemsPerWarp][kVec] = {};
+  const int num_tiles = (rank + kTileRanks - 1) / kTileRanks;
+  for (int tile = 0; tile < num_tiles; ++tile) {
+    if (tile + 1 < num_tiles) load_tile(tile + 1, (tile + 1) % 2);
+    cp_async_commit();
+    cp_async_wait<1>();  // tile `tile` (and the y rows) have landed; the next tile may still be in flight
+    __syncthreads();     // ... for every thread's copies; v_shared complete
+    const uint4* rows = tiles + (tile % 2) * tile_rows * row_vectors + lane;
+    const float* v_tile = v_shared + tile * kTileRanks;
+    const int num_rows = min(kTileRanks, rank - tile * kTileRanks);
+    for (int first_item = 0; first_item < items; first_item += kWarps * kItemsPerWarp) {
+      // This warp's items: token j = item / kGroup, column chunk item % kGroup (shifts: kGroup is 1, 2 or 4).
+      bool valid[kItemsPerWarp];
+      const uint4* b_rows[kItemsPerWarp];
+      const float* v_rows[kItemsPerWarp];
+#pragma unroll
+      for (int u = 0; u < kItemsPerWarp; ++u) {
+        const int item = first_item + warp + u * kWarps;
+        valid[u] = item < items;
+        b_rows[u] = rows + item % kGroup * 32;
+        v_rows[u] = v_tile + item / kGroup * max_rank;
+      }
+#pragma unroll 4
+      for (int r = 0; r < num_rows; ++r) {
+#pragma unroll
+        for (int u = 0; u < kItemsPerWarp; ++u) {
+          if (valid[u]) {
+            float b[kVec];
+            widen<T>(b_rows[u][r * row_vectors], b);
+            const float v = v_rows[u][r];
+#pragma unroll
+            for (int e = 0; e < kVec; ++e) acc[u][e] = fmaf(b[e], v, acc[u][e]);
+          }
+        }
+      }
+      if (tile + 1 == num_tiles) {  // the item is complete: y += acc, stored straight from registers
+#pragma unroll
+        for (int u = 0; u < kItemsPerWarp; ++u) {
+          const int item = first_item + warp + u * kWarps;
+          const int col = col0 + item % kGroup * slice_elems<T>() + lane * kVec;
+          if (valid[u] && col < hidden_out) {
+            float values[kVec];
+            widen<T>(y_tile[item / kGroup * row_vectors + item % kGroup * 32 + lane], values);
+#pragma unroll
+            for (int e = 0; e < kVec; ++e) values[e] += acc[u][e];
+            *reinterpret_cast<uint4*>(y + static_cast<size_t>(chunk.tokens[item / kGroup]) * hidden_out + col) =
+                narrow<T>(values);
+          }
+#pragma unroll
+          for (int e = 0; e < kVec; ++e) acc[u][e] = 0.f;
+        }
+      }
+    }
+    __syncthreads();  // everyone is done with this buffer before the next iteration refills it
+  }
 }
 
-int num_slices_for(const PunicaLoraProblem& p, int slice) { return (p.hidden_in + slice - 1) / slice; }
+int num_slices_for(const PunicaLoraProblem& p) {
+  const int slice = p.dtype == PUNICA_FLOAT32 ? slice_elems<float>() : slice_elems<__half>();
+  return (p.hidden_in + slice - 1) / slice;
+}
+
+// K slices (shrink) or column chunks (expand) of 32 x 16 bytes a block takes: 64 / (max_rank rounded up to a
+// power of two), at most kMaxGroup and `available`, so every block moves up to 64 rank rows x 512 bytes = 32 KB
+// of factors (small ranks: several slices); a power of two dividing kWarps.
+int group_for(int max_rank, int available) {
+  int rows = 8;
+  while (rows < max_rank && rows < 64) rows *= 2;
+  int group = 64 / rows < kMaxGroup ? 64 / rows : kMaxGroup;
+  while (group > 1 && group > available) group /= 2;
+  return group;
+}
+
+size_t expand_smem_bytes(int max_rank, int group) {
+  const int tile_rows = max_rank < kTileRanks ? max_rank : kTileRanks;
+  const int num_buffers = max_rank > kTileRanks ? 2 : 1;
+  return (static_cast<size_t>(num_buffers) * tile_rows + kChunk) * group * 32 * sizeof(uint4) +
+         static_cast<size_t>(kChunk) * max_rank * sizeof(float);
+}
+
+template <typename T, int kGroup>
+cudaError_t launch_shrink(const PunicaLoraProblem& p, float* v_partial, int num_slices, cudaStream_t stream) {
+  const size_t smem = static_cast<size_t>(kPieces + kChunk * kGroup) * 32 * sizeof(uint4);
+  const cudaError_t err = cudaFuncSetAttribute(shrink_chunk_kernel<T, kGroup>,
+                                               cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  if (err != cudaSuccess) return err;
+  return launch_kernel(shrink_chunk_kernel<T, kGroup>, dim3(p.num_tokens, (num_slices + kGroup - 1) / kGroup),
+                       dim3(kThreads), smem, stream, false, static_cast<const T*>(p.x), static_cast<const T*>(p.pool),
+                       p.a_offsets, p.lora_ranks, p.token_slots, p.sorted_token_ids, v_partial, p.num_tokens,
+                       p.hidden_in, p.max_rank, p.num_slots, num_slices);
+}
+
+template <typename T, int kGroup>
+cudaError_t launch_expand(const PunicaLoraProblem& p, const float* v_partial, int num_slices, cudaStream_t stream) {
+  const size_t smem = expand_smem_bytes(p.max_rank, kGroup);
+  if (smem > 48 * 1024) {
+    const cudaError_t err = cudaFuncSetAttribute(expand_chunk_kernel<T, kGroup>,
+                                                 cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+    if (err != cudaSuccess) return err;
+  }
+  const int col_chunks = (p.hidden_out + slice_elems<T>() - 1) / slice_elems<T>();
+  return launch_kernel(expand_chunk_kernel<T, kGroup>, dim3(p.num_tokens, (col_chunks + kGroup - 1) / kGroup),
+                       dim3(kThreads), smem, stream, p.programmatic_launch != 0, static_cast<T*>(p.y),
+                       static_cast<const T*>(p.pool), p.b_offsets, p.lora_ranks, p.token_slots, p.sorted_token_ids,
+                       v_partial, p.num_tokens, p.hidden_out, p.max_rank, p.num_slots, num_slices);
+}
 
 template <typename T>
 cudaError_t launch(const PunicaLoraProblem& p, float* v_partial, cudaStream_t stream) {
-  const int num_slices = num_slices_for(p, slice_elems<T>());
-  shrink_per_token_kernel<T><<<dim3(p.num_tokens, num_slices), kShrinkWarps * 32, 0, stream>>>(
-      static_cast<const T*>(p.x), static_cast<const T*>(p.lora_a), p.lora_ranks, p.token_slots, v_partial,
-      p.num_tokens, p.hidden_in, p.max_rank, p.num_slots);
-  cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess) return err;
-  const size_t smem = static_cast<size_t>(p.max_rank) * sizeof(float);
-  if (smem > 48 * 1024) {
-    err = cudaFuncSetAttribute(expand_per_token_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                               static_cast<int>(smem));
-    if (err != cudaSuccess) return err;
+  const int num_slices = num_slices_for(p);
+  cudaError_t err;
+  switch (group_for(p.max_rank, num_slices)) {
+    case 4: err = launch_shrink<T, 4>(p, v_partial, num_slices, stream); break;
+    case 2: err = launch_shrink<T, 2>(p, v_partial, num_slices, stream); break;
+    default: err = launch_shrink<T, 1>(p, v_partial, num_slices, stream); break;
   }
-  const int out_blocks = (p.hidden_out + kExpandThreads - 1) / kExpandThreads;
-  expand_per_token_kernel<T><<<dim3(p.num_tokens, out_blocks), kExpandThreads, smem, stream>>>(
-      static_cast<T*>(p.y), static_cast<const T*>(p.lora_b), p.lora_ranks, p.token_slots, v_partial, p.num_tokens,
-      p.hidden_out, p.max_rank, p.num_slots, num_slices, lanes_per_row_for(p.max_rank, Vec<T>::kSize));
-  return cudaGetLastError();
-}
-
-int slice_elems_for(PunicaDtype dtype) {
-  return dtype == PUNICA_FLOAT32 ? slice_elems<float>() : slice_elems<__half>();
+  if (err != cudaSuccess) return err;
+  const int col_chunks = (p.hidden_out + slice_elems<T>() - 1) / slice_elems<T>();
+  switch (group_for(p.max_rank, col_chunks)) {
+    case 4: return launch_expand<T, 4>(p, v_partial, num_slices, stream);
+    case 2: return launch_expand<T, 2>(p, v_partial, num_slices, stream);
+    default: return launch_expand<T, 1>(p, v_partial, num_slices, stream);
+  }
 }
 
 }  // namespace
 }  // namespace punica
 
 size_t punica_per_token_workspace_floats(const PunicaLoraProblem& p) {
-  const int num_slices = punica::num_slices_for(p, punica::slice_elems_for(p.dtype));
-  return static_cast<size_t>(num_slices) * p.num_tokens * p.max_rank;
+  return static_cast<size_t>(punica::num_slices_for(p)) * p.num_tokens * p.max_rank;
 }
 
 cudaError_t punica_per_token_launch(const PunicaLoraProblem& p, float* workspace, cudaStream_t stream) {

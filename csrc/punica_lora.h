@@ -12,27 +12,31 @@ extern "C" {
 
 typedef enum { PUNICA_FLOAT32 = 0, PUNICA_FLOAT16 = 1, PUNICA_BFLOAT16 = 2 } PunicaDtype;
 
-// One call of y[t] += B[s] @ (A[s] @ x[t]) for every token t whose slot s >= 0.
-// T = num_tokens, S = num_slots, R = max_rank, G = num_segments = min(T, S). All tensors contiguous.
+// One call of y[t] += Bt_s^T @ (A_s @ x[t]) for every token t whose slot s >= 0 has rank r = lora_ranks[s] > 0.
+// The factors of slot s live in one flat pool, each exactly its own size (no padding to the largest rank):
+//   A_s  = pool[a_offsets[s] .. + r * hidden_in]   viewed as [r, hidden_in]   (LoRA A)
+//   Bt_s = pool[b_offsets[s] .. + r * hidden_out]  viewed as [r, hidden_out]  (LoRA B transposed, scaling folded in)
+// Offsets are element offsets, multiples of 8 (16-byte aligned rows); offsets of rank-0 slots are never read.
+// T = num_tokens, S = num_slots. All arrays contiguous; pool, x and y 16-byte aligned.
 typedef struct {
   void* y;                          // [T, hidden_out], dtype, updated in place
   const void* x;                    // [T, hidden_in], dtype
-  const void* lora_a;               // [S, R, hidden_in], dtype
-  const void* lora_b;               // [S, hidden_out, R], dtype (scaling folded in)
-  const int32_t* lora_ranks;        // [S], rank of each slot in this layer (0 = skip the slot)
+  const void* pool;                 // [P], dtype: every adapter's factors
+  const int64_t* a_offsets;         // [S]
+  const int64_t* b_offsets;         // [S]
+  const int32_t* lora_ranks;        // [S], rank of each slot in this layer (0 = skip the slot), <= max_rank
   const int32_t* token_slots;       // [T], slot of each token, -1 = no adapter
-  const int32_t* sorted_token_ids;  // [T], token ids grouped by slot, no-adapter tokens last
-  const int32_t* segment_starts;    // [G + 1], segment g = sorted_token_ids[starts[g]:starts[g+1]]
-  const int32_t* segment_slots;     // [G], slot of each non-empty segment, then -1 padding
-  int num_tokens, hidden_in, hidden_out, max_rank, num_slots, num_segments;
-  int num_sms;                      // multiprocessors of the device: sizes the grids (static per device)
+  const int32_t* sorted_token_ids;  // [T], token ids grouped by slot in increasing slot order, no-adapter tokens last
+  int num_tokens, hidden_in, hidden_out, max_rank, num_slots;
+  int num_sms;              // multiprocessors of the device: sizes the grids (static per device)
+  int programmatic_launch;  // 1: the expand kernel may start before the shrink ends (sm_90+), 0: plain launches
   PunicaDtype dtype;
 } PunicaLoraProblem;
 
 // Floats of scratch memory punica_lora_add needs for `problem` (depends on shapes and dtype only).
 size_t punica_lora_workspace_floats(const PunicaLoraProblem* problem);
 
-// Enqueues the kernels on `stream`; `workspace` holds punica_lora_workspace_floats(problem) floats.
+// Enqueues the kernels on `stream`; `workspace` holds punica_lora_workspace_floats(problem) floats (any content).
 // Returns the first CUDA error met while configuring or launching (no synchronisation).
 cudaError_t punica_lora_add(const PunicaLoraProblem* problem, float* workspace, cudaStream_t stream);
 

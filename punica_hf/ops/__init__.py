@@ -72,19 +72,24 @@ def build_segments(token_slots: torch.Tensor, num_slots: int) -> LoraSegments:
 def lora_add(
     y: torch.Tensor,
     x: torch.Tensor,
-    lora_a_stacked: torch.Tensor,
-    lora_b_stacked: torch.Tensor,
+    pool: torch.Tensor,
+    a_offsets: torch.Tensor,
+    b_offsets: torch.Tensor,
     lora_ranks: torch.Tensor,
     segments: LoraSegments,
+    max_rank: int,
 ) -> None:
-    """``y[t] += lora_b[s] @ (lora_a[s] @ x[t])`` in place, ``s`` = the slot of token ``t`` (skipped when -1).
+    """``y[t] += Bt_s^T @ (A_s @ x[t])`` in place, ``s`` = the slot of token ``t`` (skipped when -1 or rank 0).
 
-    Shapes: ``y`` ``[T, H_out]``, ``x`` ``[T, H_in]``, ``lora_a_stacked`` ``[S, R, H_in]``,
-    ``lora_b_stacked`` ``[S, H_out, R]`` (scaling folded in), ``lora_ranks`` ``[S]`` int32.
+    Shapes: ``y`` ``[T, H_out]``, ``x`` ``[T, H_in]``, ``pool`` ``[P]`` (same dtype and device as ``x``),
+    ``a_offsets`` / ``b_offsets`` ``[S]`` int64, ``lora_ranks`` ``[S]`` int32, ``max_rank`` an int bound of every
+    rank. Slot ``s`` of rank ``r > 0``: ``A_s = pool[a_offsets[s]:][:r * H_in].view(r, H_in)``,
+    ``Bt_s = pool[b_offsets[s]:][:r * H_out].view(r, H_out)`` (LoRA B transposed, scaling folded in); offsets are
+    multiples of ``torch_ops.POOL_ALIGNMENT``.
     """
     if segments.backend == "cuda":
         from . import cuda as cuda_ops
 
-        cuda_ops.lora_add(y, x, lora_a_stacked, lora_b_stacked, lora_ranks, segments)
+        cuda_ops.lora_add(y, x, pool, a_offsets, b_offsets, lora_ranks, segments, max_rank)
     else:
-        torch_ops.lora_add(y, x, lora_a_stacked, lora_b_stacked, lora_ranks, segments)
+        torch_ops.lora_add(y, x, pool, a_offsets, b_offsets, lora_ranks, segments, max_rank)

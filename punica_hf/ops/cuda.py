@@ -21,7 +21,7 @@ _PACKAGE_DIR = Path(__file__).resolve().parent.parent  # punica_hf/
 _SOURCE_DIRS = (_PACKAGE_DIR.parent / "csrc", _PACKAGE_DIR / "csrc")  # repo checkout, then installed wheel
 _COMPILED_SUFFIXES = (".cu", ".cpp")
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-MAX_RANK = 1024  # largest max_rank (R of the stacked weights) the kernels take
+MAX_RANK = 1024  # largest max_rank the kernels take
 
 _loaded = False
 
@@ -108,64 +108,68 @@ def load_extension(verbose: bool = False) -> None:
 
 def _register_fake() -> None:
     @torch.library.register_fake("punica_hf::lora_add")
-    def _lora_add_fake(y, x, lora_a, lora_b, lora_ranks, token_slots, sorted_token_ids, segment_starts,
-                       segment_slots) -> None:
+    def _lora_add_fake(y, x, pool, a_offsets, b_offsets, lora_ranks, token_slots, sorted_token_ids, segment_starts,
+                       segment_slots, max_rank) -> None:
         return None
 
 
-def _check(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-           lora_ranks: torch.Tensor) -> None:
+def _check(y: torch.Tensor, x: torch.Tensor, pool: torch.Tensor, a_offsets: torch.Tensor, b_offsets: torch.Tensor,
+           lora_ranks: torch.Tensor, segments: LoraSegments, max_rank: int) -> None:
     """ValueError naming the problem for inputs the kernels do not take (static properties only: no sync)."""
     if x.dtype not in _DTYPES:
         raise ValueError(f"lora_add: dtype {x.dtype} not supported (float32, float16, bfloat16)")
-    if not (y.dtype == x.dtype == lora_a.dtype == lora_b.dtype):
-        raise ValueError(
-            f"lora_add: y, x, lora_a, lora_b must share one dtype, got {y.dtype}, {x.dtype}, {lora_a.dtype}, "
-            f"{lora_b.dtype}"
-        )
+    if not (y.dtype == x.dtype == pool.dtype):
+        raise ValueError(f"lora_add: y, x and pool must share one dtype, got {y.dtype}, {x.dtype}, {pool.dtype}")
+    if a_offsets.dtype != torch.int64 or b_offsets.dtype != torch.int64:
+        raise ValueError(f"lora_add: a_offsets and b_offsets must be int64, got {a_offsets.dtype}, {b_offsets.dtype}")
     if lora_ranks.dtype != torch.int32:
         raise ValueError(f"lora_add: lora_ranks must be int32, got {lora_ranks.dtype}")
-    if x.dim() != 2 or y.dim() != 2 or lora_a.dim() != 3 or lora_b.dim() != 3:
-        raise ValueError("lora_add: expected y [T, H_out], x [T, H_in], lora_a [S, R, H_in], lora_b [S, H_out, R]")
-    num_slots, max_rank, hidden_in = lora_a.shape
-    hidden_out = y.shape[1]
-    if x.shape != (y.shape[0], hidden_in) or lora_b.shape != (num_slots, hidden_out, max_rank):
-        raise ValueError(
-            f"lora_add: inconsistent shapes y {tuple(y.shape)}, x {tuple(x.shape)}, lora_a {tuple(lora_a.shape)}, "
-            f"lora_b {tuple(lora_b.shape)}"
-        )
-    if hidden_in % 8 or hidden_out % 8:
-        raise ValueError(f"lora_add: hidden sizes must be multiples of 8, got {hidden_in} -> {hidden_out}")
-    if max_rank > MAX_RANK:
-        raise ValueError(f"lora_add: max rank {max_rank} above the supported {MAX_RANK}")
-    if not all(t.is_contiguous() for t in (y, x, lora_a, lora_b)):
-        raise ValueError("lora_add: y, x, lora_a and lora_b must be contiguous")
+    if x.dim() != 2 or y.dim() != 2 or pool.dim() != 1:
+        raise ValueError("lora_add: expected y [T, H_out], x [T, H_in] and a 1-D pool")
+    if x.shape[0] != y.shape[0]:
+        raise ValueError(f"lora_add: y {tuple(y.shape)} and x {tuple(x.shape)} have different token counts")
+    num_slots = segments.num_slots
+    for name, table in (("a_offsets", a_offsets), ("b_offsets", b_offsets), ("lora_ranks", lora_ranks)):
+        if table.shape != (num_slots,):
+            raise ValueError(f"lora_add: {name} must have shape [{num_slots}] (the segments' slots), got "
+                             f"{tuple(table.shape)}")
+    if x.shape[1] % 8 or y.shape[1] % 8:
+        raise ValueError(f"lora_add: hidden sizes must be multiples of 8, got {x.shape[1]} -> {y.shape[1]}")
+    if not isinstance(max_rank, int) or not 1 <= max_rank <= MAX_RANK:
+        raise ValueError(f"lora_add: max_rank must be an int in [1, {MAX_RANK}], got {max_rank!r}")
+    if not all(t.is_contiguous() for t in (y, x, pool, a_offsets, b_offsets, lora_ranks)):
+        raise ValueError("lora_add: y, x, pool and the offset / rank tables must be contiguous")
 
 
 def lora_add(
     y: torch.Tensor,
     x: torch.Tensor,
-    lora_a_stacked: torch.Tensor,
-    lora_b_stacked: torch.Tensor,
+    pool: torch.Tensor,
+    a_offsets: torch.Tensor,
+    b_offsets: torch.Tensor,
     lora_ranks: torch.Tensor,
     segments: LoraSegments,
+    max_rank: int,
 ) -> None:
-    """``y[t] += lora_b[s] @ (lora_a[s] @ x[t])`` in place for tokens with slot ``s >= 0``; see ``torch_ops``.
+    """``y[t] += Bt_s^T @ (A_s @ x[t])`` in place for tokens whose slot ``s >= 0`` has rank > 0; see ``torch_ops``.
 
-    Two or three launches, no host sync: capturable in a CUDA graph and traceable by ``torch.compile``. The
-    kernel path (per-token for T <= 256 or fp32, segment-tiled tensor cores above) depends on shapes only.
+    Two launches, no host sync: capturable in a CUDA graph and traceable by ``torch.compile``; the table values
+    (offsets, ranks, slots) are read on the device. The kernel path (per-token chunks for T <= 256 or fp32,
+    segment-tiled tensor cores above) depends on shapes and ``max_rank`` only.
     """
     if not _loaded:
         load_extension()
-    _check(y, x, lora_a_stacked, lora_b_stacked, lora_ranks)
+    _check(y, x, pool, a_offsets, b_offsets, lora_ranks, segments, max_rank)
     torch.ops.punica_hf.lora_add(
         y,
         x,
-        lora_a_stacked,
-        lora_b_stacked,
+        pool,
+        a_offsets,
+        b_offsets,
         lora_ranks,
         segments.token_slots,
         segments.sorted_token_ids,
         segments.segment_starts,
         segments.segment_slots,
+        max_rank,
     )
