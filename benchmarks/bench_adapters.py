@@ -72,6 +72,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--warm-up-batches", type=int,
                         help="batches drawn and loaded without decoding first, to reach steady state (40; tiny 10)")
     parser.add_argument("--zipf", type=float, default=1.5, help="popularity exponent")
+    parser.add_argument("--prefetch-next", action="store_true",
+                        help="as a server does: hold a batch's adapters, prefetch the next batch's, then decode")
     parser.add_argument("--repeats", type=int, default=9, help="loads timed per time-to-servable case")
     parser.add_argument("--live-loads", type=int, help="adapters loaded during one generate() (default 8; tiny 3)")
     parser.add_argument("--live-steps", type=int, help="decode steps of that generate() (default 64; tiny 24)")
@@ -312,10 +314,13 @@ def zipf_decode(served: MultiLoraModel, names: list[str], input_ids: torch.Tenso
     kwargs = dict(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=args.new_tokens,
                   min_new_tokens=args.new_tokens, do_sample=False)
 
-    def timed_generate(rows: list[str]) -> float:
+    def timed_generate(rows: list[str], prefetch: list[str] | None = None) -> float:
         synchronize(device)
         started = time.perf_counter()
-        served.generate(adapter_ids=rows, **kwargs)
+        with served.acquire(rows):  # the batch's adapters are held, so the prefetch cannot evict them
+            if prefetch:
+                served.prefetch(sorted(set(prefetch)))
+            served.generate(adapter_ids=rows, **kwargs)
         synchronize(device)
         return time.perf_counter() - started
 
@@ -326,9 +331,11 @@ def zipf_decode(served: MultiLoraModel, names: list[str], input_ids: torch.Tenso
     timed_generate(batches[args.warm_up_batches - 1])
     before = served.adapter_stats
     per_batch = []
-    for rows in batches[args.warm_up_batches:]:
+    timed = batches[args.warm_up_batches:]
+    for number, rows in enumerate(timed):
         stats = served.adapter_stats
-        on_demand = timed_generate(rows)
+        following = timed[number + 1] if args.prefetch_next and number + 1 < len(timed) else None
+        on_demand = timed_generate(rows, following)
         after = served.adapter_stats
         resident = timed_generate(rows)  # the batch's adapters were all placed by the call above
         per_batch.append({"distinct": len(set(rows)), "on_demand_s": on_demand, "resident_s": resident,
@@ -349,6 +356,7 @@ def zipf_decode(served: MultiLoraModel, names: list[str], input_ids: torch.Tenso
         "per_batch": per_batch,
         "host_tier": "pinned host tier of --host-adapters adapters; the others re-read from their files (disk, page "
                      "cache warm)",
+        "prefetch_next": args.prefetch_next,
     }
 
 
@@ -435,7 +443,8 @@ def summary(data: dict) -> list[dict]:
     if "zipf_decode" in data:
         zipf, setup = data["zipf_decode"], data["setup"]
         counters = zipf["counters"]
-        add(f"{setup['registered']} adapters, Zipf({setup['zipf']}), pool of {setup['pool_adapters']}: "
+        add(f"{setup['registered']} adapters, Zipf({setup['zipf']}), pool of {setup['pool_adapters']}"
+            f"{', next batch prefetched' if zipf.get('prefetch_next') else ''}: "
             f"{zipf['on_demand_tokens_per_second']:.0f} vs {zipf['resident_tokens_per_second']:.0f} tokens/s all "
             f"resident ({counters['host_loads']} loads, {counters['disk_loads']} from disk, {counters['evictions']} "
             f"evictions)", zipf["ratio"], "x", f">= {TARGET_ZIPF_RATIO:.2f}x", zipf["ratio"] >= TARGET_ZIPF_RATIO)

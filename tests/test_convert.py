@@ -19,10 +19,10 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from punica_hf import MultiLoraModel, load_adapter_weights
-from punica_hf.formats import LoraAdapterConfig
 from punica_hf.cli import main
-from punica_hf.formats import FORMAT, convert_adapter, load_converted, save_converted
-from punica_hf.formats import AdapterWeights, ModuleLora
+from punica_hf.formats import (
+    FORMAT, AdapterWeights, LoraAdapterConfig, ModuleLora, convert_adapter, load_converted, save_converted,
+)
 
 MAX_RANK = 8
 
@@ -143,6 +143,20 @@ def test_hand_made_adapter_weights_round_trip(tmp_path):
     assert loaded.config == weights.config
 
 
+def test_v1_files_with_untransposed_b_still_load(converted, tmp_path):
+    """v1 stored ``<module>.lora_b`` ``[out, r]``; v2 stores ``lora_b_t`` ``[r, out]``: both read the same."""
+    path = next(iter(converted.values()))
+    with safe_open(path, framework="pt") as reader:
+        metadata, tensors = reader.metadata(), {key: reader.get_tensor(key) for key in reader.keys()}
+    v1 = {key.replace(".lora_b_t", ".lora_b"): t.T.contiguous() if key.endswith(".lora_b_t") else t
+          for key, t in tensors.items()}
+    save_file(v1, tmp_path / "v1.safetensors", metadata={**metadata, "format": "punica_hf.lora.v1"})
+    old, new = load_converted(tmp_path / "v1.safetensors"), load_converted(path)
+    assert old.modules.keys() == new.modules.keys()
+    for name, factors in new.modules.items():
+        assert torch.equal(old.modules[name].lora_a, factors.lora_a) and torch.equal(old.modules[name].lora_b, factors.lora_b)
+
+
 def test_many_sources_into_a_folder(peft_adapters, tmp_path, capsys):
     _, _, paths = peft_adapters
     destination = tmp_path / "out"
@@ -232,8 +246,8 @@ def test_missing_file_is_refused(served, tmp_path):
             id="extra-tensor",
         ),
         pytest.param(
-            lambda t, m: t.pop("model.layers.1.self_attn.v_proj.lora_b"),
-            r"missing: \['model.layers.1.self_attn.v_proj.lora_b'\]", id="missing-tensor",
+            lambda t, m: t.pop("model.layers.1.self_attn.v_proj.lora_b_t"),
+            r"missing: \['model.layers.1.self_attn.v_proj.lora_b_t'\]", id="missing-tensor",
         ),
         pytest.param(
             lambda t, m: t.update({"model.layers.0.self_attn.q_proj.lora_a": torch.zeros(3, 32)}),

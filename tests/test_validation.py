@@ -219,7 +219,8 @@ def test_non_finite_factors_in_a_converted_file_are_refused(served, adapters, tm
     file = convert_adapter(adapters["template"], tmp_path / "good.safetensors", dtype=DTYPES[dtype])
     with safe_open(file, framework="pt") as reader:
         metadata, tensors = reader.metadata(), {key: reader.get_tensor(key) for key in reader.keys()}
-    tensors[f"{V_PROJ}.{factor}"].view(-1)[-1] = value
+    stored = {"lora_a": "lora_a", "lora_b": "lora_b_t"}[factor]  # B is stored transposed
+    tensors[f"{V_PROJ}.{stored}"].view(-1)[-1] = value
     save_file(tensors, tmp_path / "bad.safetensors", metadata=metadata)
     problem = f"module {V_PROJ} has NaN or Inf values in its {factor}"
     assert_refused_and_nothing_changed(served, adapters, str(tmp_path / "bad.safetensors"), problem)

@@ -2,11 +2,13 @@
 
 A PEFT checkpoint needs work at every load: find the config and weights files, parse every key, look up each
 module's rank and scaling in the config and multiply the scaling into B. A converted file stores the result,
-``AdapterWeights``: per module ``"<module>.lora_a"`` ``[r, in]`` and ``"<module>.lora_b"`` ``[out, r]`` with the
-scaling folded into B, float32 by default (bit-identical to loading the PEFT checkpoint) or bf16/fp16 (half the
-size). Its safetensors metadata say what it is:
+``AdapterWeights``, in the layout of the adapter pool: per module ``"<module>.lora_a"`` ``[r, in]`` and
+``"<module>.lora_b_t"`` ``[r, out]`` (B transposed, the scaling folded in), so that placing an adapter copies
+contiguous rows and transposes nothing; float32 by default (bit-identical to loading the PEFT checkpoint) or
+bf16/fp16 (half the size). Its safetensors metadata say what it is:
 
-- ``format``: ``"punica_hf.lora.v1"``, so any other safetensors file is refused by name;
+- ``format``: ``"punica_hf.lora.v2"``, so any other safetensors file is refused by name (``v1`` files, which held
+  ``"<module>.lora_b"`` ``[out, r]``, are still read);
 - ``adapter_config``: the source ``adapter_config.json`` (JSON text);
 - ``base_model``: the base model it was trained for (from the config, or given at conversion);
 - ``modules``: JSON ``{module: [in, out, r]}``, checked against the tensors at load;
@@ -32,7 +34,8 @@ from .. import __version__
 from .config import LoraAdapterConfig
 from .weights import AdapterWeights, ModuleLora
 
-FORMAT = "punica_hf.lora.v1"
+FORMAT = "punica_hf.lora.v2"
+_READ_FORMATS = {"punica_hf.lora.v1": "lora_b", FORMAT: "lora_b_t"}  # format -> name of its B tensors
 _FORMAT_FAMILY = "punica_hf."
 SUFFIX = ".safetensors"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -52,7 +55,7 @@ def save_converted(
     tensors, shapes = {}, {}
     for module_name, factors in weights.modules.items():
         tensors[f"{module_name}.lora_a"] = factors.lora_a.to(dtype).contiguous()
-        tensors[f"{module_name}.lora_b"] = factors.lora_b.to(dtype).contiguous()
+        tensors[f"{module_name}.lora_b_t"] = factors.lora_b.T.to(dtype).contiguous()
         shapes[module_name] = [factors.lora_a.shape[1], factors.lora_b.shape[0], factors.rank]
     metadata = {
         "format": FORMAT,
@@ -95,7 +98,8 @@ def load_converted(path: str | Path) -> AdapterWeights:
         raise ValueError(f"{path}: its adapter_config metadata is refused: {error}") from None
     if metadata.get("base_model"):
         config = dataclasses.replace(config, base_model_name_or_path=metadata["base_model"])
-    return AdapterWeights(modules=_module_factors(path, tensors, shapes), config=config, source=str(path))
+    b_name = _READ_FORMATS[metadata["format"]]
+    return AdapterWeights(modules=_module_factors(path, tensors, shapes, b_name), config=config, source=str(path))
 
 
 def _check_metadata(path: Path, metadata: dict[str, str]) -> None:
@@ -105,11 +109,11 @@ def _check_metadata(path: Path, metadata: dict[str, str]) -> None:
             f"{path} is not a punica_hf converted adapter (metadata format: {file_format!r}); give a PEFT "
             "adapter as its folder, or convert it with `punica-hf convert`"
         )
-    if file_format != FORMAT:
-        raise ValueError(f"{path} has format {file_format!r}; this version of punica_hf reads {FORMAT!r}")
+    if file_format not in _READ_FORMATS:
+        raise ValueError(f"{path} has format {file_format!r}; this version of punica_hf reads {sorted(_READ_FORMATS)}")
     missing = [key for key in _REQUIRED_METADATA if key not in metadata]
     if missing:
-        raise ValueError(f"{path} is a {FORMAT} file without the metadata {', '.join(missing)}")
+        raise ValueError(f"{path} is a {file_format} file without the metadata {', '.join(missing)}")
 
 
 def _json_metadata(path: Path, metadata: dict[str, str], key: str):
@@ -123,10 +127,14 @@ def _json_metadata(path: Path, metadata: dict[str, str], key: str):
 
 
 def _module_factors(
-    path: Path, tensors: dict[str, torch.Tensor], shapes: dict[str, list[int]]
+    path: Path, tensors: dict[str, torch.Tensor], shapes: dict[str, list[int]], b_name: str
 ) -> dict[str, ModuleLora]:
-    """Pair each module's tensors and check them against the ``modules`` metadata ``{module: [in, out, r]}``."""
-    expected_keys = {f"{module}.{factor}" for module in shapes for factor in ("lora_a", "lora_b")}
+    """Pair each module's tensors and check them against the ``modules`` metadata ``{module: [in, out, r]}``.
+
+    ``b_name`` is ``lora_b_t`` (``[r, out]``, kept as a transposed view: ``lora_b`` is ``[out, r]`` as everywhere)
+    or, in v1 files, ``lora_b``.
+    """
+    expected_keys = {f"{module}.{factor}" for module in shapes for factor in ("lora_a", b_name)}
     if set(tensors) != expected_keys:
         missing, unexpected = sorted(expected_keys - set(tensors)), sorted(set(tensors) - expected_keys)
         raise ValueError(
@@ -139,7 +147,9 @@ def _module_factors(
     for module_name, dims in shapes.items():
         if not (isinstance(dims, list) and len(dims) == 3):
             raise ValueError(f"{path}: module {module_name} has dimensions {dims!r}, expected [in, out, r]")
-        lora_a, lora_b = tensors[f"{module_name}.lora_a"], tensors[f"{module_name}.lora_b"]
+        lora_a, lora_b = tensors[f"{module_name}.lora_a"], tensors[f"{module_name}.{b_name}"]
+        if b_name == "lora_b_t":
+            lora_b = lora_b.T
         in_features, out_features, rank = dims
         if list(lora_a.shape) != [rank, in_features] or list(lora_b.shape) != [out_features, rank]:
             raise ValueError(

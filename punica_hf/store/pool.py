@@ -91,12 +91,15 @@ class ChunkLayout:
         for name, place in self.modules.items():
             module = factors[name]
             a_size, b_size = module.lora_a.numel(), module.lora_b.numel()
-            chunk[written : place.a_offset].zero_()
+            for start, end in ((written, place.a_offset), (place.a_offset + a_size, place.b_offset)):
+                if end > start:
+                    chunk[start:end].zero_()
             chunk[place.a_offset : place.a_offset + a_size].view_as(module.lora_a).copy_(module.lora_a)
-            chunk[place.a_offset + a_size : place.b_offset].zero_()
+            # B^T rows; lora_b read from a converted file is already a transposed view, so this copies rows
             chunk[place.b_offset : place.b_offset + b_size].view(module.rank, -1).copy_(module.lora_b.T)
             written = place.b_offset + b_size
-        chunk[written:].zero_()
+        if written < chunk.numel():
+            chunk[written:].zero_()
 
     def table_columns(self, num_rows: int, chunk_start: int) -> torch.Tensor:
         """``[3, num_rows]`` int64 on the CPU: a slot's column of a_offsets, b_offsets and ranks for this chunk

@@ -29,7 +29,7 @@ from torch import nn
 from ..base_layers import check_servable, linear_features, lora_device, lora_dtype
 from ..formats import AdapterWeights, ModuleLora, load_adapter_weights
 from ..layers import LoraContext, LoraHook
-from .host import HostTier
+from .host import HostCopy, HostTier
 from .pool import ChunkLayout, DevicePool
 
 # Default pool: room for max_adapters adapters of max_rank on every linear layer, at most this share of the device
@@ -64,7 +64,7 @@ class Adapter:
     chunk_starts: dict[torch.device, int] = field(default_factory=dict)
     copies_done: dict[torch.device, torch.cuda.Event] = field(default_factory=dict)
     reading: Future | None = None  # a background read of the source in flight
-    prefetched: dict[torch.device, torch.Tensor] | None = None  # a read's result the host tier could not keep
+    prefetched: HostCopy | None = None  # a read's result the host tier could not keep, for its next use
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "reading": None, "copies_done": {}}
@@ -174,15 +174,19 @@ class AdapterStore:
             except BaseException:
                 self._undo(undo)
                 raise
+        host_copies: dict[str, HostCopy] = {}
         try:
             with torch.inference_mode(False), torch.no_grad():
-                host_copies = {name: self._host_chunks(plan[4], plan[3]) for name, plan in planned.items()}
+                for name, plan in planned.items():
+                    host_copies[name] = self._host_chunks(plan[4], plan[3])
             with self.changing():
                 for name in adapters:  # another thread may have taken a name meanwhile
                     self._check_new_name(name)
                 return self._register(planned, host_copies, undo)
         except BaseException:  # any failure or interrupt: undo every change of this call
             with self.lock:
+                for copy in host_copies.values():
+                    self.host.release(copy)
                 self._undo(undo)
             raise
 
@@ -236,9 +240,7 @@ class AdapterStore:
                 layouts=layouts, device_bytes=device_bytes,
             )
             self._by_name[name] = self._by_index[index] = adapter
-            self.host.put(index, host_copies[name])
-            if index not in self.host:
-                adapter.prefetched = host_copies[name]  # keep this first read for the first use
+            self._keep_copy(adapter, host_copies[name])
             assigned[name] = index
         for name in assigned:  # onto the device right away where there is room without evicting anything
             self._try_place(self._by_name[name], evict=False)
@@ -338,10 +340,12 @@ class AdapterStore:
             cold = [a for a in cold.values() if a.index not in self.host and a.prefetched is None]
         for adapter in cold:
             with torch.inference_mode(False), torch.no_grad():
-                chunks = self._read_source(adapter)
+                copy = self._read_source(adapter)
             with self.lock:
                 if not adapter.unloaded and adapter.index not in self.host and adapter.prefetched is None:
-                    adapter.prefetched = chunks
+                    self._keep_copy(adapter, copy)
+                else:
+                    self.host.release(copy)
 
     def _release(self, adapters: Iterable[Adapter]) -> None:
         with self.changing():
@@ -370,7 +374,6 @@ class AdapterStore:
 
     def _place(self, adapter: Adapter, protected: set[int], evict: bool = True) -> None:
         """Make ``adapter`` resident, evicting unheld least recently used adapters outside ``protected``."""
-        host_chunks = self._host_copy(adapter)
         if not self._free_slots and not (evict and self._evict_one(protected)):
             raise self._capacity_error(adapter, "no free slot")
         starts: dict[torch.device, int] = {}
@@ -383,15 +386,18 @@ class AdapterStore:
                         raise self._capacity_error(adapter, f"no room in the pool on {device}")
                     start = pool.allocator.allocate(layout.size)
                 starts[device] = start
+            host_copy = self._host_copy(adapter)  # only once there is room: a copy kept for one use stays unused
         except BaseException:
             for device, start in starts.items():
                 self.pools[device].allocator.free(start, adapter.layouts[device].size)
             raise
         slot = self._free_slots.pop(0)
+        host_copy.in_flight = [done for done in host_copy.in_flight if not done.query()]
         for device, layout in adapter.layouts.items():
-            done = self.pools[device].place(slot, layout, starts[device], host_chunks[device])
+            done = self.pools[device].place(slot, layout, starts[device], host_copy.chunks[device])
             if done is not None:
                 adapter.copies_done[device] = done
+                host_copy.in_flight.append(done)
             self.counters["bytes_to_gpu"] += layout.size * self.pools[device].element_size
         adapter.slot, adapter.chunk_starts = slot, starts
         self._resident[adapter.index] = adapter
@@ -433,20 +439,26 @@ class AdapterStore:
         ) or "not made yet"
 
     # ------------------------------------------------------------------------------------------ host tier
-    def _host_copy(self, adapter: Adapter) -> dict[torch.device, torch.Tensor]:
+    def _host_copy(self, adapter: Adapter) -> HostCopy:
         """The adapter's chunks on the host: from the host tier, a finished background read, or its source."""
-        chunks = self.host.get(adapter.index)
-        if chunks is not None:
-            return chunks
+        copy = self.host.get(adapter.index)
+        if copy is not None:
+            return copy
         if adapter.prefetched is not None:
-            chunks, adapter.prefetched = adapter.prefetched, None
-            return chunks
+            copy, adapter.prefetched = adapter.prefetched, None
+            return copy
         # A background read may be in flight: reading again here beats waiting for it under the lock it needs.
-        chunks = self._read_source(adapter)
-        self.host.put(adapter.index, chunks, keep=self._resident)
-        return chunks
+        copy = self._read_source(adapter)
+        self._keep_copy(adapter, copy)
+        adapter.prefetched = None  # used right now
+        return copy
 
-    def _read_source(self, adapter: Adapter) -> dict[torch.device, torch.Tensor]:
+    def _keep_copy(self, adapter: Adapter, copy: HostCopy) -> None:
+        """Keep a fresh host copy in the tier, or (outside the budget) for the adapter's next use only."""
+        if not self.host.put(adapter.index, copy):
+            adapter.prefetched = copy
+
+    def _read_source(self, adapter: Adapter) -> HostCopy:
         source = adapter.source
         if isinstance(source, AdapterWeights):
             weights = source
@@ -465,13 +477,19 @@ class AdapterStore:
         }
         return self._host_chunks(adapter.layouts, factors_by_device)
 
-    def _host_chunks(self, layouts, factors_by_device) -> dict[torch.device, torch.Tensor]:
-        chunks = {}
-        for device, layout in layouts.items():
-            chunk = HostTier.allocate(layout.size, self.pools[device].dtype)
-            layout.fill(chunk, factors_by_device[device])
-            chunks[device] = chunk
-        return chunks
+    def _host_chunks(self, layouts, factors_by_device) -> HostCopy:
+        """A host copy of the given factors in the layouts' chunks (room taken under the lock, filled outside)."""
+        with self.lock:
+            sizes = {device: (layout.size, self.pools[device].dtype) for device, layout in layouts.items()}
+            copy = self.host.allocate(sizes, keep=self._resident)
+        try:
+            for device, layout in layouts.items():
+                layout.fill(copy.chunks[device], factors_by_device[device])
+        except BaseException:
+            with self.lock:
+                self.host.release(copy)
+            raise
+        return copy
 
     def _read_in_background(self, adapter: Adapter, place: bool = False) -> None:
         if adapter.reading is not None:
@@ -479,17 +497,16 @@ class AdapterStore:
         if self._reader is None:
             self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="punica_hf-reader")
 
-        def read() -> dict[torch.device, torch.Tensor]:
-            chunks = self._read_source(adapter)
+        def read() -> None:
+            copy = self._read_source(adapter)
             with self.changing():
                 adapter.reading = None
-                if not adapter.unloaded:
-                    self.host.put(adapter.index, chunks, keep=self._resident)
-                    if adapter.index not in self.host:
-                        adapter.prefetched = chunks
-                    if place:
-                        self._try_place(adapter, evict=True)
-            return chunks
+                if adapter.unloaded:
+                    self.host.release(copy)
+                    return
+                self._keep_copy(adapter, copy)
+                if place:
+                    self._try_place(adapter, evict=True)
 
         adapter.reading = self._reader.submit(read)
 
@@ -590,7 +607,7 @@ class AdapterStore:
                 adapter.chunk_starts = {moved[d]: start for d, start in adapter.chunk_starts.items()}
                 adapter.copies_done = {}
                 if adapter.prefetched is not None:
-                    adapter.prefetched = {moved[d]: chunk for d, chunk in adapter.prefetched.items()}
+                    adapter.prefetched.chunks = {moved[d]: c for d, c in adapter.prefetched.chunks.items()}
             self.host.rekey(moved)
 
     def remove_hooks(self) -> None:
