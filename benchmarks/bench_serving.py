@@ -34,7 +34,7 @@ import torch
 import transformers
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from bench_generate import llama_8b_shape, random_adapter
+from bench_generate import build_llama, llama_config, random_adapter
 from punica_hf import MultiLoraModel
 from punica_hf.serving import Completion, Engine, EngineConfig, SamplingParams
 
@@ -147,13 +147,14 @@ def build_model(args) -> tuple[MultiLoraModel, dict[int, list[str]], LlamaConfig
         config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, pad_token_id=0)
         device, dtype = torch.device("cpu"), torch.float32
+        with device:
+            base = LlamaForCausalLM(config).to(dtype).eval()
     else:
-        config, device, dtype = llama_8b_shape(args.layers), torch.device("cuda"), torch.bfloat16
-    with device:
-        base = LlamaForCausalLM(config).to(dtype).eval()
+        config, device = llama_config(args.layers), torch.device("cuda")
+        base = build_llama(config, device)
     base.generation_config.eos_token_id = None  # random weights: no request stops before its length
     counts = sorted(args.adapters)
-    generator = torch.Generator().manual_seed(1)
+    generator = torch.Generator(device).manual_seed(1)  # drawn on the GPU: 32 8B-shaped adapters in seconds
     factors = [random_adapter(base, args.rank, generator) for _ in range(counts[0])]
     model = MultiLoraModel(base, max_adapters=args.max_adapters, max_rank=args.rank)
     names = [f"a{i}" for i in range(counts[-1])]
