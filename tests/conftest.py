@@ -26,3 +26,9 @@ torch.set_num_threads(1)
 def tiny_base():
     """A fresh tiny Llama per test (wrapping a model changes it in place)."""
     return tiny_llama()
+
+
+@pytest.fixture(scope="module")
+def base():
+    """One unwrapped tiny Llama per test module; tests wrap deep copies of it (or use it as the reference)."""
+    return tiny_llama()

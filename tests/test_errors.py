@@ -30,12 +30,6 @@ MLP = ["gate_proj", "up_proj", "down_proj"]  # modules no adapter of the `served
 
 # ------------------------------------------------------------------------------------------------ fixtures
 @pytest.fixture(scope="module")
-def base():
-    """The unwrapped base model; tests wrap deep copies of it."""
-    return tiny_llama()
-
-
-@pytest.fixture(scope="module")
 def adapter(base, tmp_path_factory):
     """``adapter(key, **lora_kwargs)``: a PEFT checkpoint of ``base`` saved once per key for the module."""
     root = tmp_path_factory.mktemp("adapters")

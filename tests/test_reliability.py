@@ -9,7 +9,7 @@ import threading
 
 import pytest
 import torch
-from helpers import assert_state_unchanged, capture_state, save_peft_adapter, tiny_llama
+from helpers import assert_state_unchanged, capture_state, save_peft_adapter
 from transformers import AutoModelForCausalLM
 from transformers.generation.streamers import BaseStreamer
 
@@ -17,11 +17,6 @@ from punica_hf import MultiLoraModel
 from punica_hf.store import pool as pool_module
 
 GREEDY = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
-
-
-@pytest.fixture(scope="module")
-def base():
-    return tiny_llama()
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from helpers import save_peft_adapter, tiny_llama
+from helpers import save_peft_adapter
 from peft import PeftModel
 
 from punica_hf import MultiLoraModel
@@ -24,11 +24,6 @@ SPECS = {  # name -> (rank, targets): mixed ranks and target sets
     "r4b": (4, ["v_proj", "up_proj"]),
     "r8b": (8, ["o_proj"]),
 }
-
-
-@pytest.fixture(scope="module")
-def base():
-    return tiny_llama()
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import save_peft_adapter, tiny_llama
+from helpers import save_peft_adapter
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -80,11 +80,6 @@ MALFORMED_CONFIGS = {
 
 
 # ------------------------------------------------------------------------------------------------ fixtures
-@pytest.fixture(scope="module")
-def base():
-    return tiny_llama()
-
-
 @pytest.fixture(scope="module")
 def adapters(base, tmp_path_factory) -> dict[str, Path]:
     """Good PEFT adapters of ``base``: "template" (copied and broken by the tests), "loaded", "good"."""
