@@ -48,5 +48,7 @@ def test_dispatched_models_serve_like_the_plain_one(adapters, expected, offload,
     with torch.no_grad():
         torch.testing.assert_close(wrapped(IDS, adapter_ids=MIX).logits, expected[0], rtol=0, atol=1e-5)
     assert torch.equal(wrapped.generate(IDS, adapter_ids=MIX, **GREEDY), expected[1])
+    static = wrapped.generate(IDS, adapter_ids=MIX, cache_implementation="static", **GREEDY)
+    assert torch.equal(static, expected[1])
     (pool,) = wrapped._store.pools.values()
     assert pool.device.type == "cpu"  # the offloaded layer's factors sit on its execution device, not on 'meta'
