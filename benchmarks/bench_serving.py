@@ -177,6 +177,9 @@ def main() -> None:
     parser.add_argument("--static-requests", type=int, help="requests timed with static generate() (default: 64)")
     parser.add_argument("--static-batch", type=int, default=32, help="rows per static generate() batch")
     parser.add_argument("--no-cuda-graphs", action="store_true", help="run the engine without CUDA graphs")
+    parser.add_argument("--kv-blocks", type=int,
+                        help="paged KV blocks (default: transformers sizes the cache from free memory; on the H200 its "
+                             "graph warm-up then ran out of memory beside the adapter pool)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", type=Path, help="JSON path (default: results/bench_serving[_tiny].json)")
     args = parser.parse_args()
@@ -202,15 +205,33 @@ def main() -> None:
     static = run_static(model, static_requests, first_set, args.static_batch, config.pad_token_id)
     print(f"static generate(): {static['tokens_per_second']:.0f} tokens/s", flush=True)
 
-    engine_config = EngineConfig(max_queue=args.requests, max_running=args.max_running,
+    engine_config = EngineConfig(max_queue=args.requests, max_running=args.max_running, kv_blocks=args.kv_blocks,
                                  cuda_graphs=None if tiny else not args.no_cuda_graphs)
     systems = {f"engine, {n} adapters": names for n, names in adapter_sets.items()} | {"engine, base model": [None]}
     results: dict[str, dict] = {name: {"runs": []} for name in systems}
+
+    def write(**more) -> dict:
+        """The report so far: a run cut short by a time limit keeps what it measured."""
+        report = {
+            "device": torch.cuda.get_device_name() if not tiny else "cpu (--tiny smoke test)",
+            "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
+                         "python": platform.python_version()},
+            "setup": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+            "systems": results,
+            "static_generate": static,
+            "wall_seconds": time.perf_counter() - setup_start,
+            **more,
+        }
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(json.dumps(report, indent=2))
+        return report
+
     with Engine(model, config=engine_config) as engine:
         run_engine(engine, requests[:8], first_set, None, args.seed)  # warm-up: graph captures, first loads
         for name, adapters in systems.items():
             results[name]["saturation"] = run_engine(engine, requests, adapters, None, args.seed)
             print(f"{name:28s} saturation {results[name]['saturation']['tokens_per_second']:8.0f} tokens/s", flush=True)
+            write()
         results["engine, static subset"] = run_engine(engine, static_requests, first_set, None, args.seed)
         saturation_rate = results[f"engine, {min(adapter_sets)} adapters"]["saturation"]["requests_per_second"]
         for fraction in args.rates:
@@ -220,6 +241,7 @@ def main() -> None:
                 results[name]["runs"].append(run)
                 print(f"{name:28s} {fraction:.2f} x saturation: {run['tokens_per_second']:8.0f} tokens/s, "
                       f"TTFT p99 {run['ttft_p99']:.3f} s, TPOT p99 {run['tpot_p99'] * 1e3:.1f} ms", flush=True)
+                write()
         adapter_stats = model.adapter_stats
 
     first_name = f"engine, {min(adapter_sets)} adapters"
@@ -231,20 +253,7 @@ def main() -> None:
         / static["tokens_per_second"],
         "ttft_p99_at_half_saturation_seconds": half["ttft_p99"],
     }
-    report = {
-        "device": torch.cuda.get_device_name() if not tiny else "cpu (--tiny smoke test)",
-        "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
-                     "python": platform.python_version()},
-        "setup": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "saturation_requests_per_second": saturation_rate,
-        "systems": results,
-        "static_generate": static,
-        "targets": targets,
-        "adapter_stats": adapter_stats,
-        "wall_seconds": time.perf_counter() - setup_start,
-    }
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(report, indent=2))
+    report = write(saturation_requests_per_second=saturation_rate, targets=targets, adapter_stats=adapter_stats)
     print(json.dumps(targets, indent=2))
     print(f"wrote {args.output} after {report['wall_seconds']:.0f} s")
     try:
