@@ -13,6 +13,7 @@ with its own mapping; generate() calls that keep a cache on the model (static ca
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -158,7 +159,8 @@ class MultiLoraModel(nn.Module):
                 "tokens without the adapters. Use prompt_lookup_num_tokens= for speculative decoding instead."
             )
         # A static cache lives on the model between calls: two such calls at once would share it.
-        cache_lock = self._store.cache_generate_lock if _keeps_cache_on_model(self.model, kwargs) else _NO_LOCK
+        keeps_cache = _keeps_cache_on_model(self.model, kwargs)
+        cache_lock = self._store.cache_generate_lock if keeps_cache else contextlib.nullcontext()
         with cache_lock:
             if entries is None:
                 return self.model.generate(*args, **kwargs)
@@ -258,17 +260,6 @@ class AdapterForward:
             return forward(*args, **kwargs)
         finally:
             self.context.end()
-
-
-class _NoLock:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc) -> None:
-        return None
-
-
-_NO_LOCK = _NoLock()
 
 
 def _keeps_cache_on_model(model: nn.Module, kwargs: dict) -> bool:
