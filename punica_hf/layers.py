@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from . import ops
+from .ops import cuda as cuda_ops
 from .ops import LoraSegments
 from .ops.segments import build_segments
 
@@ -81,7 +82,9 @@ class DeviceTables:
             slot ``s`` in hook-row ``l``'s module.
         ranks: ``[L, S]`` int32, rank of slot ``s`` in row ``l``'s module, 0 when that adapter does not target it.
     ``L`` = rows (one per hooked module on this device, allocated up front for every module that could be hooked),
-    ``S`` = slots. Each hook reads its row through views made once (``row(l)``), so a forward does no indexing.
+    ``S`` = slots. An eager forward reads each hook's row through views made once (``row(l)``): no indexing per
+    call. A compiled forward indexes the whole tables inside the graph instead, so the graph takes four inputs per
+    device rather than three per hook (each input costs host time at every replay).
     """
 
     def __init__(self, pool: torch.Tensor, num_rows: int, num_slots: int) -> None:
@@ -116,7 +119,7 @@ class DeviceTables:
         # CUDA graphs (torch.compile's reduce-overhead, static-cache decode) must read these tensors in place,
         # not copy them into the graph's own inputs at every replay: the pool alone can be gigabytes.
         if self.pool.is_cuda:
-            for tensor in (self.pool, *[view for row in self._rows for view in row]):
+            for tensor in (self.pool, self.a_offsets, self.b_offsets, self.ranks):
                 torch._dynamo.mark_static_address(tensor)
 
 
@@ -124,7 +127,9 @@ class LoraHook:
     """Forward hook of one targeted module: ``output += B_s (A_s x)`` with ``s`` the adapter slot of each token.
 
     ``in_features``/``out_features`` are the module's; ``row`` is its row in ``tables``. Factors and ``x`` use the
-    LoRA dtype (the module's compute dtype, never a quantized storage dtype).
+    LoRA dtype (the module's compute dtype, never a quantized storage dtype). The hook runs once per targeted module
+    and forward (224 times per decode step of an 8B Llama), so its eager path does the least work it can: the
+    static properties the kernels need are checked once here, and the CUDA op is called without re-checking them.
     """
 
     def __init__(
@@ -137,6 +142,8 @@ class LoraHook:
         self.row = row
         self.context = context
         self.max_rank = max_rank
+        # Shapes the kernels cannot take go through the checked op, which names the problem.
+        self.kernel_shapes_ok = in_features % 8 == 0 and out_features % 8 == 0 and max_rank <= cuda_ops.MAX_RANK
         self._handle = module.register_forward_hook(self)
 
     def remove(self) -> None:
@@ -157,13 +164,28 @@ class LoraHook:
                 f"{segments.num_tokens}; adapter_ids must cover every token of input_ids"
             )
         pool = tables.pool
-        x_tokens = x_tokens.to(device=pool.device, dtype=pool.dtype).contiguous()
-        a_offsets, b_offsets, ranks = tables.row(self.row)
-        if output.dtype == pool.dtype and output.device == pool.device and output.is_contiguous():
-            y_tokens = output.view(-1, self.out_features)  # a view: the kernels add into the output in place
+        if x_tokens.dtype != pool.dtype or x_tokens.device != pool.device:
+            x_tokens = x_tokens.to(device=pool.device, dtype=pool.dtype)
+        x_tokens = x_tokens.contiguous()
+        if torch.compiler.is_compiling():
+            row = self.row
+            a_offsets, b_offsets, ranks = tables.a_offsets[row], tables.b_offsets[row], tables.ranks[row]
+        else:
+            a_offsets, b_offsets, ranks = tables.row(self.row)
+        in_place = output.dtype == pool.dtype and output.device == pool.device and output.is_contiguous()
+        # Otherwise the module computes in another dtype or on another device (quantized or offloaded bases):
+        # the delta is added there.
+        y_tokens = (
+            output.view(-1, self.out_features)  # a view: the kernels add into the output in place
+            if in_place
+            else torch.zeros(x_tokens.shape[0], self.out_features, dtype=pool.dtype, device=pool.device)
+        )
+        if segments.backend == "cuda" and self.kernel_shapes_ok and pool.dtype in cuda_ops.DTYPES:
+            cuda_ops.lora_add_unchecked(
+                y_tokens, x_tokens, pool, a_offsets, b_offsets, ranks, segments, self.max_rank
+            )
+        else:
             ops.lora_add(y_tokens, x_tokens, pool, a_offsets, b_offsets, ranks, segments, self.max_rank)
+        if in_place:
             return output
-        # The module computes in another dtype or on another device (quantized or offloaded bases): add there.
-        delta = torch.zeros(x_tokens.shape[0], self.out_features, dtype=pool.dtype, device=pool.device)
-        ops.lora_add(delta, x_tokens, pool, a_offsets, b_offsets, ranks, segments, self.max_rank)
-        return output + delta.to(device=output.device, dtype=output.dtype).view(output.shape)
+        return output + y_tokens.to(device=output.device, dtype=output.dtype).view(output.shape)

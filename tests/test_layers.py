@@ -108,3 +108,57 @@ def test_extent_allocator_first_fit_and_merging():
     allocator.free(0, 60)
     allocator.free(c, 30)  # everything merges back into one extent
     assert allocator.used == 0 and allocator.allocate(100) == 0
+
+
+@torch.library.custom_op("punica_hf_test::lora_add", mutates_args=("y",))
+def _opaque_lora_add(
+    y: torch.Tensor, x: torch.Tensor, pool: torch.Tensor, a_offsets: torch.Tensor, b_offsets: torch.Tensor,
+    lora_ranks: torch.Tensor, token_slots: torch.Tensor, num_slots: int, max_rank: int,
+) -> None:
+    """The reference op behind one opaque call, as the CUDA op is to torch.compile (its host reads stay outside)."""
+    from punica_hf.ops import torch_ops
+
+    segments = build_segments(token_slots, num_slots)
+    torch_ops.lora_add(y, x, pool, a_offsets, b_offsets, lora_ranks, segments, max_rank)
+
+
+def test_compiled_forward_takes_the_tables_once_not_per_hook(base, tmp_path, monkeypatch):
+    """Each graph input costs host time at every compiled call: the hooks must add a fixed few, not three each."""
+    from helpers import save_peft_adapter
+
+    from punica_hf import MultiLoraModel
+    from punica_hf.ops import cuda as cuda_ops
+
+    def count_inputs(model, **kwargs) -> int:
+        counted = []
+
+        def backend(graph_module, example_inputs):
+            counted.append(len(example_inputs))
+            return graph_module.forward
+
+        compiled = torch.compile(model, backend=backend, fullgraph=True, dynamic=False)
+        with torch.no_grad():
+            compiled(input_ids=torch.tensor([[1, 2, 3], [4, 5, 6]]), **kwargs)
+        torch._dynamo.reset()
+        return counted[0]
+
+    import copy
+
+    base_inputs = count_inputs(copy.deepcopy(base))
+    wrapped = MultiLoraModel(copy.deepcopy(base), max_adapters=4, max_rank=8)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    wrapped.load_adapters({"a": save_peft_adapter(base, tmp_path / "a", r=4, target_modules=targets)})
+    num_hooks = len(wrapped._store.hooks)
+    assert num_hooks >= 7 * base.config.num_hidden_layers
+
+    # The CUDA route, with an opaque CPU op standing in for the kernels.
+    monkeypatch.setattr(wrapped._store.context, "backend", lambda device: "cuda")
+    monkeypatch.setattr(cuda_ops, "DTYPES", (torch.float32,), raising=False)
+    def opaque_kernels(y, x, pool, a_offsets, b_offsets, ranks, segments, max_rank):
+        _opaque_lora_add(y, x, pool, a_offsets, b_offsets, ranks, segments.token_slots, segments.num_slots, max_rank)
+
+    monkeypatch.setattr(cuda_ops, "lora_add_unchecked", opaque_kernels, raising=False)
+    slots = torch.tensor(wrapped.acquire(["a", None]).slots, dtype=torch.int32)
+    lora_inputs = count_inputs(wrapped.model, adapter_ids=slots)
+    # adapter_ids, the pool, two offset tables and the ranks: independent of the number of hooks
+    assert lora_inputs - base_inputs <= 5, (base_inputs, lora_inputs, num_hooks)
