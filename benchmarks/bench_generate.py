@@ -170,16 +170,14 @@ def step_breakdown(events: list[dict], steps: int) -> dict:
     copies = [e for e in events if e.get("cat") in ("gpu_memcpy", "gpu_memset")]
     # Dynamo marks each run of compiled code with this range; nested or split ranges are merged before summing.
     compiled = [e for e in events if e.get("ph") == "X" and str(e.get("name", "")).startswith("Torch-Compiled Region")]
-    runtime = [e["name"] for e in events if e.get("cat") == "cuda_runtime"]
+    runtime_events = [e for e in events if e.get("cat") == "cuda_runtime"]
+    runtime = [e["name"] for e in runtime_events]
     compiled_us = _union_us([(e["ts"], e["ts"] + e["dur"]) for e in compiled])
 
     def per_step_ms(selected: list[dict]) -> float:
         return sum(e["dur"] for e in selected) / 1000 / steps
 
-    by_name: dict[str, list[float]] = {}
-    for kernel in kernels:
-        by_name.setdefault(kernel["name"], []).append(kernel["dur"])
-    top = sorted(by_name.items(), key=lambda item: -sum(item[1]))[:8]
+    top = _durations_by_name(kernels)[:8]
     return {
         "gpu_kernel_ms_per_step": per_step_ms(kernels),
         "lora_kernel_ms_per_step": per_step_ms(lora),
@@ -189,9 +187,20 @@ def step_breakdown(events: list[dict], steps: int) -> dict:
         "host_ms_in_compiled_code_per_step": compiled_us / 1000 / steps,
         "graph_launches_per_step": runtime.count("cudaGraphLaunch") / steps,
         "kernel_launches_per_step": (runtime.count("cudaLaunchKernel") + runtime.count("cudaLaunchKernelExC")) / steps,
+        # Host time in CUDA runtime calls by name: launches, and any synchronisation or copy the step waits on.
+        "runtime_calls_per_step": {name: {"count": len(durations) / steps, "ms": sum(durations) / 1000 / steps}
+                                   for name, durations in _durations_by_name(runtime_events)[:6]},
         "top_kernels": [{"name": name[:120], "ms_per_step": sum(durations) / 1000 / steps,
                          "count_per_step": len(durations) / steps} for name, durations in top],
     }
+
+
+def _durations_by_name(events: list[dict]) -> list[tuple[str, list[float]]]:
+    """``(name, durations)`` of each event name, largest total first."""
+    by_name: dict[str, list[float]] = {}
+    for event in events:
+        by_name.setdefault(event["name"], []).append(event["dur"])
+    return sorted(by_name.items(), key=lambda item: -sum(item[1]))
 
 
 def _union_us(intervals: list[tuple[float, float]]) -> float:

@@ -7,6 +7,9 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include <atomic>
+#include <mutex>
+
 #include "punica_lora.h"
 
 namespace punica {
@@ -89,6 +92,31 @@ size_t punica_tiled_workspace_floats(const PunicaLoraProblem& problem);
 cudaError_t punica_tiled_launch(const PunicaLoraProblem& problem, float* workspace, cudaStream_t stream);
 // Largest max_rank the tiled path takes; above it the per-token path runs.
 constexpr int kTiledMaxRank = 128;
+
+// The dynamic shared-memory limit of one kernel instantiation, raised per device by the first launch (and by any
+// later one that needs more): cudaFuncSetAttribute, microseconds of host time, then runs once per (kernel, device)
+// in steady state instead of at every launch. Set even for small sizes: static plus dynamic shared memory above
+// 48 KB needs the opt-in (48 KB of dynamic memory plus a small static struct failed to launch without it). Use one
+// function-local static instance per instantiation. The attribute belongs to the current device's context (the
+// caller's device guard makes that `device`). A limit is never lowered, so concurrent callers are safe.
+class DynamicSmemLimit {
+ public:
+  cudaError_t ensure(const void* kernel, int device, size_t bytes) {
+    if (device < 0 || device >= PUNICA_MAX_DEVICES)  // not cached: set it every time
+      return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
+    if (raised_[device].load(std::memory_order_acquire) >= bytes + 1) return cudaSuccess;
+    const std::lock_guard<std::mutex> lock(mutex_);
+    if (raised_[device].load(std::memory_order_relaxed) >= bytes + 1) return cudaSuccess;
+    const cudaError_t err =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
+    if (err == cudaSuccess) raised_[device].store(bytes + 1, std::memory_order_release);
+    return err;
+  }
+
+ private:
+  std::atomic<size_t> raised_[PUNICA_MAX_DEVICES] = {};  // per device: the limit set + 1, 0 = never set
+  std::mutex mutex_;
+};
 
 // Launches `kernel` on `stream`; with `programmatic` set, the grid may start while the previous kernel of the
 // stream (which must call allow_dependent_launch) still runs, and must wait_for_primary_grid before reading

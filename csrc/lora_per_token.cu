@@ -20,7 +20,7 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
-constexpr int kChunk = 8;            // most tokens a block serves (it reuses the factors it loads for all)
+constexpr int kChunk = 4;            // most tokens a block serves (it reuses the factors it loads for all)
 constexpr int kRowsPerWarp = 8;      // shrink: pieces of A one warp dots with a token (one warp_sum_8)
 constexpr int kPieces = kWarps * kRowsPerWarp;  // shrink: (row, K slice) pieces of A per block and pass
 constexpr int kTileRanks = 64;       // expand: rank rows of Bt staged in shared memory at a time
@@ -42,8 +42,9 @@ struct Chunk {
   int tokens[kChunk];
 };
 
-// All threads call it; warp 0 looks the chunk up (lane i: position - 1 + i), then a barrier publishes it.
-__device__ __forceinline__ void find_chunk(const int32_t* sorted_token_ids, const int32_t* token_slots,
+// All threads call it; warp 0 looks the chunk up (lane i: position - 1 + i), then a barrier publishes it. Two
+// dependent loads: the positions' slots and token ids together, then the slot's rank and factor offset.
+__device__ __forceinline__ void find_chunk(const int32_t* sorted_token_ids, const int32_t* sorted_slots,
                                            const int32_t* lora_ranks, const int64_t* offsets, int num_tokens,
                                            int num_slots, int max_rank, int position, Chunk& chunk) {
   if (threadIdx.x < 32) {
@@ -51,8 +52,8 @@ __device__ __forceinline__ void find_chunk(const int32_t* sorted_token_ids, cons
     const int q = position - 1 + lane;
     int slot = -2, token = 0;  // -2: outside the tokens, differs from every slot
     if (lane <= kChunk && q >= 0 && q < num_tokens) {
-      token = sorted_token_ids[q];
-      slot = token_slots[token];
+      slot = sorted_slots[q];
+      if (lane >= 1) token = sorted_token_ids[q];
       if (slot < 0 || slot >= num_slots) slot = -1;
     }
     const int first_slot = __shfl_sync(kFullMask, slot, 1);
@@ -122,8 +123,8 @@ __device__ __forceinline__ float warp_sum_8(const float (&values)[8]) {
 template <typename T, int kGroup>
 __global__ void __launch_bounds__(kThreads, 4)
 shrink_chunk_kernel(const T* __restrict__ x, const T* __restrict__ pool, const int64_t* __restrict__ a_offsets,
-                    const int32_t* __restrict__ lora_ranks, const int32_t* __restrict__ token_slots,
-                    const int32_t* __restrict__ sorted_token_ids, float* __restrict__ v_partial, int num_tokens,
+                    const int32_t* __restrict__ lora_ranks, const int32_t* __restrict__ sorted_token_ids,
+                    const int32_t* __restrict__ sorted_slots, float* __restrict__ v_partial, int num_tokens,
                     int hidden_in, int max_rank, int num_slots, int num_slices) {
   allow_dependent_launch();  // every shrink block has started: the expand grid may fill the free multiprocessors
   constexpr int kVec = Vec<T>::kSize;
@@ -132,7 +133,7 @@ shrink_chunk_kernel(const T* __restrict__ x, const T* __restrict__ pool, const i
   uint4* x_shared = smem_vectors + kPieces * 32;
   __shared__ Chunk chunk;
   const int position = blockIdx.x;
-  find_chunk(sorted_token_ids, token_slots, lora_ranks, a_offsets, num_tokens, num_slots, max_rank, position, chunk);
+  find_chunk(sorted_token_ids, sorted_slots, lora_ranks, a_offsets, num_tokens, num_slots, max_rank, position, chunk);
   const int size = chunk.size;
   if (size == 0) return;
   const int rank = chunk.rank;
@@ -208,14 +209,14 @@ shrink_chunk_kernel(const T* __restrict__ x, const T* __restrict__ pool, const i
 template <typename T, int kGroup>
 __global__ void __launch_bounds__(kThreads, 4)
 expand_chunk_kernel(T* __restrict__ y, const T* __restrict__ pool, const int64_t* __restrict__ b_offsets,
-                    const int32_t* __restrict__ lora_ranks, const int32_t* __restrict__ token_slots,
-                    const int32_t* __restrict__ sorted_token_ids, const float* __restrict__ v_partial,
+                    const int32_t* __restrict__ lora_ranks, const int32_t* __restrict__ sorted_token_ids,
+                    const int32_t* __restrict__ sorted_slots, const float* __restrict__ v_partial,
                     int num_tokens, int hidden_out, int max_rank, int num_slots, int num_slices) {
   constexpr int kVec = Vec<T>::kSize;
   extern __shared__ uint4 smem_vectors[];
   __shared__ Chunk chunk;
   const int position = blockIdx.x;
-  find_chunk(sorted_token_ids, token_slots, lora_ranks, b_offsets, num_tokens, num_slots, max_rank, position, chunk);
+  find_chunk(sorted_token_ids, sorted_slots, lora_ranks, b_offsets, num_tokens, num_slots, max_rank, position, chunk);
   const int size = chunk.size;
   if (size == 0) return;
   const int rank = chunk.rank;
@@ -363,27 +364,27 @@ size_t expand_smem_bytes(int max_rank, int group) {
 template <typename T, int kGroup>
 cudaError_t launch_shrink(const PunicaLoraProblem& p, float* v_partial, int num_slices, cudaStream_t stream) {
   const size_t smem = static_cast<size_t>(kPieces + kChunk * kGroup) * 32 * sizeof(uint4);
-  const cudaError_t err = cudaFuncSetAttribute(shrink_chunk_kernel<T, kGroup>,
-                                               cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  static DynamicSmemLimit smem_limit;
+  const cudaError_t err =
+      smem_limit.ensure(reinterpret_cast<const void*>(shrink_chunk_kernel<T, kGroup>), p.device, smem);
   if (err != cudaSuccess) return err;
   return launch_kernel(shrink_chunk_kernel<T, kGroup>, dim3(p.num_tokens, (num_slices + kGroup - 1) / kGroup),
                        dim3(kThreads), smem, stream, false, static_cast<const T*>(p.x), static_cast<const T*>(p.pool),
-                       p.a_offsets, p.lora_ranks, p.token_slots, p.sorted_token_ids, v_partial, p.num_tokens,
+                       p.a_offsets, p.lora_ranks, p.sorted_token_ids, p.sorted_slots, v_partial, p.num_tokens,
                        p.hidden_in, p.max_rank, p.num_slots, num_slices);
 }
 
 template <typename T, int kGroup>
 cudaError_t launch_expand(const PunicaLoraProblem& p, const float* v_partial, int num_slices, cudaStream_t stream) {
   const size_t smem = expand_smem_bytes(p.max_rank, kGroup);
-  if (smem > 48 * 1024) {
-    const cudaError_t err = cudaFuncSetAttribute(expand_chunk_kernel<T, kGroup>,
-                                                 cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-    if (err != cudaSuccess) return err;
-  }
+  static DynamicSmemLimit smem_limit;
+  const cudaError_t err =
+      smem_limit.ensure(reinterpret_cast<const void*>(expand_chunk_kernel<T, kGroup>), p.device, smem);
+  if (err != cudaSuccess) return err;
   const int col_chunks = (p.hidden_out + slice_elems<T>() - 1) / slice_elems<T>();
   return launch_kernel(expand_chunk_kernel<T, kGroup>, dim3(p.num_tokens, (col_chunks + kGroup - 1) / kGroup),
                        dim3(kThreads), smem, stream, p.programmatic_launch != 0, static_cast<T*>(p.y),
-                       static_cast<const T*>(p.pool), p.b_offsets, p.lora_ranks, p.token_slots, p.sorted_token_ids,
+                       static_cast<const T*>(p.pool), p.b_offsets, p.lora_ranks, p.sorted_token_ids, p.sorted_slots,
                        v_partial, p.num_tokens, p.hidden_out, p.max_rank, p.num_slots, num_slices);
 }
 

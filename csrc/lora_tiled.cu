@@ -45,38 +45,40 @@ struct TileRuns {
   int64_t offset[kTileRows];
 };
 
-// Rows' token ids; all threads call it (rows: the first kTileRows threads), a barrier publishes them.
-__device__ __forceinline__ void load_tile_tokens(const int32_t* sorted_token_ids, int num_tokens, int tile_start,
-                                                 TileRuns& runs) {
+// Rows' token ids and slots (one load each, both in flight); all threads call it (rows: the first kTileRows
+// threads), a barrier publishes them.
+__device__ __forceinline__ void load_tile_tokens(const int32_t* sorted_token_ids, const int32_t* sorted_slots,
+                                                 int num_tokens, int num_slots, int tile_start, TileRuns& runs) {
   if (threadIdx.x < kTileRows) {
     const int position = tile_start + threadIdx.x;
-    runs.tokens[threadIdx.x] = position < num_tokens ? sorted_token_ids[position] : 0;
+    int token = 0, slot = -1;
+    if (position < num_tokens) {
+      token = sorted_token_ids[position];
+      slot = sorted_slots[position];
+      if (slot < 0 || slot >= num_slots) slot = -1;
+    }
+    runs.tokens[threadIdx.x] = token;
+    runs.slots[threadIdx.x] = slot;
   }
   __syncthreads();
 }
 
-// Slots, ranks and factor offsets of the rows, then the active runs; all threads call it (after
+// Ranks and factor offsets of the rows' slots, then the active runs; all threads call it (after
 // load_tile_tokens), barriers inside and at the end.
-__device__ __forceinline__ void find_runs(const int32_t* token_slots, const int32_t* lora_ranks,
-                                          const int64_t* offsets, int num_tokens, int num_slots, int max_rank,
-                                          int tile_start, TileRuns& runs) {
+__device__ __forceinline__ void find_runs(const int32_t* lora_ranks, const int64_t* offsets, int max_rank,
+                                          TileRuns& runs) {
   const int row = threadIdx.x;
   int slot = -1, rank = 0;
   int64_t offset = 0;
   if (row < kTileRows) {
-    if (tile_start + row < num_tokens) {
-      slot = token_slots[runs.tokens[row]];
-      if (slot < 0 || slot >= num_slots) slot = -1;
-    }
+    slot = runs.slots[row];
     if (slot >= 0) {  // both loads in flight together; the offset is used only if rank > 0
       rank = rank_of(lora_ranks, slot, max_rank);
       offset = offsets[slot];
     }
-    runs.slots[row] = slot;
-    runs.row_rank[row] = rank;
+    runs.row_rank[row] = rank;  // read after the barriers below
   }
-  __syncthreads();
-  if (row < kTileRows) {  // warps 0 and 1, whole warps: one ballot word each
+  if (row < kTileRows) {  // warps 0 and 1, whole warps: one ballot word each (slots published by load_tile_tokens)
     const bool run_start = row == 0 || runs.slots[row - 1] != slot;
     const unsigned starts = __ballot_sync(kFullMask, run_start);
     const unsigned active = __ballot_sync(kFullMask, run_start && rank > 0);
@@ -147,8 +149,8 @@ __device__ __forceinline__ void mask_rows(unsigned (&a)[4], int first_row, int b
 template <typename T>
 __global__ void __launch_bounds__(kShrinkThreads)
 shrink_tiled_kernel(const T* __restrict__ x, const T* __restrict__ pool, const int64_t* __restrict__ a_offsets,
-                    const int32_t* __restrict__ lora_ranks, const int32_t* __restrict__ token_slots,
-                    const int32_t* __restrict__ sorted_token_ids, float* __restrict__ v_partial, int num_tokens,
+                    const int32_t* __restrict__ lora_ranks, const int32_t* __restrict__ sorted_token_ids,
+                    const int32_t* __restrict__ sorted_slots, float* __restrict__ v_partial, int num_tokens,
                     int num_tokens_pad, int hidden_in, int max_rank, int rank_pad, int num_slots, int k_chunk) {
   allow_dependent_launch();
   extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -163,8 +165,8 @@ shrink_tiled_kernel(const T* __restrict__ x, const T* __restrict__ pool, const i
   const int k_end = min(hidden_in, k_begin + k_chunk);
   const int num_steps = (k_end - k_begin + kStepK - 1) / kStepK;
 
-  load_tile_tokens(sorted_token_ids, num_tokens, tile_start, runs);
-  find_runs(token_slots, lora_ranks, a_offsets, num_tokens, num_slots, max_rank, tile_start, runs);
+  load_tile_tokens(sorted_token_ids, sorted_slots, num_tokens, num_slots, tile_start, runs);
+  find_runs(lora_ranks, a_offsets, max_rank, runs);
   const int total_stages = runs.count * num_steps;  // stage s: run s / num_steps, K step s % num_steps
 
   // Stage s into buffer `buffer`: the run's x rows (other rows are masked in registers, never read as data)
@@ -253,8 +255,8 @@ shrink_tiled_kernel(const T* __restrict__ x, const T* __restrict__ pool, const i
 template <typename T>
 __global__ void __launch_bounds__(kExpandThreads, 2)
 expand_tiled_kernel(T* __restrict__ y, const T* __restrict__ pool, const int64_t* __restrict__ b_offsets,
-                    const int32_t* __restrict__ lora_ranks, const int32_t* __restrict__ token_slots,
-                    const int32_t* __restrict__ sorted_token_ids, const float* __restrict__ v_partial,
+                    const int32_t* __restrict__ lora_ranks, const int32_t* __restrict__ sorted_token_ids,
+                    const int32_t* __restrict__ sorted_slots, const float* __restrict__ v_partial,
                     int num_tokens, int num_tokens_pad, int hidden_out, int max_rank, int rank_pad, int num_slots,
                     int num_splits, int chunks_per_block) {
   extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -298,10 +300,10 @@ expand_tiled_kernel(T* __restrict__ y, const T* __restrict__ pool, const int64_t
 
   // Commit groups, oldest first: y(0), Bt(0), y(1); then per chunk c: Bt(c + 1), y(c + 2). So at the top of
   // chunk c, waiting until one group is pending leaves only y(c + 1) in flight.
-  load_tile_tokens(sorted_token_ids, num_tokens, tile_start, runs);
+  load_tile_tokens(sorted_token_ids, sorted_slots, num_tokens, num_slots, tile_start, runs);
   load_y(0, 0);
   cp_async_commit();
-  find_runs(token_slots, lora_ranks, b_offsets, num_tokens, num_slots, max_rank, tile_start, runs);
+  find_runs(lora_ranks, b_offsets, max_rank, runs);
   for (int run = 0; run < min(2, runs.count); ++run) load_bt(run, 0, run);
   cp_async_commit();
   if (num_chunks > 1) load_y(1, 1);
@@ -436,16 +438,15 @@ cudaError_t launch(const PunicaLoraProblem& p, float* v_partial, cudaStream_t st
   const size_t expand_smem =
       (2 * static_cast<size_t>(kTileRows + s.rank_pad) * kLdOut + static_cast<size_t>(kTileRows) * (s.rank_pad + 8)) *
       sizeof(T);
-  cudaError_t err = cudaFuncSetAttribute(shrink_tiled_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         static_cast<int>(shrink_smem));
+  static DynamicSmemLimit shrink_limit, expand_limit;
+  cudaError_t err = shrink_limit.ensure(reinterpret_cast<const void*>(shrink_tiled_kernel<T>), p.device, shrink_smem);
   if (err != cudaSuccess) return err;
-  err = cudaFuncSetAttribute(expand_tiled_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             static_cast<int>(expand_smem));
+  err = expand_limit.ensure(reinterpret_cast<const void*>(expand_tiled_kernel<T>), p.device, expand_smem);
   if (err != cudaSuccess) return err;
 
   err = launch_kernel(shrink_tiled_kernel<T>, dim3(s.num_tiles, s.num_splits), dim3(kShrinkThreads), shrink_smem,
                       stream, false, static_cast<const T*>(p.x), static_cast<const T*>(p.pool), p.a_offsets,
-                      p.lora_ranks, p.token_slots, p.sorted_token_ids, v_partial, p.num_tokens, s.num_tokens_pad,
+                      p.lora_ranks, p.sorted_token_ids, p.sorted_slots, v_partial, p.num_tokens, s.num_tokens_pad,
                       p.hidden_in, p.max_rank, s.rank_pad, p.num_slots, s.k_chunk);
   if (err != cudaSuccess) return err;
   // Column chunks per expand block: as many as keep about one wave of blocks resident (two blocks per
@@ -458,7 +459,7 @@ cudaError_t launch(const PunicaLoraProblem& p, float* v_partial, cudaStream_t st
   const int col_blocks = (num_chunks + chunks_per_block - 1) / chunks_per_block;
   return launch_kernel(expand_tiled_kernel<T>, dim3(s.num_tiles, col_blocks), dim3(kExpandThreads), expand_smem,
                        stream, p.programmatic_launch != 0, static_cast<T*>(p.y), static_cast<const T*>(p.pool),
-                       p.b_offsets, p.lora_ranks, p.token_slots, p.sorted_token_ids,
+                       p.b_offsets, p.lora_ranks, p.sorted_token_ids, p.sorted_slots,
                        static_cast<const float*>(v_partial), p.num_tokens, s.num_tokens_pad, p.hidden_out,
                        p.max_rank, s.rank_pad, p.num_slots, s.num_splits, chunks_per_block);
 }

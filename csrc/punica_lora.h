@@ -10,6 +10,9 @@
 extern "C" {
 #endif
 
+// Devices whose static settings (multiprocessors, shared-memory limits) the launchers and the binding cache.
+#define PUNICA_MAX_DEVICES 64
+
 typedef enum { PUNICA_FLOAT32 = 0, PUNICA_FLOAT16 = 1, PUNICA_BFLOAT16 = 2 } PunicaDtype;
 
 // One call of y[t] += Bt_s^T @ (A_s @ x[t]) for every token t whose slot s >= 0 has rank r = lora_ranks[s] > 0.
@@ -17,7 +20,8 @@ typedef enum { PUNICA_FLOAT32 = 0, PUNICA_FLOAT16 = 1, PUNICA_BFLOAT16 = 2 } Pun
 //   A_s  = pool[a_offsets[s] .. + r * hidden_in]   viewed as [r, hidden_in]   (LoRA A)
 //   Bt_s = pool[b_offsets[s] .. + r * hidden_out]  viewed as [r, hidden_out]  (LoRA B transposed, scaling folded in)
 // Offsets are element offsets, multiples of 8 (16-byte aligned rows); offsets of rank-0 slots are never read.
-// T = num_tokens, S = num_slots. All arrays contiguous; pool, x and y 16-byte aligned.
+// T = num_tokens, S = num_slots. Slots are read per sorted position, so a kernel finds a position's adapter
+// with one load (no sorted id -> token slot chain). All arrays contiguous; pool, x and y 16-byte aligned.
 typedef struct {
   void* y;                          // [T, hidden_out], dtype, updated in place
   const void* x;                    // [T, hidden_in], dtype
@@ -25,9 +29,10 @@ typedef struct {
   const int64_t* a_offsets;         // [S]
   const int64_t* b_offsets;         // [S]
   const int32_t* lora_ranks;        // [S], rank of each slot in this layer (0 = skip the slot), <= max_rank
-  const int32_t* token_slots;       // [T], slot of each token, -1 = no adapter
   const int32_t* sorted_token_ids;  // [T], token ids grouped by slot in increasing slot order, no-adapter tokens last
+  const int32_t* sorted_slots;      // [T], slot of each sorted position (of token sorted_token_ids[p]), -1 = none
   int num_tokens, hidden_in, hidden_out, max_rank, num_slots;
+  int device;               // the CUDA device of every array (the launchers cache per-device settings)
   int num_sms;              // multiprocessors of the device: sizes the grids (static per device)
   int programmatic_launch;  // 1: the expand kernel may start before the shrink ends (sm_90+), 0: plain launches
   PunicaDtype dtype;

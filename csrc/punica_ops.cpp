@@ -9,6 +9,7 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
 
 #include "punica_lora.h"
 
@@ -42,6 +43,12 @@ void check_aligned(const at::Tensor& t, const char* name) {
                     " must be 16-byte aligned");
 }
 
+// Static properties of one device, read once per device (cudaDeviceGetAttribute costs host time at every call).
+struct DeviceInfo {
+  int num_sms;
+  int compute_major;
+};
+
 // ATen/cuda/CUDAContext.h would do, but pulls in cuSPARSE/cuBLAS headers that minimal CUDA installs lack.
 int device_attribute(cudaDeviceAttr attribute, int device) {
   int value = 0;
@@ -50,20 +57,33 @@ int device_attribute(cudaDeviceAttr attribute, int device) {
   return value;
 }
 
+const DeviceInfo& device_info(int device) {
+  static std::once_flag read[PUNICA_MAX_DEVICES];
+  static DeviceInfo info[PUNICA_MAX_DEVICES];
+  TORCH_CHECK(device >= 0 && device < PUNICA_MAX_DEVICES, "punica_hf::lora_add: device index ", device, " above ",
+              PUNICA_MAX_DEVICES - 1);
+  // A failed read throws out of call_once, which leaves the flag unset: the next call tries again.
+  std::call_once(read[device], [device] {
+    info[device] = {device_attribute(cudaDevAttrMultiProcessorCount, device),
+                    device_attribute(cudaDevAttrComputeCapabilityMajor, device)};
+  });
+  return info[device];
+}
+
 // Programmatic dependent launch of the expand kernel: on sm_90+, unless PUNICA_HF_PDL=0 (for comparisons and
 // bug triage; read at every call, so a graph captured after changing it follows it).
-bool programmatic_launch(int device) {
+bool programmatic_launch(const DeviceInfo& info) {
   const char* setting = std::getenv("PUNICA_HF_PDL");
   if (setting != nullptr && std::strcmp(setting, "0") == 0) return false;
-  return device_attribute(cudaDevAttrComputeCapabilityMajor, device) >= 9;
+  return info.compute_major >= 9;
 }
 
 // y [T, H_out] += per-token LoRA of x [T, H_in] with factors read from `pool`; see punica_lora.h for the layout.
 // segment_starts / segment_slots belong to the op's schema (the PyTorch reference loops over them); the kernels
-// find the adapter runs from sorted_token_ids and token_slots directly and only check their shapes.
+// find the adapter runs from sorted_token_ids and sorted_slots directly and only check their shapes.
 void lora_add(at::Tensor y, const at::Tensor& x, const at::Tensor& pool, const at::Tensor& a_offsets,
-              const at::Tensor& b_offsets, const at::Tensor& lora_ranks, const at::Tensor& token_slots,
-              const at::Tensor& sorted_token_ids, const at::Tensor& segment_starts, const at::Tensor& segment_slots,
+              const at::Tensor& b_offsets, const at::Tensor& lora_ranks, const at::Tensor& sorted_token_ids,
+              const at::Tensor& sorted_slots, const at::Tensor& segment_starts, const at::Tensor& segment_slots,
               int64_t max_rank) {
   TORCH_CHECK_VALUE(y.dim() == 2 && x.dim() == 2 && pool.dim() == 1 && lora_ranks.dim() == 1 &&
                         segment_slots.dim() == 1,
@@ -86,8 +106,8 @@ void lora_add(at::Tensor y, const at::Tensor& x, const at::Tensor& pool, const a
   check_vector(lora_ranks, "lora_ranks", at::kInt, num_slots, y);
   check_vector(a_offsets, "a_offsets", at::kLong, num_slots, y);
   check_vector(b_offsets, "b_offsets", at::kLong, num_slots, y);
-  check_vector(token_slots, "token_slots", at::kInt, num_tokens, y);
   check_vector(sorted_token_ids, "sorted_token_ids", at::kInt, num_tokens, y);
+  check_vector(sorted_slots, "sorted_slots", at::kInt, num_tokens, y);
   check_vector(segment_slots, "segment_slots", at::kInt, num_segments, y);
   check_vector(segment_starts, "segment_starts", at::kInt, num_segments + 1, y);
   TORCH_CHECK_VALUE(num_tokens * std::max(hidden_in, hidden_out) < (int64_t{1} << 31) && num_slots < (int64_t{1} << 31),
@@ -102,15 +122,17 @@ void lora_add(at::Tensor y, const at::Tensor& x, const at::Tensor& pool, const a
   problem.a_offsets = a_offsets.data_ptr<int64_t>();
   problem.b_offsets = b_offsets.data_ptr<int64_t>();
   problem.lora_ranks = lora_ranks.data_ptr<int32_t>();
-  problem.token_slots = token_slots.data_ptr<int32_t>();
   problem.sorted_token_ids = sorted_token_ids.data_ptr<int32_t>();
+  problem.sorted_slots = sorted_slots.data_ptr<int32_t>();
   problem.num_tokens = static_cast<int>(num_tokens);
   problem.hidden_in = static_cast<int>(hidden_in);
   problem.hidden_out = static_cast<int>(hidden_out);
   problem.max_rank = static_cast<int>(max_rank);
   problem.num_slots = static_cast<int>(num_slots);
-  problem.num_sms = device_attribute(cudaDevAttrMultiProcessorCount, device);
-  problem.programmatic_launch = programmatic_launch(device) ? 1 : 0;
+  const DeviceInfo& info = device_info(device);
+  problem.device = device;
+  problem.num_sms = info.num_sms;
+  problem.programmatic_launch = programmatic_launch(info) ? 1 : 0;
   problem.dtype = to_punica_dtype(y.scalar_type());
 
   // Scratch for the fp32 partials of v: from the caching allocator, so graph capture and reuse are free.
@@ -125,7 +147,7 @@ void lora_add(at::Tensor y, const at::Tensor& x, const at::Tensor& pool, const a
 TORCH_LIBRARY(punica_hf, m) {
   m.def(
       "lora_add(Tensor(a!) y, Tensor x, Tensor pool, Tensor a_offsets, Tensor b_offsets, Tensor lora_ranks, "
-      "Tensor token_slots, Tensor sorted_token_ids, Tensor segment_starts, Tensor segment_slots, int max_rank) -> ()");
+      "Tensor sorted_token_ids, Tensor sorted_slots, Tensor segment_starts, Tensor segment_slots, int max_rank) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(punica_hf, CUDA, m) { m.impl("lora_add", &lora_add); }

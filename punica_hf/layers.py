@@ -14,8 +14,6 @@ all hooks, built once per forward and per device.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 from torch import nn
 
@@ -62,14 +60,7 @@ class LoraContext:
         if segments is None or segments.token_slots.device == device:
             return segments
         if device not in self._on_device:
-            self._on_device[device] = dataclasses.replace(
-                segments,
-                token_slots=segments.token_slots.to(device),
-                sorted_token_ids=segments.sorted_token_ids.to(device),
-                segment_slots=segments.segment_slots.to(device),
-                segment_starts=segments.segment_starts.to(device),
-                backend=self.backend(device),
-            )
+            self._on_device[device] = segments.to(device, self.backend(device))
         return self._on_device[device]
 
 

@@ -241,13 +241,16 @@ class AdapterForward:
         with self.store.lock:
             return self._run(args, adapter_ids, kwargs)
 
-    def _run(self, args: tuple, adapter_ids: torch.Tensor | None, kwargs: dict):
+    def _forward(self, *args: Any, **kwargs: Any):
         if self.original is not None:
-            forward = self.original
-        else:
-            forward = type(self.model).forward.__get__(self.model)
+            return self.original(*args, **kwargs)
+        # The class's function called with the model, not a bound method made here: Dynamo in torch 2.11 cannot
+        # trace ``function.__get__``, and a graph break at the top of every compiled call costs host time.
+        return type(self.model).forward(self.model, *args, **kwargs)
+
+    def _run(self, args: tuple, adapter_ids: torch.Tensor | None, kwargs: dict):
         if adapter_ids is None:
-            return forward(*args, **kwargs)
+            return self._forward(*args, **kwargs)
         batch_shape = _batch_shape(args, kwargs)
         if batch_shape is None:
             raise ValueError("adapter_ids needs input_ids or inputs_embeds of shape [batch, seq, ...]")
@@ -257,7 +260,7 @@ class AdapterForward:
             token_slots = adapter_ids.reshape(-1)
         self.context.build(token_slots, self.num_slots)
         try:
-            return forward(*args, **kwargs)
+            return self._forward(*args, **kwargs)
         finally:
             self.context.end()
 

@@ -3,14 +3,19 @@ allocator and the chunk layout the pool is made of."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
+from helpers import save_peft_adapter
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
+from punica_hf import MultiLoraModel
 from punica_hf.formats import ModuleLora
 from punica_hf.layers import LoraContext, LoraHook
 from punica_hf.ops import build_segments
+from punica_hf.ops import cuda as cuda_ops
 from punica_hf.store.pool import ALIGN, ChunkLayout, DevicePool, ExtentAllocator
 
 IN, OUT, SLOTS, MAX_RANK = 16, 24, 3, 6
@@ -124,10 +129,6 @@ def _opaque_lora_add(
 
 def test_compiled_forward_takes_the_tables_once_not_per_hook(base, tmp_path, monkeypatch):
     """Each graph input costs host time at every compiled call: the hooks must add a fixed few, not three each."""
-    from helpers import save_peft_adapter
-
-    from punica_hf import MultiLoraModel
-    from punica_hf.ops import cuda as cuda_ops
 
     def count_inputs(model, **kwargs) -> int:
         counted = []
@@ -142,8 +143,6 @@ def test_compiled_forward_takes_the_tables_once_not_per_hook(base, tmp_path, mon
         torch._dynamo.reset()
         return counted[0]
 
-    import copy
-
     base_inputs = count_inputs(copy.deepcopy(base))
     wrapped = MultiLoraModel(copy.deepcopy(base), max_adapters=4, max_rank=8)
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -153,11 +152,12 @@ def test_compiled_forward_takes_the_tables_once_not_per_hook(base, tmp_path, mon
 
     # The CUDA route, with an opaque CPU op standing in for the kernels.
     monkeypatch.setattr(wrapped._store.context, "backend", lambda device: "cuda")
-    monkeypatch.setattr(cuda_ops, "DTYPES", (torch.float32,), raising=False)
+    monkeypatch.setattr(cuda_ops, "DTYPES", (torch.float32,))
+
     def opaque_kernels(y, x, pool, a_offsets, b_offsets, ranks, segments, max_rank):
         _opaque_lora_add(y, x, pool, a_offsets, b_offsets, ranks, segments.token_slots, segments.num_slots, max_rank)
 
-    monkeypatch.setattr(cuda_ops, "lora_add_unchecked", opaque_kernels, raising=False)
+    monkeypatch.setattr(cuda_ops, "lora_add_unchecked", opaque_kernels)
     slots = torch.tensor(wrapped.acquire(["a", None]).slots, dtype=torch.int32)
     lora_inputs = count_inputs(wrapped.model, adapter_ids=slots)
     # adapter_ids, the pool, two offset tables and the ranks: independent of the number of hooks

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -24,6 +26,8 @@ def test_segments_group_every_token_with_its_slot(num_tokens, num_slots):
     assert segments.segment_slots.shape == (num_segments,)
     assert segments.segment_starts.shape == (num_segments + 1,)
     assert sorted(segments.sorted_token_ids.tolist()) == list(range(num_tokens))
+    assert segments.sorted_slots.dtype == torch.int32
+    assert segments.sorted_slots.tolist() == slots[segments.sorted_token_ids.long()].tolist()
 
     present = sorted(set(slots.tolist()) - {-1})
     segment_slots = segments.segment_slots.tolist()
@@ -37,6 +41,17 @@ def test_segments_group_every_token_with_its_slot(num_tokens, num_slots):
         assert token_ids == [t for t in range(num_tokens) if slots[t] == slot]
     assert starts[len(present)] == (slots >= 0).sum().item()  # tokens without adapter come after all segments
     assert all(start == starts[len(present)] for start in starts[len(present) :])
+
+
+def test_segments_to_moves_every_tensor_and_sets_the_backend():
+    segments = build_segments(torch.tensor([2, -1, 0, 2]), 3, backend="cuda")
+    moved = segments.to(torch.device("cpu"), backend="torch")
+    assert moved.backend == "torch" and moved.num_slots == 3
+    for field in dataclasses.fields(segments):
+        value = getattr(segments, field.name)
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(getattr(moved, field.name), value), field.name
+            assert getattr(moved, field.name).device == torch.device("cpu"), field.name
 
 
 def test_pack_factors_aligns_and_keeps_every_factor():

@@ -13,7 +13,7 @@ from functools import lru_cache
 
 import torch
 
-from . import torch_ops
+from . import cuda, torch_ops  # importing cuda builds nothing: the kernels build on the first CUDA call
 from .segments import LoraSegments
 from .segments import build_segments as _build_segments
 
@@ -32,10 +32,8 @@ def _requested_backend() -> str:
 @lru_cache(maxsize=None)
 def _cuda_kernels_available() -> bool:
     """Build or load the CUDA extension once; on failure warn once and fall back to PyTorch."""
-    from . import cuda as cuda_ops
-
     try:
-        cuda_ops.load_extension()
+        cuda.load_extension()
     except Exception as error:  # any build or load failure means: use the reference ops
         warnings.warn(
             f"punica_hf: CUDA kernels unavailable, using the PyTorch ops instead ({error}). "
@@ -55,9 +53,7 @@ def backend_for(device: torch.device) -> str:
     if requested == "cuda":
         if device.type != "cuda":
             raise ValueError(f"PUNICA_HF_BACKEND=cuda needs CUDA tensors, got tensors on {device}")
-        from . import cuda as cuda_ops
-
-        cuda_ops.load_extension()  # raises with the build error
+        cuda.load_extension()  # raises with the build error
         return "cuda"
     if device.type == "cuda" and _cuda_kernels_available():
         return "cuda"
@@ -88,8 +84,6 @@ def lora_add(
     multiples of ``torch_ops.POOL_ALIGNMENT``.
     """
     if segments.backend == "cuda":
-        from . import cuda as cuda_ops
-
-        cuda_ops.lora_add(y, x, pool, a_offsets, b_offsets, lora_ranks, segments, max_rank)
+        cuda.lora_add(y, x, pool, a_offsets, b_offsets, lora_ranks, segments, max_rank)
     else:
         torch_ops.lora_add(y, x, pool, a_offsets, b_offsets, lora_ranks, segments, max_rank)

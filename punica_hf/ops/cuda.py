@@ -1,4 +1,4 @@
-"""The CUDA kernels of ``csrc/``: JIT build/load, and the ``lora_add`` entry the dispatcher calls.
+"""The CUDA kernels of ``csrc/``: JIT build/load, and the ``lora_add`` entries the dispatcher and the hooks call.
 
 The extension registers the op ``torch.ops.punica_hf.lora_add`` (mutates ``y``, returns nothing); this module
 adds its fake implementation, so ``torch.compile(fullgraph=True)`` traces through it, and the op makes no
@@ -20,10 +20,10 @@ from .segments import LoraSegments
 _PACKAGE_DIR = Path(__file__).resolve().parent.parent  # punica_hf/
 _SOURCE_DIRS = (_PACKAGE_DIR.parent / "csrc", _PACKAGE_DIR / "csrc")  # repo checkout, then installed wheel
 _COMPILED_SUFFIXES = (".cu", ".cpp")
-_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # dtypes the kernels take (x, y and pool alike)
 MAX_RANK = 1024  # largest max_rank the kernels take
 
-_loaded = False
+_op = None  # torch.ops.punica_hf.lora_add.default once the extension is loaded
 
 
 def source_dir() -> Path:
@@ -76,8 +76,8 @@ def build_directory(name: str) -> Path:
 
 def load_extension(verbose: bool = False) -> None:
     """Build (first time, or after a source change) and load the kernels; raises on any failure."""
-    global _loaded
-    if _loaded:
+    global _op
+    if _op is not None:
         return
     if torch.version.cuda is None:
         raise RuntimeError("this torch build has no CUDA support")
@@ -103,12 +103,12 @@ def load_extension(verbose: bool = False) -> None:
             verbose=verbose,
         )
     _register_fake()
-    _loaded = True
+    _op = torch.ops.punica_hf.lora_add.default  # the overload itself: no overload resolution per call
 
 
 def _register_fake() -> None:
     @torch.library.register_fake("punica_hf::lora_add")
-    def _lora_add_fake(y, x, pool, a_offsets, b_offsets, lora_ranks, token_slots, sorted_token_ids, segment_starts,
+    def _lora_add_fake(y, x, pool, a_offsets, b_offsets, lora_ranks, sorted_token_ids, sorted_slots, segment_starts,
                        segment_slots, max_rank) -> None:
         return None
 
@@ -116,7 +116,7 @@ def _register_fake() -> None:
 def _check(y: torch.Tensor, x: torch.Tensor, pool: torch.Tensor, a_offsets: torch.Tensor, b_offsets: torch.Tensor,
            lora_ranks: torch.Tensor, segments: LoraSegments, max_rank: int) -> None:
     """ValueError naming the problem for inputs the kernels do not take (static properties only: no sync)."""
-    if x.dtype not in _DTYPES:
+    if x.dtype not in DTYPES:
         raise ValueError(f"lora_add: dtype {x.dtype} not supported (float32, float16, bfloat16)")
     if not (y.dtype == x.dtype == pool.dtype):
         raise ValueError(f"lora_add: y, x and pool must share one dtype, got {y.dtype}, {x.dtype}, {pool.dtype}")
@@ -155,21 +155,30 @@ def lora_add(
 
     Two launches, no host sync: capturable in a CUDA graph and traceable by ``torch.compile``; the table values
     (offsets, ranks, slots) are read on the device. The kernel path (per-token chunks for T <= 256 or fp32,
-    segment-tiled tensor cores above) depends on shapes and ``max_rank`` only.
+    segment-tiled tensor cores above) depends on shapes and ``max_rank`` only. Bad arguments raise ValueError.
     """
-    if not _loaded:
-        load_extension()
     _check(y, x, pool, a_offsets, b_offsets, lora_ranks, segments, max_rank)
-    torch.ops.punica_hf.lora_add(
-        y,
-        x,
-        pool,
-        a_offsets,
-        b_offsets,
-        lora_ranks,
-        segments.token_slots,
-        segments.sorted_token_ids,
-        segments.segment_starts,
-        segments.segment_slots,
-        max_rank,
-    )
+    lora_add_unchecked(y, x, pool, a_offsets, b_offsets, lora_ranks, segments, max_rank)
+
+
+def lora_add_unchecked(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    pool: torch.Tensor,
+    a_offsets: torch.Tensor,
+    b_offsets: torch.Tensor,
+    lora_ranks: torch.Tensor,
+    segments: LoraSegments,
+    max_rank: int,
+) -> None:
+    """``lora_add`` without its Python argument checks, for callers that validated the static properties once.
+
+    The caller guarantees what ``lora_add`` would check (dtypes, shapes, contiguity, ``max_rank`` an int in
+    ``[1, MAX_RANK]``). The binding checks devices, shapes, dtypes and alignment again before any launch, but on
+    the H200 (torch 2.11) only a tensor on the wrong device came back as ValueError: an offset or rank table of the
+    wrong dtype or length crashed the process (segmentation fault; benchmarks/KERNEL_NOTES.md, Version 4).
+    """
+    if _op is None:
+        load_extension()
+    _op(y, x, pool, a_offsets, b_offsets, lora_ranks, segments.sorted_token_ids, segments.sorted_slots,
+        segments.segment_starts, segments.segment_slots, max_rank)

@@ -21,6 +21,8 @@ class LoraSegments:
     Attributes:
         token_slots: ``[T]`` int32, the slot of each token; -1 = no adapter (base model only).
         sorted_token_ids: ``[T]`` int32, token indices ordered by slot (stable); tokens without adapter come last.
+        sorted_slots: ``[T]`` int32, the slot of each sorted position (``token_slots[sorted_token_ids]``, -1 =
+            none): the CUDA kernels find a position's adapter with one load instead of a chain of two.
         segment_slots: ``[G]`` int32, the slot of each non-empty segment in increasing slot order, then -1 padding.
         segment_starts: ``[G + 1]`` int32, segment ``g`` is ``sorted_token_ids[segment_starts[g]:segment_starts[g+1]]``;
             padding segments are empty (their start equals their end).
@@ -30,6 +32,7 @@ class LoraSegments:
 
     token_slots: torch.Tensor
     sorted_token_ids: torch.Tensor
+    sorted_slots: torch.Tensor
     segment_slots: torch.Tensor
     segment_starts: torch.Tensor
     num_slots: int
@@ -38,6 +41,18 @@ class LoraSegments:
     @property
     def num_tokens(self) -> int:
         return self.token_slots.shape[0]
+
+    def to(self, device: torch.device, backend: str) -> LoraSegments:
+        """The same grouping with every tensor on ``device``, run by ``backend`` (for a model split over devices)."""
+        return LoraSegments(
+            token_slots=self.token_slots.to(device),
+            sorted_token_ids=self.sorted_token_ids.to(device),
+            sorted_slots=self.sorted_slots.to(device),
+            segment_slots=self.segment_slots.to(device),
+            segment_starts=self.segment_starts.to(device),
+            num_slots=self.num_slots,
+            backend=backend,
+        )
 
 
 def build_segments(token_slots: torch.Tensor, num_slots: int, backend: str) -> LoraSegments:
@@ -48,7 +63,7 @@ def build_segments(token_slots: torch.Tensor, num_slots: int, backend: str) -> L
     slots = token_slots.to(torch.int64)
     # Tokens without an adapter get the key num_slots, so a stable sort puts them last.
     sort_key = torch.where(slots < 0, num_slots, slots)
-    sorted_token_ids = torch.argsort(sort_key, stable=True)
+    sorted_keys, sorted_token_ids = torch.sort(sort_key, stable=True)
     tokens_per_slot = torch.zeros(num_slots + 1, dtype=torch.int64, device=device)
     tokens_per_slot.scatter_add_(0, sort_key, torch.ones_like(sort_key))
     tokens_per_slot = tokens_per_slot[:num_slots]
@@ -65,6 +80,7 @@ def build_segments(token_slots: torch.Tensor, num_slots: int, backend: str) -> L
     return LoraSegments(
         token_slots=slots.to(torch.int32),
         sorted_token_ids=sorted_token_ids.to(torch.int32),
+        sorted_slots=torch.where(sorted_keys < num_slots, sorted_keys, -1).to(torch.int32),
         segment_slots=segment_slots.to(torch.int32),
         segment_starts=segment_starts.to(torch.int32),
         num_slots=num_slots,

@@ -9,6 +9,7 @@ block: a read outside an adapter's own factors shows up as NaN. Imports only ``p
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 from dataclasses import dataclass
 
@@ -135,7 +136,7 @@ CASES = [
     (2, 4096, 4096, 16, 1000, "random", "mixed"),  # more slots than tokens
     (5, 8, 16, 2, 2, "random", "full"),  # smallest hidden sizes
     (16, 4096, 14336, 16, 32, "distinct", "mixed"),
-    (17, 1024, 2048, 8, 3, "one", "full"),  # chunks of 16 tokens and 1 token
+    (17, 1024, 2048, 8, 3, "one", "full"),  # full chunks and a one-token chunk
     (64, 1000, 1008, 64, 64, "distinct", "mixed"),  # non-power-of-2 hidden sizes
     (64, 4096, 4096, 16, 8, "random", "mixed_rank0"),
     (64, 2048, 2048, 64, 4, "one", "full"),
@@ -204,6 +205,33 @@ def test_unwritten_workspace_is_ignored():
     del poison
     _run(y, x, pool, tables, slots, max_rank)
     _assert_matches(y, y_in, expected, slots, tables.ranks, torch.bfloat16, f"seed {seed}")
+
+
+@pytest.mark.parametrize("num_tokens", [32, 1024], ids=["per_token", "tiled"])
+def test_unchecked_entry_gives_the_same_bits(num_tokens):
+    """``lora_add_unchecked`` (the hooks' entry) runs the same kernels as the checked ``lora_add``."""
+    y, x, pool, (tables,), slots = _problem(num_tokens, 4096, 1024, 16, 8, "random", "mixed_rank0", torch.bfloat16,
+                                            secrets.randbits(31))
+    segments = build_segments(slots, tables.ranks.shape[0], "cuda")
+    args = (x, pool, tables.a_offsets, tables.b_offsets, tables.ranks, segments, 16)
+    checked, unchecked = y.clone(), y.clone()
+    cuda_ops.lora_add(checked, *args)
+    cuda_ops.lora_add_unchecked(unchecked, *args)
+    assert not torch.equal(checked, y), "the call must change y"
+    assert torch.equal(checked, unchecked)
+
+
+def test_shared_memory_limit_follows_growing_max_rank():
+    """The per-token expand needs more than 48 KB of shared memory above max_rank 64; the launcher raises the
+    kernel's limit once per size increase (not per launch): a larger max_rank after a smaller one, then the
+    smaller one again, all compute the right thing."""
+    for max_rank in (100, 1024, 100):
+        seed = secrets.randbits(31)
+        y, x, pool, (tables,), slots = _problem(3, 512, 256, max_rank, 2, "one", "full", torch.float32, seed)
+        y_in = y.clone()
+        expected = _reference(y, x, pool, tables, slots, max_rank)
+        _run(y, x, pool, tables, slots, max_rank)
+        _assert_matches(y, y_in, expected, slots, tables.ranks, torch.float32, f"max_rank {max_rank}, seed {seed}")
 
 
 @pytest.mark.parametrize("num_tokens", [64, 4096], ids=["per_token", "tiled"])
@@ -307,3 +335,7 @@ def test_unsupported_inputs_raise_value_error():
         cuda_ops.lora_add(y, x, pool, *args, cuda_ops.MAX_RANK + 1)
     with pytest.raises(ValueError, match="aligned"):  # checked in C++: a view starting mid-vector
         cuda_ops.lora_add(y, x, pool[1:], *args, 8)
+    # The unchecked entry keeps the binding's memory-safety checks.
+    stray = dataclasses.replace(segments, sorted_slots=segments.sorted_slots.cpu())
+    with pytest.raises(ValueError, match="sorted_slots"):
+        cuda_ops.lora_add_unchecked(y, x, pool, tables.a_offsets, tables.b_offsets, tables.ranks, stray, 8)
