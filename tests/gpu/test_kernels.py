@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import secrets
+import subprocess
+import sys
 from dataclasses import dataclass
 
 import pytest
@@ -339,3 +341,48 @@ def test_unsupported_inputs_raise_value_error():
     stray = dataclasses.replace(segments, sorted_slots=segments.sorted_slots.cpu())
     with pytest.raises(ValueError, match="sorted_slots"):
         cuda_ops.lora_add_unchecked(y, x, pool, tables.a_offsets, tables.b_offsets, tables.ranks, stray, 8)
+
+
+# One call of the unchecked entry with one table made wrong, in a process of its own: a crash must not take the
+# test session with it. Prints "raised <type>" or "returned".
+_WRONG_TABLE_CALL = r"""
+import sys, torch
+from punica_hf.ops import cuda as cuda_ops
+from punica_hf.ops.segments import build_segments
+
+y = torch.zeros(4, 64, dtype=torch.bfloat16, device="cuda")
+x = torch.randn(4, 64, dtype=torch.bfloat16, device="cuda")
+pool = torch.zeros(8192, dtype=torch.bfloat16, device="cuda")
+tables = {"a_offsets": torch.zeros(2, dtype=torch.int64, device="cuda"),
+          "b_offsets": torch.full((2,), 4096, dtype=torch.int64, device="cuda"),
+          "lora_ranks": torch.full((2,), 8, dtype=torch.int32, device="cuda")}
+segments = build_segments(torch.tensor([0, 1, 0, -1], dtype=torch.int32, device="cuda"), 2, "cuda")
+name, change = sys.argv[1], sys.argv[2]
+tables[name] = {"dtype": lambda t: t.to(torch.int32 if t.dtype == torch.int64 else torch.int64),
+                "length": lambda t: t[:1], "device": lambda t: t.cpu()}[change](tables[name])
+try:
+    cuda_ops.lora_add_unchecked(y, x, pool, tables["a_offsets"], tables["b_offsets"], tables["lora_ranks"], segments, 8)
+    torch.cuda.synchronize()
+    print("returned")
+except Exception as error:
+    print("raised", type(error).__name__, error)
+"""
+
+
+def _call_with_wrong_table(name: str, change: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", _WRONG_TABLE_CALL, name, change], capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_unchecked_entry_raises_on_a_table_on_another_device():
+    result = _call_with_wrong_table("a_offsets", "device")
+    assert result.returncode == 0 and "raised ValueError" in result.stdout, (result.returncode, result.stderr[-2000:])
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="known bug: the binding's dtype / length check of a table kills the process (SIGSEGV) "
+                          "instead of raising; the checked lora_add and the hooks never pass such tables")
+@pytest.mark.parametrize("name, change", [("a_offsets", "dtype"), ("a_offsets", "length"), ("lora_ranks", "dtype")])
+def test_unchecked_entry_raises_on_a_table_of_the_wrong_dtype_or_length(name, change):
+    result = _call_with_wrong_table(name, change)
+    assert result.returncode == 0 and "raised ValueError" in result.stdout, (result.returncode, result.stderr[-2000:])
