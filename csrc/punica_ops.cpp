@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
+#include <string>
 
 #include "punica_lora.h"
 
@@ -26,6 +27,12 @@ PunicaDtype to_punica_dtype(at::ScalarType dtype) {
   }
 }
 
+// Integers enter messages as std::to_string text, never through operator<<: on the H200 machine (torch 2.11) every
+// check whose message streamed an integer killed the process (SIGSEGV) instead of raising, while checks streaming
+// only text and devices raised. Suspected, not proven: number formatting through another libstdc++'s locale
+// facets (benchmarks/KERNEL_NOTES.md, the binding crash).
+std::string text(int64_t value) { return std::to_string(value); }
+
 void check_on_device(const at::Tensor& t, const char* name, const at::Tensor& like) {
   TORCH_CHECK_VALUE(t.is_cuda() && t.device() == like.device(), "punica_hf::lora_add: ", name,
                     " must be on ", like.device());
@@ -35,7 +42,7 @@ void check_on_device(const at::Tensor& t, const char* name, const at::Tensor& li
 void check_vector(const at::Tensor& t, const char* name, at::ScalarType dtype, int64_t size, const at::Tensor& like) {
   check_on_device(t, name, like);
   TORCH_CHECK_VALUE(t.scalar_type() == dtype && t.dim() == 1 && t.size(0) == size, "punica_hf::lora_add: ", name,
-                    " must be ", dtype, " of shape [", size, "]");
+                    " must be ", dtype, " of shape [", text(size), "]");
 }
 
 void check_aligned(const at::Tensor& t, const char* name) {
@@ -60,8 +67,8 @@ int device_attribute(cudaDeviceAttr attribute, int device) {
 const DeviceInfo& device_info(int device) {
   static std::once_flag read[PUNICA_MAX_DEVICES];
   static DeviceInfo info[PUNICA_MAX_DEVICES];
-  TORCH_CHECK(device >= 0 && device < PUNICA_MAX_DEVICES, "punica_hf::lora_add: device index ", device, " above ",
-              PUNICA_MAX_DEVICES - 1);
+  TORCH_CHECK(device >= 0 && device < PUNICA_MAX_DEVICES, "punica_hf::lora_add: device index ", text(device), " above ",
+              text(PUNICA_MAX_DEVICES - 1));
   // A failed read throws out of call_once, which leaves the flag unset: the next call tries again.
   std::call_once(read[device], [device] {
     info[device] = {device_attribute(cudaDevAttrMultiProcessorCount, device),
@@ -93,7 +100,7 @@ void lora_add(at::Tensor y, const at::Tensor& x, const at::Tensor& pool, const a
   TORCH_CHECK_VALUE(y.size(0) == num_tokens, "punica_hf::lora_add: y and x have different token counts");
   TORCH_CHECK_VALUE(hidden_in % 8 == 0 && hidden_out % 8 == 0,
                     "punica_hf::lora_add: hidden sizes must be multiples of 8");
-  TORCH_CHECK_VALUE(max_rank >= 1 && max_rank <= kMaxRank, "punica_hf::lora_add: max_rank must be in [1, ", kMaxRank,
+  TORCH_CHECK_VALUE(max_rank >= 1 && max_rank <= kMaxRank, "punica_hf::lora_add: max_rank must be in [1, ", text(kMaxRank),
                     "]");
   TORCH_CHECK_VALUE(x.scalar_type() == y.scalar_type() && pool.scalar_type() == y.scalar_type(),
                     "punica_hf::lora_add: y, x and pool must share one dtype");

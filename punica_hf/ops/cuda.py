@@ -174,9 +174,9 @@ def lora_add_unchecked(
     """``lora_add`` without its Python argument checks, for callers that validated the static properties once.
 
     The caller guarantees what ``lora_add`` would check (dtypes, shapes, contiguity, ``max_rank`` an int in
-    ``[1, MAX_RANK]``). The binding checks devices, shapes, dtypes and alignment again before any launch, but on
-    the H200 (torch 2.11) only a tensor on the wrong device came back as ValueError: an offset or rank table of the
-    wrong dtype or length crashed the process (segmentation fault; benchmarks/KERNEL_NOTES.md, Version 4).
+    ``[1, MAX_RANK]``). The binding checks devices, shapes, dtypes and alignment again before any launch and
+    raises ValueError. A table of the wrong dtype or length crashed the process there on the H200 instead; the
+    change meant to fix it (messages without streamed integers) awaits a GPU run: benchmarks/KERNEL_NOTES.md.
     """
     if _op is None:
         load_extension()

@@ -374,15 +374,15 @@ def _call_with_wrong_table(name: str, change: str) -> subprocess.CompletedProces
                           timeout=300)
 
 
-def test_unchecked_entry_raises_on_a_table_on_another_device():
-    result = _call_with_wrong_table("a_offsets", "device")
-    assert result.returncode == 0 and "raised ValueError" in result.stdout, (result.returncode, result.stderr[-2000:])
+@pytest.mark.parametrize(
+    "name, change",
+    [("a_offsets", "device"), ("a_offsets", "dtype"), ("a_offsets", "length"), ("lora_ranks", "dtype")],
+)
+def test_unchecked_entry_raises_on_a_wrong_table(name, change):
+    """The binding's own checks keep the unchecked entry memory-safe: ValueError naming the table, no crash.
 
-
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="known bug: the binding's dtype / length check of a table kills the process (SIGSEGV) "
-                          "instead of raising; the checked lora_add and the hooks never pass such tables")
-@pytest.mark.parametrize("name, change", [("a_offsets", "dtype"), ("a_offsets", "length"), ("lora_ranks", "dtype")])
-def test_unchecked_entry_raises_on_a_table_of_the_wrong_dtype_or_length(name, change):
+    (A dtype or length error once killed the process: its message streamed an integer; see punica_ops.cpp.)
+    """
     result = _call_with_wrong_table(name, change)
-    assert result.returncode == 0 and "raised ValueError" in result.stdout, (result.returncode, result.stderr[-2000:])
+    assert result.returncode == 0, f"the process died (status {result.returncode}): {result.stderr[-2000:]}"
+    assert result.stdout.startswith(f"raised ValueError punica_hf::lora_add: {name}"), result.stdout
