@@ -10,7 +10,8 @@ namespace {
 constexpr int kPerTokenMaxTokens = 256;
 
 bool use_tiled(const PunicaLoraProblem& p) {
-  return p.dtype != PUNICA_FLOAT32 && p.num_tokens > kPerTokenMaxTokens && p.max_rank <= kTiledMaxRank;
+  return p.num_outputs == 1 && p.dtype != PUNICA_FLOAT32 && p.num_tokens > kPerTokenMaxTokens &&
+         p.max_rank <= kTiledMaxRank;
 }
 
 }  // namespace

@@ -13,6 +13,8 @@
 //           16-byte run of outputs, looping over the rank rows.
 // The expand is launched as a programmatic dependent of the shrink: its chunk lookup, Bt and y loads overlap
 // the shrink, and it waits for the shrink grid only before reading the partials.
+// A grouped call (G outputs sharing x) adds a grid dimension: block z works on output z, with row z of the tables
+// and its own partials; the expand's grid covers the widest output, and blocks past a narrower one exit at once.
 #include "kernel_common.cuh"
 
 namespace punica {
@@ -32,6 +34,12 @@ static_assert(kChunk + 1 < 32, "the chunk lookup uses one lane per position, plu
 
 template <typename T>
 __host__ __device__ constexpr int slice_elems() { return 32 * Vec<T>::kSize; }  // K elements of one slice
+
+// Where the outputs of a call live in y: output g is columns [begin[g], begin[g + 1]), rows begin[count] wide.
+struct OutputColumns {
+  int begin[PUNICA_MAX_OUTPUTS + 1];
+  int count;
+};
 
 // The chunk a block at sorted position `position` serves; size 0 when the position does not start a chunk, has
 // no adapter, or its slot's rank is 0 (nothing to do).
@@ -115,8 +123,8 @@ __device__ __forceinline__ float warp_sum_8(const float (&values)[8]) {
   return sum;
 }
 
-// v_partial [num_slices, T, max_rank] fp32: entry (slice, p, r) = A_s[r, slice] . x[token(p), slice] for the
-// positions p of every chunk and r < its rank; nothing else is written. The block takes kGroup consecutive
+// v_partial [G, num_slices, T, max_rank] fp32: entry (g, slice, p, r) = A_s[r, slice] . x[token(p), slice] with
+// output g's A, for the positions p of every chunk and r < its rank; nothing else is written. The block takes kGroup consecutive
 // K slices (1, 2 or 4) and kPieces (row, slice) pieces of A per pass: piece q = w + 8 i belongs to warp w, slice
 // w % group, row w / group + (8 / group) i. Pieces and x go to shared memory by cp.async (no registers held
 // while loads fly, so more blocks fit). Dynamic shared memory: A [kPieces][32], x [kChunk][group][32] (16 B each).
@@ -128,6 +136,10 @@ shrink_chunk_kernel(const T* __restrict__ x, const T* __restrict__ pool, const i
                     int hidden_in, int max_rank, int num_slots, int num_slices) {
   allow_dependent_launch();  // every shrink block has started: the expand grid may fill the free multiprocessors
   constexpr int kVec = Vec<T>::kSize;
+  const int output = blockIdx.z;
+  a_offsets += static_cast<size_t>(output) * num_slots;
+  lora_ranks += static_cast<size_t>(output) * num_slots;
+  v_partial += static_cast<size_t>(output) * num_slices * num_tokens * max_rank;
   extern __shared__ uint4 smem_vectors[];
   uint4* a_shared = smem_vectors;
   uint4* x_shared = smem_vectors + kPieces * 32;
@@ -202,7 +214,7 @@ shrink_chunk_kernel(const T* __restrict__ x, const T* __restrict__ pool, const i
 }
 
 // y[token(p), n] += sum_{r < rank} Bt_s[r, n] * v[p, r] for the chunk's positions p, v[p, r] = sum over slices of
-// v_partial. The block takes kGroup consecutive column chunks of 32 x 16 bytes. Work items are (token, column
+// v_partial; n runs over output blockIdx.z's columns of y. The block takes kGroup consecutive column chunks of 32 x 16 bytes. Work items are (token, column
 // chunk) pairs: warp w owns items w + 8 u (u < 2) of each pass of 16, each lane a 16-byte run of outputs.
 // Dynamic shared memory: Bt tiles [buffers][tile_rows][kGroup * 32], y [kChunk][kGroup * 32] (16-byte vectors),
 // then v [kChunk][max_rank] fp32. Several passes only when the rank fits one tile (kGroup > 1 needs rank <= 32).
@@ -211,10 +223,19 @@ __global__ void __launch_bounds__(kThreads, 4)
 expand_chunk_kernel(T* __restrict__ y, const T* __restrict__ pool, const int64_t* __restrict__ b_offsets,
                     const int32_t* __restrict__ lora_ranks, const int32_t* __restrict__ sorted_token_ids,
                     const int32_t* __restrict__ sorted_slots, const float* __restrict__ v_partial,
-                    int num_tokens, int hidden_out, int max_rank, int num_slots, int num_slices) {
+                    int num_tokens, OutputColumns columns, int max_rank, int num_slots, int num_slices) {
   constexpr int kVec = Vec<T>::kSize;
   extern __shared__ uint4 smem_vectors[];
   __shared__ Chunk chunk;
+  const int output = blockIdx.z;
+  const int hidden_out = columns.begin[output + 1] - columns.begin[output];
+  const int col0 = blockIdx.y * kGroup * slice_elems<T>();
+  if (col0 >= hidden_out) return;  // the grid covers the widest output of a group
+  const size_t row_width = columns.begin[columns.count];
+  y += columns.begin[output];
+  b_offsets += static_cast<size_t>(output) * num_slots;
+  lora_ranks += static_cast<size_t>(output) * num_slots;
+  v_partial += static_cast<size_t>(output) * num_slices * num_tokens * max_rank;
   const int position = blockIdx.x;
   find_chunk(sorted_token_ids, sorted_slots, lora_ranks, b_offsets, num_tokens, num_slots, max_rank, position, chunk);
   const int size = chunk.size;
@@ -224,7 +245,6 @@ expand_chunk_kernel(T* __restrict__ y, const T* __restrict__ pool, const int64_t
   const int lane = threadIdx.x % 32;
   const int warp = threadIdx.x / 32;
   constexpr int row_vectors = kGroup * 32;
-  const int col0 = blockIdx.y * kGroup * slice_elems<T>();
   const int tile_rows = min(max_rank, kTileRanks);
   uint4* tiles = smem_vectors;
   uint4* y_tile = tiles + (max_rank > kTileRanks ? 2 : 1) * tile_rows * row_vectors;
@@ -245,7 +265,7 @@ expand_chunk_kernel(T* __restrict__ y, const T* __restrict__ pool, const int64_t
   for (int i = threadIdx.x; i < size * row_vectors; i += kThreads) {  // y rows of the chunk's tokens
     const int c = col0 + i % row_vectors * kVec;
     if (c < hidden_out)
-      cp_async_16(y_tile + i, y + static_cast<size_t>(chunk.tokens[i / row_vectors]) * hidden_out + c, true);
+      cp_async_16(y_tile + i, y + chunk.tokens[i / row_vectors] * row_width + c, true);
   }
   cp_async_commit();
 
@@ -326,8 +346,7 @@ expand_chunk_kernel(T* __restrict__ y, const T* __restrict__ pool, const int64_t
             widen<T>(y_tile[item / kGroup * row_vectors + item % kGroup * 32 + lane], values);
 #pragma unroll
             for (int e = 0; e < kVec; ++e) values[e] += acc[u][e];
-            *reinterpret_cast<uint4*>(y + static_cast<size_t>(chunk.tokens[item / kGroup]) * hidden_out + col) =
-                narrow<T>(values);
+            *reinterpret_cast<uint4*>(y + chunk.tokens[item / kGroup] * row_width + col) = narrow<T>(values);
           }
 #pragma unroll
           for (int e = 0; e < kVec; ++e) acc[u][e] = 0.f;
@@ -368,10 +387,21 @@ cudaError_t launch_shrink(const PunicaLoraProblem& p, float* v_partial, int num_
   const cudaError_t err =
       smem_limit.ensure(reinterpret_cast<const void*>(shrink_chunk_kernel<T, kGroup>), p.device, smem);
   if (err != cudaSuccess) return err;
-  return launch_kernel(shrink_chunk_kernel<T, kGroup>, dim3(p.num_tokens, (num_slices + kGroup - 1) / kGroup),
-                       dim3(kThreads), smem, stream, false, static_cast<const T*>(p.x), static_cast<const T*>(p.pool),
+  return launch_kernel(shrink_chunk_kernel<T, kGroup>,
+                       dim3(p.num_tokens, (num_slices + kGroup - 1) / kGroup, p.num_outputs), dim3(kThreads), smem, stream, false, static_cast<const T*>(p.x), static_cast<const T*>(p.pool),
                        p.a_offsets, p.lora_ranks, p.sorted_token_ids, p.sorted_slots, v_partial, p.num_tokens,
                        p.hidden_in, p.max_rank, p.num_slots, num_slices);
+}
+
+// Column chunks of the widest output: the expand grid's y extent.
+template <typename T>
+int widest_col_chunks(const PunicaLoraProblem& p) {
+  int widest = 0;
+  for (int g = 0; g < p.num_outputs; ++g) {
+    const int width = p.output_columns[g + 1] - p.output_columns[g];
+    if (width > widest) widest = width;
+  }
+  return (widest + slice_elems<T>() - 1) / slice_elems<T>();
 }
 
 template <typename T, int kGroup>
@@ -381,11 +411,14 @@ cudaError_t launch_expand(const PunicaLoraProblem& p, const float* v_partial, in
   const cudaError_t err =
       smem_limit.ensure(reinterpret_cast<const void*>(expand_chunk_kernel<T, kGroup>), p.device, smem);
   if (err != cudaSuccess) return err;
-  const int col_chunks = (p.hidden_out + slice_elems<T>() - 1) / slice_elems<T>();
-  return launch_kernel(expand_chunk_kernel<T, kGroup>, dim3(p.num_tokens, (col_chunks + kGroup - 1) / kGroup),
+  OutputColumns columns{};
+  columns.count = p.num_outputs;
+  for (int g = 0; g <= p.num_outputs; ++g) columns.begin[g] = p.output_columns[g];
+  return launch_kernel(expand_chunk_kernel<T, kGroup>,
+                       dim3(p.num_tokens, (widest_col_chunks<T>(p) + kGroup - 1) / kGroup, p.num_outputs),
                        dim3(kThreads), smem, stream, p.programmatic_launch != 0, static_cast<T*>(p.y),
                        static_cast<const T*>(p.pool), p.b_offsets, p.lora_ranks, p.sorted_token_ids, p.sorted_slots,
-                       v_partial, p.num_tokens, p.hidden_out, p.max_rank, p.num_slots, num_slices);
+                       v_partial, p.num_tokens, columns, p.max_rank, p.num_slots, num_slices);
 }
 
 template <typename T>
@@ -398,8 +431,7 @@ cudaError_t launch(const PunicaLoraProblem& p, float* v_partial, cudaStream_t st
     default: err = launch_shrink<T, 1>(p, v_partial, num_slices, stream); break;
   }
   if (err != cudaSuccess) return err;
-  const int col_chunks = (p.hidden_out + slice_elems<T>() - 1) / slice_elems<T>();
-  switch (group_for(p.max_rank, col_chunks)) {
+  switch (group_for(p.max_rank, widest_col_chunks<T>(p))) {
     case 4: return launch_expand<T, 4>(p, v_partial, num_slices, stream);
     case 2: return launch_expand<T, 2>(p, v_partial, num_slices, stream);
     default: return launch_expand<T, 1>(p, v_partial, num_slices, stream);
@@ -410,7 +442,7 @@ cudaError_t launch(const PunicaLoraProblem& p, float* v_partial, cudaStream_t st
 }  // namespace punica
 
 size_t punica_per_token_workspace_floats(const PunicaLoraProblem& p) {
-  return static_cast<size_t>(punica::num_slices_for(p)) * p.num_tokens * p.max_rank;
+  return static_cast<size_t>(punica::num_slices_for(p)) * p.num_tokens * p.max_rank * p.num_outputs;
 }
 
 cudaError_t punica_per_token_launch(const PunicaLoraProblem& p, float* workspace, cudaStream_t stream) {

@@ -12,6 +12,8 @@ extern "C" {
 
 // Devices whose static settings (multiprocessors, shared-memory limits) the launchers and the binding cache.
 #define PUNICA_MAX_DEVICES 64
+// Most outputs one grouped call computes (projections sharing their input: q/k/v, gate/up).
+#define PUNICA_MAX_OUTPUTS 4
 
 typedef enum { PUNICA_FLOAT32 = 0, PUNICA_FLOAT16 = 1, PUNICA_BFLOAT16 = 2 } PunicaDtype;
 
@@ -22,16 +24,21 @@ typedef enum { PUNICA_FLOAT32 = 0, PUNICA_FLOAT16 = 1, PUNICA_BFLOAT16 = 2 } Pun
 // Offsets are element offsets, multiples of 8 (16-byte aligned rows); offsets of rank-0 slots are never read.
 // T = num_tokens, S = num_slots. Slots are read per sorted position, so a kernel finds a position's adapter
 // with one load (no sorted id -> token slot chain). All arrays contiguous; pool, x and y 16-byte aligned.
+// A grouped call (num_outputs = G > 1: projections that share x) computes G such updates in one launch of each
+// kernel: output g has its own tables (row g of [G, S] tables) and writes columns
+// [output_columns[g], output_columns[g + 1]) of y, whose rows are hidden_out = output_columns[G] wide.
 typedef struct {
   void* y;                          // [T, hidden_out], dtype, updated in place
   const void* x;                    // [T, hidden_in], dtype
   const void* pool;                 // [P], dtype: every adapter's factors
-  const int64_t* a_offsets;         // [S]
-  const int64_t* b_offsets;         // [S]
-  const int32_t* lora_ranks;        // [S], rank of each slot in this layer (0 = skip the slot), <= max_rank
+  const int64_t* a_offsets;         // [G, S]
+  const int64_t* b_offsets;         // [G, S]
+  const int32_t* lora_ranks;        // [G, S], rank of each slot in this layer (0 = skip the slot), <= max_rank
   const int32_t* sorted_token_ids;  // [T], token ids grouped by slot in increasing slot order, no-adapter tokens last
   const int32_t* sorted_slots;      // [T], slot of each sorted position (of token sorted_token_ids[p]), -1 = none
   int num_tokens, hidden_in, hidden_out, max_rank, num_slots;
+  int num_outputs;                                // G, 1..PUNICA_MAX_OUTPUTS; above 1 only on the per-token path
+  int output_columns[PUNICA_MAX_OUTPUTS + 1];     // [G + 1], output_columns[0] = 0, output_columns[G] = hidden_out
   int device;               // the CUDA device of every array (the launchers cache per-device settings)
   int num_sms;              // multiprocessors of the device: sizes the grids (static per device)
   int programmatic_launch;  // 1: the expand kernel may start before the shrink ends (sm_90+), 0: plain launches

@@ -1,5 +1,5 @@
-// Torch binding: registers punica_hf::lora_add as a torch.library op (CUDA kernel here; the fake/meta
-// implementation is registered from Python in punica_hf/ops/cuda.py). Argument checks with user-facing
+// Torch binding: registers punica_hf::lora_add and punica_hf::lora_delta as torch.library ops (CUDA kernels here;
+// the fake implementations are registered from Python in punica_hf/ops/cuda.py). Argument checks with user-facing
 // messages live in Python; the checks here guard memory safety only (shapes, dtypes, devices, alignment).
 // The factor offsets are trusted (the adapter store writes them); the kernels never read a slot of rank 0.
 #include <ATen/ATen.h>
@@ -11,19 +11,22 @@
 #include <cstring>
 #include <mutex>
 #include <string>
+#include <vector>
 
 #include "punica_lora.h"
 
 namespace {
 
 constexpr int64_t kMaxRank = 1024;
+constexpr const char* kAdd = "punica_hf::lora_add";  // the op named in its error messages
+constexpr const char* kDelta = "punica_hf::lora_delta";
 
 PunicaDtype to_punica_dtype(at::ScalarType dtype) {
   switch (dtype) {
     case at::kFloat: return PUNICA_FLOAT32;
     case at::kHalf: return PUNICA_FLOAT16;
     case at::kBFloat16: return PUNICA_BFLOAT16;
-    default: TORCH_CHECK_VALUE(false, "punica_hf::lora_add: unsupported dtype ", dtype);
+    default: TORCH_CHECK_VALUE(false, "punica_hf: unsupported dtype ", dtype);
   }
 }
 
@@ -33,20 +36,24 @@ PunicaDtype to_punica_dtype(at::ScalarType dtype) {
 // facets (benchmarks/KERNEL_NOTES.md, the binding crash).
 std::string text(int64_t value) { return std::to_string(value); }
 
-void check_on_device(const at::Tensor& t, const char* name, const at::Tensor& like) {
-  TORCH_CHECK_VALUE(t.is_cuda() && t.device() == like.device(), "punica_hf::lora_add: ", name,
+void check_on_device(const char* op, const at::Tensor& t, const char* name, const at::Tensor& like) {
+  TORCH_CHECK_VALUE(t.is_cuda() && t.device() == like.device(), op, ": ", name,
                     " must be on ", like.device());
-  TORCH_CHECK_VALUE(t.is_contiguous(), "punica_hf::lora_add: ", name, " must be contiguous");
+  TORCH_CHECK_VALUE(t.is_contiguous(), op, ": ", name, " must be contiguous");
 }
 
-void check_vector(const at::Tensor& t, const char* name, at::ScalarType dtype, int64_t size, const at::Tensor& like) {
-  check_on_device(t, name, like);
-  TORCH_CHECK_VALUE(t.scalar_type() == dtype && t.dim() == 1 && t.size(0) == size, "punica_hf::lora_add: ", name,
-                    " must be ", dtype, " of shape [", text(size), "]");
+// `t` must be on like's device, contiguous, of `dtype` and of shape `sizes`.
+void check_table(const char* op, const at::Tensor& t, const char* name, at::ScalarType dtype, at::IntArrayRef sizes,
+                 const at::Tensor& like) {
+  check_on_device(op, t, name, like);
+  std::string shape = "[";
+  for (size_t i = 0; i < sizes.size(); ++i) shape += (i ? ", " : "") + text(sizes[i]);
+  TORCH_CHECK_VALUE(t.scalar_type() == dtype && t.sizes() == sizes, op, ": ", name, " must be ", dtype,
+                    " of shape ", shape, "]");
 }
 
-void check_aligned(const at::Tensor& t, const char* name) {
-  TORCH_CHECK_VALUE(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, "punica_hf::lora_add: ", name,
+void check_aligned(const char* op, const at::Tensor& t, const char* name) {
+  TORCH_CHECK_VALUE(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, op, ": ", name,
                     " must be 16-byte aligned");
 }
 
@@ -60,14 +67,14 @@ struct DeviceInfo {
 int device_attribute(cudaDeviceAttr attribute, int device) {
   int value = 0;
   const cudaError_t err = cudaDeviceGetAttribute(&value, attribute, device);
-  TORCH_CHECK(err == cudaSuccess, "punica_hf::lora_add: ", cudaGetErrorString(err));
+  TORCH_CHECK(err == cudaSuccess, "punica_hf: ", cudaGetErrorString(err));
   return value;
 }
 
 const DeviceInfo& device_info(int device) {
   static std::once_flag read[PUNICA_MAX_DEVICES];
   static DeviceInfo info[PUNICA_MAX_DEVICES];
-  TORCH_CHECK(device >= 0 && device < PUNICA_MAX_DEVICES, "punica_hf::lora_add: device index ", text(device), " above ",
+  TORCH_CHECK(device >= 0 && device < PUNICA_MAX_DEVICES, "punica_hf: device index ", text(device), " above ",
               text(PUNICA_MAX_DEVICES - 1));
   // A failed read throws out of call_once, which leaves the flag unset: the next call tries again.
   std::call_once(read[device], [device] {
@@ -85,42 +92,50 @@ bool programmatic_launch(const DeviceInfo& info) {
   return info.compute_major >= 9;
 }
 
-// y [T, H_out] += per-token LoRA of x [T, H_in] with factors read from `pool`; see punica_lora.h for the layout.
-// segment_starts / segment_slots belong to the op's schema (the PyTorch reference loops over them); the kernels
-// find the adapter runs from sorted_token_ids and sorted_slots directly and only check their shapes.
-void lora_add(at::Tensor y, const at::Tensor& x, const at::Tensor& pool, const at::Tensor& a_offsets,
-              const at::Tensor& b_offsets, const at::Tensor& lora_ranks, const at::Tensor& sorted_token_ids,
-              const at::Tensor& sorted_slots, const at::Tensor& segment_starts, const at::Tensor& segment_slots,
-              int64_t max_rank) {
-  TORCH_CHECK_VALUE(y.dim() == 2 && x.dim() == 2 && pool.dim() == 1 && lora_ranks.dim() == 1 &&
-                        segment_slots.dim() == 1,
-                    "punica_hf::lora_add: expected y, x 2-D and pool, lora_ranks, segment_slots 1-D");
+// The checked problem of y [T, H_out] += LoRA of x [T, H_in] for G outputs (G = out_features.size()): output g
+// is columns [sum of out_features[:g], + out_features[g]) of y, with row g of the [G, S] tables (a_offsets,
+// b_offsets, lora_ranks); see punica_lora.h for the layout.
+PunicaLoraProblem make_problem(const char* op, const at::Tensor& y, const at::Tensor& x, const at::Tensor& pool,
+                               const at::Tensor& a_offsets, const at::Tensor& b_offsets, const at::Tensor& lora_ranks,
+                               const at::Tensor& sorted_token_ids, const at::Tensor& sorted_slots,
+                               at::IntArrayRef out_features, int64_t max_rank) {
+  TORCH_CHECK_VALUE(y.dim() == 2 && x.dim() == 2 && pool.dim() == 1 && lora_ranks.dim() >= 1,
+                    op, ": expected y, x 2-D, pool 1-D and a lora_ranks table");
+  const int64_t num_outputs = static_cast<int64_t>(out_features.size());
+  TORCH_CHECK_VALUE(num_outputs >= 1 && num_outputs <= PUNICA_MAX_OUTPUTS, op, ": from 1 to ",
+                    text(PUNICA_MAX_OUTPUTS), " outputs per call");
   const int64_t num_tokens = x.size(0), hidden_in = x.size(1), hidden_out = y.size(1);
-  const int64_t num_slots = lora_ranks.size(0), num_segments = segment_slots.size(0);
-  TORCH_CHECK_VALUE(y.size(0) == num_tokens, "punica_hf::lora_add: y and x have different token counts");
-  TORCH_CHECK_VALUE(hidden_in % 8 == 0 && hidden_out % 8 == 0,
-                    "punica_hf::lora_add: hidden sizes must be multiples of 8");
-  TORCH_CHECK_VALUE(max_rank >= 1 && max_rank <= kMaxRank, "punica_hf::lora_add: max_rank must be in [1, ", text(kMaxRank),
+  const int64_t num_slots = lora_ranks.size(-1);
+  TORCH_CHECK_VALUE(y.size(0) == num_tokens, op, ": y and x have different token counts");
+  int64_t columns = 0;
+  for (const int64_t width : out_features) {
+    TORCH_CHECK_VALUE(width > 0 && width % 8 == 0, op, ": hidden sizes must be multiples of 8");
+    columns += width;
+  }
+  TORCH_CHECK_VALUE(columns == hidden_out, op, ": y's width must be the sum of the outputs' widths");
+  TORCH_CHECK_VALUE(hidden_in % 8 == 0, op, ": hidden sizes must be multiples of 8");
+  TORCH_CHECK_VALUE(max_rank >= 1 && max_rank <= kMaxRank, op, ": max_rank must be in [1, ", text(kMaxRank),
                     "]");
   TORCH_CHECK_VALUE(x.scalar_type() == y.scalar_type() && pool.scalar_type() == y.scalar_type(),
-                    "punica_hf::lora_add: y, x and pool must share one dtype");
-  check_on_device(y, "y", y);
-  check_on_device(x, "x", y);
-  check_on_device(pool, "pool", y);
-  check_aligned(y, "y");
-  check_aligned(x, "x");
-  check_aligned(pool, "pool");
-  check_vector(lora_ranks, "lora_ranks", at::kInt, num_slots, y);
-  check_vector(a_offsets, "a_offsets", at::kLong, num_slots, y);
-  check_vector(b_offsets, "b_offsets", at::kLong, num_slots, y);
-  check_vector(sorted_token_ids, "sorted_token_ids", at::kInt, num_tokens, y);
-  check_vector(sorted_slots, "sorted_slots", at::kInt, num_tokens, y);
-  check_vector(segment_slots, "segment_slots", at::kInt, num_segments, y);
-  check_vector(segment_starts, "segment_starts", at::kInt, num_segments + 1, y);
+                    op, ": y, x and pool must share one dtype");
+  check_on_device(op, y, "y", y);
+  check_on_device(op, x, "x", y);
+  check_on_device(op, pool, "pool", y);
+  check_aligned(op, y, "y");
+  check_aligned(op, x, "x");
+  check_aligned(op, pool, "pool");
+  // A plain call's tables are [S], a grouped call's [G, S].
+  const std::vector<int64_t> table_sizes =
+      num_outputs == 1 && lora_ranks.dim() == 1 ? std::vector<int64_t>{num_slots}
+                                                : std::vector<int64_t>{num_outputs, num_slots};
+  check_table(op, lora_ranks, "lora_ranks", at::kInt, table_sizes, y);
+  check_table(op, a_offsets, "a_offsets", at::kLong, table_sizes, y);
+  check_table(op, b_offsets, "b_offsets", at::kLong, table_sizes, y);
+  check_table(op, sorted_token_ids, "sorted_token_ids", at::kInt, {num_tokens}, y);
+  check_table(op, sorted_slots, "sorted_slots", at::kInt, {num_tokens}, y);
   TORCH_CHECK_VALUE(num_tokens * std::max(hidden_in, hidden_out) < (int64_t{1} << 31) && num_slots < (int64_t{1} << 31),
-                    "punica_hf::lora_add: tensors too large");
+                    op, ": tensors too large");
 
-  const c10::cuda::CUDAGuard device_guard(y.device());
   const int device = y.get_device();
   PunicaLoraProblem problem{};
   problem.y = y.data_ptr();
@@ -136,17 +151,60 @@ void lora_add(at::Tensor y, const at::Tensor& x, const at::Tensor& pool, const a
   problem.hidden_out = static_cast<int>(hidden_out);
   problem.max_rank = static_cast<int>(max_rank);
   problem.num_slots = static_cast<int>(num_slots);
+  problem.num_outputs = static_cast<int>(num_outputs);
+  for (int64_t g = 0; g < num_outputs; ++g)
+    problem.output_columns[g + 1] = problem.output_columns[g] + static_cast<int>(out_features[g]);
   const DeviceInfo& info = device_info(device);
   problem.device = device;
   problem.num_sms = info.num_sms;
   problem.programmatic_launch = programmatic_launch(info) ? 1 : 0;
   problem.dtype = to_punica_dtype(y.scalar_type());
+  return problem;
+}
 
+void run(const PunicaLoraProblem& problem, const at::Tensor& y) {
   // Scratch for the fp32 partials of v: from the caching allocator, so graph capture and reuse are free.
   const at::Tensor workspace =
       at::empty({static_cast<int64_t>(punica_lora_workspace_floats(&problem))}, y.options().dtype(at::kFloat));
   const cudaError_t err = punica_lora_add(&problem, workspace.data_ptr<float>(), c10::cuda::getCurrentCUDAStream());
-  TORCH_CHECK(err == cudaSuccess, "punica_hf::lora_add: CUDA error: ", cudaGetErrorString(err));
+  TORCH_CHECK(err == cudaSuccess, "punica_hf: CUDA error: ", cudaGetErrorString(err));
+}
+
+// y [T, H_out] += per-token LoRA of x [T, H_in]; tables [S].
+// segment_starts / segment_slots belong to the op's schema (the PyTorch reference loops over them); the kernels
+// find the adapter runs from sorted_token_ids and sorted_slots directly and only check their shapes.
+void lora_add(at::Tensor y, const at::Tensor& x, const at::Tensor& pool, const at::Tensor& a_offsets,
+              const at::Tensor& b_offsets, const at::Tensor& lora_ranks, const at::Tensor& sorted_token_ids,
+              const at::Tensor& sorted_slots, const at::Tensor& segment_starts, const at::Tensor& segment_slots,
+              int64_t max_rank) {
+  TORCH_CHECK_VALUE(y.dim() == 2 && lora_ranks.dim() == 1 && segment_slots.dim() == 1,
+                    "punica_hf::lora_add: expected y 2-D and lora_ranks, segment_slots 1-D");
+  const int64_t hidden_out = y.size(1), num_segments = segment_slots.size(0);
+  const PunicaLoraProblem problem =
+      make_problem(kAdd, y, x, pool, a_offsets, b_offsets, lora_ranks, sorted_token_ids, sorted_slots, {hidden_out},
+                   max_rank);
+  check_table(kAdd, segment_slots, "segment_slots", at::kInt, {num_segments}, y);
+  check_table(kAdd, segment_starts, "segment_starts", at::kInt, {num_segments + 1}, y);
+  const c10::cuda::CUDAGuard device_guard(y.device());
+  run(problem, y);
+}
+
+// The LoRA updates of G projections that share their input x [T, H_in], side by side in a new [T, sum of
+// out_features] tensor (zero where a token has no adapter or rank 0); tables [G, S], one row per projection.
+// Per-token kernels at any T: callers group projections at decode sizes.
+at::Tensor lora_delta(const at::Tensor& x, const at::Tensor& pool, const at::Tensor& a_offsets,
+                      const at::Tensor& b_offsets, const at::Tensor& lora_ranks, const at::Tensor& sorted_token_ids,
+                      const at::Tensor& sorted_slots, at::IntArrayRef out_features, int64_t max_rank) {
+  TORCH_CHECK_VALUE(x.dim() == 2, "punica_hf::lora_delta: expected x 2-D");
+  TORCH_CHECK_VALUE(x.is_cuda(), "punica_hf::lora_delta: x must be on a CUDA device");
+  const c10::cuda::CUDAGuard device_guard(x.device());
+  int64_t columns = 0;
+  for (const int64_t width : out_features) columns += width;
+  const at::Tensor y = at::zeros({x.size(0), columns}, x.options());
+  const PunicaLoraProblem problem = make_problem(kDelta, y, x, pool, a_offsets, b_offsets, lora_ranks, sorted_token_ids,
+                                                 sorted_slots, out_features, max_rank);
+  run(problem, y);
+  return y;
 }
 
 }  // namespace
@@ -155,6 +213,12 @@ TORCH_LIBRARY(punica_hf, m) {
   m.def(
       "lora_add(Tensor(a!) y, Tensor x, Tensor pool, Tensor a_offsets, Tensor b_offsets, Tensor lora_ranks, "
       "Tensor sorted_token_ids, Tensor sorted_slots, Tensor segment_starts, Tensor segment_slots, int max_rank) -> ()");
+  m.def(
+      "lora_delta(Tensor x, Tensor pool, Tensor a_offsets, Tensor b_offsets, Tensor lora_ranks, "
+      "Tensor sorted_token_ids, Tensor sorted_slots, int[] out_features, int max_rank) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(punica_hf, CUDA, m) { m.impl("lora_add", &lora_add); }
+TORCH_LIBRARY_IMPL(punica_hf, CUDA, m) {
+  m.impl("lora_add", &lora_add);
+  m.impl("lora_delta", &lora_delta);
+}

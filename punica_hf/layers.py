@@ -10,6 +10,10 @@ every resident adapter occupies exactly its own factors, plus per-layer tables o
 slot. The per-token slot mapping does not come through the module's arguments (transformers hands a projection
 its hidden states only): the model wrapper puts each forward's ``LoraSegments`` into the ``LoraContext`` shared by
 all hooks, built once per forward and per device.
+
+Projections that share their input (q/k/v, gate/up: a ``ProjectionGroup``) compute their updates together at
+decode sizes: the first member's hook to run makes one ``ops.lora_delta`` call for the whole group (one shrink and
+one expand launch instead of two per projection), and every member adds its own columns of it.
 """
 
 from __future__ import annotations
@@ -22,6 +26,10 @@ from .ops import cuda as cuda_ops
 from .ops import LoraSegments
 from .ops.segments import build_segments
 
+# Most tokens of a forward whose grouped projections share one lora_delta call (the per-token kernels' range);
+# above it (prefill) each projection's own call runs the tiled tensor-core path.
+GROUP_MAX_TOKENS = 256
+
 
 class LoraContext:
     """The LoRA state of the forward in progress: the token grouping per device, None outside such a forward.
@@ -32,6 +40,8 @@ class LoraContext:
 
     def __init__(self) -> None:
         self.segments: LoraSegments | None = None
+        # Group key -> (the input, its [T, sum of widths] updates, the member that computed them), this forward.
+        self.group_deltas: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
         self._on_device: dict[torch.device, LoraSegments] = {}
         self._backends: dict[torch.device, str] = {}
 
@@ -49,10 +59,12 @@ class LoraContext:
 
     def begin(self, segments: LoraSegments) -> None:
         self.segments = segments
+        self.group_deltas = {}
         self._on_device = {segments.token_slots.device: segments}
 
     def end(self) -> None:
         self.segments = None
+        self.group_deltas = {}
         self._on_device = {}
 
     def segments_on(self, device: torch.device) -> LoraSegments | None:
@@ -85,6 +97,7 @@ class DeviceTables:
         self.b_offsets = torch.zeros(num_rows, num_slots, dtype=torch.int64, device=device)
         self.ranks = torch.zeros(num_rows, num_slots, dtype=torch.int32, device=device)
         self._rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self._blocks: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._make_row_views()
 
     @property
@@ -99,6 +112,15 @@ class DeviceTables:
         """``(a_offsets [S], b_offsets [S], ranks [S])`` of hook-row ``index``: views, updated in place."""
         return self._rows[index]
 
+    def rows(self, first: int, count: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(a_offsets, b_offsets, ranks)`` of rows ``first .. first + count - 1``, each ``[count, S]``: views made
+        on first use."""
+        key = (first, count)
+        if key not in self._blocks:
+            end = first + count
+            self._blocks[key] = (self.a_offsets[first:end], self.b_offsets[first:end], self.ranks[first:end])
+        return self._blocks[key]
+
     def apply(self, fn) -> None:
         """Apply an ``nn.Module._apply`` function (``.to()``, ``.cuda()``, ...) to the tensors and remake views."""
         self.pool = fn(self.pool)
@@ -107,11 +129,70 @@ class DeviceTables:
 
     def _make_row_views(self) -> None:
         self._rows = [(self.a_offsets[i], self.b_offsets[i], self.ranks[i]) for i in range(self.ranks.shape[0])]
+        self._blocks = {}
         # CUDA graphs (torch.compile's reduce-overhead, static-cache decode) must read these tensors in place,
         # not copy them into the graph's own inputs at every replay: the pool alone can be gigabytes.
         if self.pool.is_cuda:
             for tensor in (self.pool, self.a_offsets, self.b_offsets, self.ranks):
                 torch._dynamo.mark_static_address(tensor)
+
+
+class ProjectionGroup:
+    """Sibling projections that take the same input (q/k/v, gate/up), with consecutive rows in ``DeviceTables``.
+
+    ``first_row``: the first member's row; ``out_features``: each member's width, in row order (member ``m`` has
+    row ``first_row + m`` and columns ``column_starts[m]:column_starts[m + 1]`` of the group's updates).
+    ``shares_input`` turns False for good once two members are seen with different inputs in one forward
+    (cross-attention, say): from then on each member computes its own update.
+    """
+
+    def __init__(self, key: int, first_row: int, out_features: list[int]) -> None:
+        self.key = key
+        self.first_row = first_row
+        self.out_features = list(out_features)
+        self.column_starts = [0]
+        for width in out_features:
+            self.column_starts.append(self.column_starts[-1] + width)
+        self.shares_input = True
+
+    @property
+    def rows(self) -> slice:
+        return slice(self.first_row, self.first_row + len(self.out_features))
+
+
+# Leaf names of sibling projections that read the same input in the architectures transformers ships (Llama,
+# Mistral, Qwen, OPT, Gemma, ...: q/k/v and gate/up; BERT-style: query/key/value). A family is only a hint: the
+# hooks check at run time that the members do get the same tensor.
+SHARED_INPUT_FAMILIES = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("query", "key", "value"))
+
+
+def find_projection_groups(
+    linear_modules: dict[str, tuple[int, int, torch.device]], rows: dict[str, int]
+) -> dict[str, ProjectionGroup]:
+    """Module name -> its group, for siblings of one family with the same input size, device and consecutive rows.
+
+    ``linear_modules``: ``{name: (in_features, out_features, LoRA device)}`` of the hookable modules; ``rows``:
+    their table rows. Sizes the kernels cannot take (not multiples of 8) form no group.
+    """
+    groups: dict[str, ProjectionGroup] = {}
+    num_groups = 0
+    for parent in sorted({name.rpartition(".")[0] for name in linear_modules}):
+        prefix = parent + "." if parent else ""
+        for family in SHARED_INPUT_FAMILIES:
+            members = sorted((prefix + leaf for leaf in family if prefix + leaf in linear_modules), key=rows.get)
+            if len(members) < 2:
+                continue
+            sizes = [linear_modules[name] for name in members]
+            first_row = rows[members[0]]
+            if (
+                len({(i, device) for i, _, device in sizes}) == 1
+                and [rows[name] for name in members] == list(range(first_row, first_row + len(members)))
+                and all(i % 8 == 0 and o % 8 == 0 for i, o, _ in sizes)
+            ):
+                group = ProjectionGroup(num_groups, first_row, [o for _, o, _ in sizes])
+                groups.update({name: group for name in members})
+                num_groups += 1
+    return groups
 
 
 class LoraHook:
@@ -125,7 +206,7 @@ class LoraHook:
 
     def __init__(
         self, module: nn.Module, in_features: int, out_features: int, tables: DeviceTables, row: int,
-        context: LoraContext, max_rank: int,
+        context: LoraContext, max_rank: int, group: ProjectionGroup | None = None,
     ) -> None:
         self.in_features = in_features
         self.out_features = out_features
@@ -135,6 +216,10 @@ class LoraHook:
         self.max_rank = max_rank
         # Shapes the kernels cannot take go through the checked op, which names the problem.
         self.kernel_shapes_ok = in_features % 8 == 0 and out_features % 8 == 0 and max_rank <= cuda_ops.MAX_RANK
+        self.group = group
+        if group is not None:
+            self.member = row - group.first_row
+            self.columns = slice(group.column_starts[self.member], group.column_starts[self.member + 1])
         self._handle = module.register_forward_hook(self)
 
     def remove(self) -> None:
@@ -158,6 +243,11 @@ class LoraHook:
         if x_tokens.dtype != pool.dtype or x_tokens.device != pool.device:
             x_tokens = x_tokens.to(device=pool.device, dtype=pool.dtype)
         x_tokens = x_tokens.contiguous()
+        group = self.group
+        if group is not None and group.shares_input and segments.num_tokens <= GROUP_MAX_TOKENS:
+            delta = self._group_delta(x, x_tokens, segments)
+            if delta is not None:
+                return self._add(output, delta[:, self.columns])
         if torch.compiler.is_compiling():
             row = self.row
             a_offsets, b_offsets, ranks = tables.a_offsets[row], tables.b_offsets[row], tables.ranks[row]
@@ -180,3 +270,40 @@ class LoraHook:
         if in_place:
             return output
         return output + y_tokens.to(device=output.device, dtype=output.dtype).view(output.shape)
+
+    def _group_delta(self, x: torch.Tensor, x_tokens: torch.Tensor, segments: LoraSegments) -> torch.Tensor | None:
+        """The updates of this hook's whole group for input ``x`` (``[T, sum of widths]``): made by the first member
+        to run and kept in the context for the others; None once the members turn out to take different inputs."""
+        group = self.group
+        deltas = self.context.group_deltas
+        pending = deltas.get(group.key)
+        if pending is not None:
+            pending_x, delta, computed_by = pending
+            if pending_x is x:
+                return delta
+            if computed_by != self.member:  # a sibling ran on another input in this forward: not a shared input
+                group.shares_input = False
+                return None
+        tables = self.tables
+        if torch.compiler.is_compiling():
+            rows = group.rows
+            a_offsets, b_offsets, ranks = tables.a_offsets[rows], tables.b_offsets[rows], tables.ranks[rows]
+        else:
+            a_offsets, b_offsets, ranks = tables.rows(group.first_row, len(group.out_features))
+        if segments.backend == "cuda" and self.kernel_shapes_ok and tables.pool.dtype in cuda_ops.DTYPES:
+            delta = cuda_ops.lora_delta_unchecked(
+                x_tokens, tables.pool, a_offsets, b_offsets, ranks, segments, self.max_rank, group.out_features
+            )
+        else:
+            delta = ops.lora_delta(
+                x_tokens, tables.pool, a_offsets, b_offsets, ranks, segments, self.max_rank, group.out_features
+            )
+        deltas[group.key] = (x, delta, self.member)
+        return delta
+
+    def _add(self, output: torch.Tensor, delta_tokens: torch.Tensor) -> torch.Tensor:
+        """``output`` plus this module's ``[T, out]`` update (a column slice of its group's updates)."""
+        if delta_tokens.dtype == output.dtype and delta_tokens.device == output.device and output.is_contiguous():
+            output.view(-1, self.out_features).add_(delta_tokens)  # a compiled graph fuses it into the next kernel
+            return output
+        return output + delta_tokens.to(device=output.device, dtype=output.dtype).view(output.shape)

@@ -13,7 +13,7 @@ from transformers.pytorch_utils import Conv1D
 
 from punica_hf import MultiLoraModel
 from punica_hf.formats import ModuleLora
-from punica_hf.layers import LoraContext, LoraHook
+from punica_hf.layers import LoraContext, LoraHook, find_projection_groups
 from punica_hf.ops import build_segments
 from punica_hf.ops import cuda as cuda_ops
 from punica_hf.store.pool import ALIGN, ChunkLayout, DevicePool, ExtentAllocator
@@ -25,9 +25,9 @@ def _hooked(kind: str, ranks=((0, 6), (2, 2))):
     """A Linear or Conv1D with a hook, slots filled with random factors ``{slot: rank}``; pool poisoned."""
     torch.manual_seed(0)
     module = nn.Linear(IN, OUT) if kind == "linear" else Conv1D(OUT, IN)
-    pool = DevicePool(torch.device("cpu"), torch.float32, capacity=4096, num_rows=2, num_slots=SLOTS)
+    pool = DevicePool(torch.device("cpu"), torch.float32, capacity=4096, rows={"m": 0, "other": 1}, num_slots=SLOTS)
     pool.tables.pool.fill_(float("nan"))  # anything read outside a placed chunk shows up as NaN
-    row = pool.row_for("m")
+    row = pool.rows["m"]
     context = LoraContext()
     hook = LoraHook(module, IN, OUT, pool.tables, row, context, MAX_RANK)
     factors = {}
@@ -63,7 +63,7 @@ def test_each_token_gets_its_own_adapter(kind, shape):
 
 def test_a_reused_slot_holds_nothing_of_its_previous_owner():
     module, _, context, factors, pool = _hooked("linear")
-    other = pool.row_for("other")  # a second module row: the new owner of slot 0 does not target row "m"
+    other = pool.rows["other"]  # a second module row: the new owner of slot 0 does not target row "m"
     layout = ChunkLayout.plan({"other": factors[2]}, {"other": other})
     start = pool.allocator.allocate(layout.size)
     chunk = torch.empty(layout.size)
@@ -90,6 +90,99 @@ def test_token_count_mismatch_is_a_clear_error():
     context.begin(build_segments(torch.tensor([0, 2]), SLOTS))
     with pytest.raises(ValueError, match="3 tokens but the batch's adapter mapping has 2"):
         module(torch.randn(3, IN))
+
+
+class _Attention(nn.Module):
+    """q/k/v projections of one input, called the way a test asks (shared input, cross-attention, twice)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj = nn.Linear(IN, OUT), nn.Linear(IN, 8), nn.Linear(IN, 16)
+
+    def forward(self, x: torch.Tensor, memory: torch.Tensor | None = None) -> list[torch.Tensor]:
+        source = x if memory is None else memory
+        return [self.q_proj(x), self.k_proj(source), self.v_proj(source)]
+
+
+def _hooked_group(targets=("q_proj", "k_proj", "v_proj")):
+    """An ``_Attention`` whose q/k/v form one group; ``targets`` get hooks and random factors in slots 0 and 2."""
+    torch.manual_seed(0)
+    block = _Attention()
+    names = ["q_proj", "k_proj", "v_proj"]
+    pool = DevicePool(torch.device("cpu"), torch.float32, capacity=8192, rows={n: i for i, n in enumerate(names)},
+                      num_slots=SLOTS)
+    pool.tables.pool.fill_(float("nan"))
+    linear = {n: (IN, getattr(block, n).out_features, torch.device("cpu")) for n in names}
+    groups = find_projection_groups(linear, pool.rows)
+    assert len({id(g) for g in groups.values()}) == 1 and groups["q_proj"].out_features == [OUT, 8, 16]
+    context = LoraContext()
+    factors = {slot: {} for slot in (0, 2)}
+    for name in targets:
+        module = getattr(block, name)
+        LoraHook(module, IN, module.out_features, pool.tables, pool.rows[name], context, MAX_RANK, groups[name])
+        for slot in factors:
+            factors[slot][name] = ModuleLora(torch.randn(2 + slot, IN), torch.randn(module.out_features, 2 + slot))
+    for slot, by_module in factors.items():
+        layout = ChunkLayout.plan(by_module, pool.rows)
+        start = pool.allocator.allocate(layout.size)
+        chunk = torch.empty(layout.size)
+        layout.fill(chunk, by_module)
+        pool.place(slot, layout, start, chunk)
+    return block, context, factors, groups["q_proj"]
+
+
+def _expected(block, factors, name, x, token_slots):
+    module = getattr(block, name)
+    rows = nn.functional.linear(x, module.weight, module.bias).clone()
+    for t, slot in enumerate(token_slots.tolist()):
+        if slot in factors and name in factors[slot]:
+            rows[t] += factors[slot][name].lora_b @ (factors[slot][name].lora_a @ x[t])
+    return rows
+
+
+@pytest.mark.parametrize("targets", [("q_proj", "k_proj", "v_proj"), ("q_proj", "v_proj")], ids=["all", "q_v"])
+def test_grouped_projections_each_get_their_own_update(targets):
+    """One grouped call serves every member (a member without a hook leaves its columns unused)."""
+    block, context, factors, group = _hooked_group(targets)
+    x = torch.randn(4, IN)
+    token_slots = torch.tensor([2, -1, 0, 2])
+    context.begin(build_segments(token_slots, SLOTS))
+    outputs = dict(zip(["q_proj", "k_proj", "v_proj"], block(x)))
+    assert len(context.group_deltas) == 1  # computed once, by the first member
+    context.end()
+    assert group.shares_input and not context.group_deltas
+    for name, output in outputs.items():
+        torch.testing.assert_close(output, _expected(block, factors, name, x, token_slots), atol=1e-5, rtol=1e-5)
+
+
+def test_members_with_different_inputs_compute_their_own():
+    """Cross-attention: q reads x, k and v read memory. Each gets the update of its own input, and the group stops
+    sharing for good."""
+    block, context, factors, group = _hooked_group()
+    x, memory = torch.randn(3, IN), torch.randn(3, IN)
+    token_slots = torch.tensor([0, 2, -1])
+    for _ in range(2):
+        context.begin(build_segments(token_slots, SLOTS))
+        q, k, v = block(x, memory)
+        context.end()
+        torch.testing.assert_close(q, _expected(block, factors, "q_proj", x, token_slots), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(k, _expected(block, factors, "k_proj", memory, token_slots), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(v, _expected(block, factors, "v_proj", memory, token_slots), atol=1e-5, rtol=1e-5)
+        assert not group.shares_input
+
+
+def test_a_block_called_twice_in_one_forward_uses_each_input():
+    """The same members on a new input later in the forward (a shared block): the group is computed again."""
+    block, context, factors, group = _hooked_group()
+    first, second = torch.randn(2, IN), torch.randn(2, IN)
+    token_slots = torch.tensor([2, 0])
+    context.begin(build_segments(token_slots, SLOTS))
+    outputs = [block(first), block(second)]
+    context.end()
+    for x, results in zip((first, second), outputs):
+        for name, output in zip(["q_proj", "k_proj", "v_proj"], results):
+            torch.testing.assert_close(output, _expected(block, factors, name, x, token_slots), atol=1e-5, rtol=1e-5)
+    assert group.shares_input
 
 
 def test_chunk_bytes_are_proportional_to_rank():
@@ -127,14 +220,34 @@ def _opaque_lora_add(
     torch_ops.lora_add(y, x, pool, a_offsets, b_offsets, lora_ranks, segments, max_rank)
 
 
+@torch.library.custom_op("punica_hf_test::lora_delta", mutates_args=())
+def _opaque_lora_delta(
+    x: torch.Tensor, pool: torch.Tensor, a_offsets: torch.Tensor, b_offsets: torch.Tensor, lora_ranks: torch.Tensor,
+    token_slots: torch.Tensor, num_slots: int, max_rank: int, out_features: list[int],
+) -> torch.Tensor:
+    """The reference grouped op behind one opaque call, as the CUDA ``lora_delta`` is to torch.compile."""
+    from punica_hf.ops import torch_ops
+
+    segments = build_segments(token_slots, num_slots)
+    return torch_ops.lora_delta(x, pool, a_offsets, b_offsets, lora_ranks, segments, max_rank, out_features)
+
+
+@_opaque_lora_delta.register_fake
+def _(x, pool, a_offsets, b_offsets, lora_ranks, token_slots, num_slots, max_rank, out_features):
+    return x.new_empty(x.shape[0], sum(out_features))
+
+
 def test_compiled_forward_takes_the_tables_once_not_per_hook(base, tmp_path, monkeypatch):
-    """Each graph input costs host time at every compiled call: the hooks must add a fixed few, not three each."""
+    """Each graph input costs host time at every compiled call: the hooks must add a fixed few, not three each.
+    Projections that share their input make one grouped call: q/k/v and gate/up one each, o and down their own."""
+    graphs = []
 
     def count_inputs(model, **kwargs) -> int:
         counted = []
 
         def backend(graph_module, example_inputs):
             counted.append(len(example_inputs))
+            graphs.append(graph_module)
             return graph_module.forward
 
         compiled = torch.compile(model, backend=backend, fullgraph=True, dynamic=False)
@@ -157,8 +270,17 @@ def test_compiled_forward_takes_the_tables_once_not_per_hook(base, tmp_path, mon
     def opaque_kernels(y, x, pool, a_offsets, b_offsets, ranks, segments, max_rank):
         _opaque_lora_add(y, x, pool, a_offsets, b_offsets, ranks, segments.token_slots, segments.num_slots, max_rank)
 
+    def opaque_grouped_kernels(x, pool, a_offsets, b_offsets, ranks, segments, max_rank, out_features):
+        return _opaque_lora_delta(x, pool, a_offsets, b_offsets, ranks, segments.token_slots, segments.num_slots,
+                                  max_rank, out_features)
+
     monkeypatch.setattr(cuda_ops, "lora_add_unchecked", opaque_kernels)
+    monkeypatch.setattr(cuda_ops, "lora_delta_unchecked", opaque_grouped_kernels)
     slots = torch.tensor(wrapped.acquire(["a", None]).slots, dtype=torch.int32)
     lora_inputs = count_inputs(wrapped.model, adapter_ids=slots)
     # adapter_ids, the pool, two offset tables and the ranks: independent of the number of hooks
     assert lora_inputs - base_inputs <= 5, (base_inputs, lora_inputs, num_hooks)
+    calls = [str(node.target) for node in graphs[-1].graph.nodes if node.op == "call_function"]
+    layers = base.config.num_hidden_layers
+    assert calls.count("punica_hf_test.lora_delta.default") == 2 * layers, calls
+    assert calls.count("punica_hf_test.lora_add.default") == 2 * layers, calls

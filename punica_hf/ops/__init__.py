@@ -8,6 +8,7 @@ the kernels cannot be built or the tensors are not on a GPU.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 import warnings
 from functools import lru_cache
 
@@ -17,7 +18,7 @@ from . import cuda, torch_ops  # importing cuda builds nothing: the kernels buil
 from .segments import LoraSegments
 from .segments import build_segments as _build_segments
 
-__all__ = ["LoraSegments", "build_segments", "lora_add", "backend_for"]
+__all__ = ["LoraSegments", "build_segments", "lora_add", "lora_delta", "backend_for"]
 
 _BACKENDS = ("auto", "torch", "cuda")
 
@@ -87,3 +88,25 @@ def lora_add(
         cuda.lora_add(y, x, pool, a_offsets, b_offsets, lora_ranks, segments, max_rank)
     else:
         torch_ops.lora_add(y, x, pool, a_offsets, b_offsets, lora_ranks, segments, max_rank)
+
+
+def lora_delta(
+    x: torch.Tensor,
+    pool: torch.Tensor,
+    a_offsets: torch.Tensor,
+    b_offsets: torch.Tensor,
+    lora_ranks: torch.Tensor,
+    segments: LoraSegments,
+    max_rank: int,
+    out_features: Sequence[int],
+) -> torch.Tensor:
+    """The LoRA updates of ``G`` projections that share their input, computed together: ``[T, sum(out_features)]``.
+
+    Projection ``g`` (``out_features[g]`` wide, tables ``a_offsets[g]``, ``b_offsets[g]``, ``lora_ranks[g]`` of
+    the ``[G, S]`` tables) fills its own columns, in order: ``delta[t, cols_g] = Bt_s^T @ (A_s @ x[t])``, zero for
+    tokens without an adapter. One shrink and one expand launch for the whole group on the CUDA backend (at most
+    ``cuda.MAX_OUTPUTS`` projections), instead of two per projection.
+    """
+    if segments.backend == "cuda":
+        return cuda.lora_delta(x, pool, a_offsets, b_offsets, lora_ranks, segments, max_rank, out_features)
+    return torch_ops.lora_delta(x, pool, a_offsets, b_offsets, lora_ranks, segments, max_rank, out_features)

@@ -1,7 +1,8 @@
 """The CUDA kernels of ``csrc/``: JIT build/load, and the ``lora_add`` entries the dispatcher and the hooks call.
 
-The extension registers the op ``torch.ops.punica_hf.lora_add`` (mutates ``y``, returns nothing); this module
-adds its fake implementation, so ``torch.compile(fullgraph=True)`` traces through it, and the op makes no
+The extension registers the ops ``torch.ops.punica_hf.lora_add`` (mutates ``y``, returns nothing) and
+``lora_delta`` (a group of projections sharing their input, returns their updates); this module adds their fake
+implementations, so ``torch.compile(fullgraph=True)`` traces through it, and the op makes no
 host-device sync, so it can be captured in a CUDA graph. The build is cached in a directory keyed by the
 sources, the torch and CUDA versions and the target architectures: it recompiles only when one of them changes.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -22,8 +24,10 @@ _SOURCE_DIRS = (_PACKAGE_DIR.parent / "csrc", _PACKAGE_DIR / "csrc")  # repo che
 _COMPILED_SUFFIXES = (".cu", ".cpp")
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # dtypes the kernels take (x, y and pool alike)
 MAX_RANK = 1024  # largest max_rank the kernels take
+MAX_OUTPUTS = 4  # most projections one lora_delta call computes (PUNICA_MAX_OUTPUTS)
 
 _op = None  # torch.ops.punica_hf.lora_add.default once the extension is loaded
+_delta_op = None  # torch.ops.punica_hf.lora_delta.default
 
 
 def source_dir() -> Path:
@@ -76,7 +80,7 @@ def build_directory(name: str) -> Path:
 
 def load_extension(verbose: bool = False) -> None:
     """Build (first time, or after a source change) and load the kernels; raises on any failure."""
-    global _op
+    global _op, _delta_op
     if _op is not None:
         return
     if torch.version.cuda is None:
@@ -103,7 +107,8 @@ def load_extension(verbose: bool = False) -> None:
             verbose=verbose,
         )
     _register_fake()
-    _op = torch.ops.punica_hf.lora_add.default  # the overload itself: no overload resolution per call
+    _delta_op = torch.ops.punica_hf.lora_delta.default
+    _op = torch.ops.punica_hf.lora_add.default  # the overload itself: no overload resolution per call; set last
 
 
 def _register_fake() -> None:
@@ -111,6 +116,11 @@ def _register_fake() -> None:
     def _lora_add_fake(y, x, pool, a_offsets, b_offsets, lora_ranks, sorted_token_ids, sorted_slots, segment_starts,
                        segment_slots, max_rank) -> None:
         return None
+
+    @torch.library.register_fake("punica_hf::lora_delta")
+    def _lora_delta_fake(x, pool, a_offsets, b_offsets, lora_ranks, sorted_token_ids, sorted_slots, out_features,
+                         max_rank):
+        return x.new_empty(x.shape[0], sum(out_features))
 
 
 def _check(y: torch.Tensor, x: torch.Tensor, pool: torch.Tensor, a_offsets: torch.Tensor, b_offsets: torch.Tensor,
@@ -182,3 +192,53 @@ def lora_add_unchecked(
         load_extension()
     _op(y, x, pool, a_offsets, b_offsets, lora_ranks, segments.sorted_token_ids, segments.sorted_slots,
         segments.segment_starts, segments.segment_slots, max_rank)
+
+
+def lora_delta(
+    x: torch.Tensor,
+    pool: torch.Tensor,
+    a_offsets: torch.Tensor,
+    b_offsets: torch.Tensor,
+    lora_ranks: torch.Tensor,
+    segments: LoraSegments,
+    max_rank: int,
+    out_features: Sequence[int],
+) -> torch.Tensor:
+    """``ops.lora_delta`` on the kernels: one shrink and one expand launch for ``G <= MAX_OUTPUTS`` projections.
+
+    Tables ``[G, S]`` (``G = len(out_features)``), each width a multiple of 8. The per-token kernels run at every
+    ``T`` (the grouping pays at decode sizes); no host sync, capturable and traceable like ``lora_add``. Bad
+    arguments raise ValueError.
+    """
+    out_features = [int(width) for width in out_features]
+    if not 1 <= len(out_features) <= MAX_OUTPUTS:
+        raise ValueError(f"lora_delta: from 1 to {MAX_OUTPUTS} projections per call, got {len(out_features)}")
+    if any(width <= 0 or width % 8 for width in out_features):
+        raise ValueError(f"lora_delta: every width must be a positive multiple of 8, got {out_features}")
+    tables_shape = (len(out_features), segments.num_slots)
+    for name, table in (("a_offsets", a_offsets), ("b_offsets", b_offsets), ("lora_ranks", lora_ranks)):
+        if table.shape != tables_shape:
+            raise ValueError(f"lora_delta: {name} must have shape {list(tables_shape)}, got {tuple(table.shape)}")
+    y = x.new_empty(x.shape[0], sum(out_features))  # only for the shared checks: the op makes its own output
+    _check(y, x, pool, a_offsets[0], b_offsets[0], lora_ranks[0], segments, max_rank)
+    if not all(t.is_contiguous() for t in (a_offsets, b_offsets, lora_ranks)):
+        raise ValueError("lora_delta: the offset / rank tables must be contiguous")
+    return lora_delta_unchecked(x, pool, a_offsets, b_offsets, lora_ranks, segments, max_rank, out_features)
+
+
+def lora_delta_unchecked(
+    x: torch.Tensor,
+    pool: torch.Tensor,
+    a_offsets: torch.Tensor,
+    b_offsets: torch.Tensor,
+    lora_ranks: torch.Tensor,
+    segments: LoraSegments,
+    max_rank: int,
+    out_features: list[int],
+) -> torch.Tensor:
+    """``lora_delta`` without its Python checks (``out_features`` a list of ints), for callers that made them once;
+    the binding still checks shapes, dtypes, devices and alignment before any launch."""
+    if _delta_op is None:
+        load_extension()
+    return _delta_op(x, pool, a_offsets, b_offsets, lora_ranks, segments.sorted_token_ids, segments.sorted_slots,
+                     out_features, max_rank)

@@ -94,3 +94,28 @@ def lora_add(
         token_ids = segments.sorted_token_ids[starts[g] : starts[g + 1]].long()
         delta = (x[token_ids].to(acc) @ lora_a.to(acc).T) @ lora_bt.to(acc)
         y[token_ids] = (y[token_ids].to(acc) + delta).to(y.dtype)
+
+
+def lora_delta(
+    x: torch.Tensor,
+    pool: torch.Tensor,
+    a_offsets: torch.Tensor,
+    b_offsets: torch.Tensor,
+    lora_ranks: torch.Tensor,
+    segments: LoraSegments,
+    max_rank: int,
+    out_features: Sequence[int],
+) -> torch.Tensor:
+    """The LoRA updates of ``G = len(out_features)`` projections sharing ``x`` ``[T, H_in]``, side by side.
+
+    Tables ``[G, S]``: row ``g`` belongs to projection ``g``, whose update fills columns
+    ``[sum(out_features[:g]), + out_features[g])`` of the returned ``[T, sum(out_features)]`` tensor (``x``'s
+    dtype; zero for tokens without an adapter or of rank 0 there).
+    """
+    delta = x.new_zeros(x.shape[0], sum(out_features))
+    first = 0
+    for g, width in enumerate(out_features):
+        lora_add(delta[:, first : first + width], x, pool, a_offsets[g], b_offsets[g], lora_ranks[g], segments,
+                 max_rank)
+        first += width
+    return delta

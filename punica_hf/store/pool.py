@@ -115,15 +115,16 @@ class ChunkLayout:
 class DevicePool:
     """One device's pool of adapter chunks, its slot tables and the stream its copies run on.
 
-    ``capacity`` is in elements of ``dtype``; ``num_rows`` = modules that may be hooked on this device; slots =
-    the most adapters resident at once.
+    ``capacity`` is in elements of ``dtype``; ``rows``: the table row of every module that may be hooked (fixed,
+    in model order, so projections that share an input have consecutive rows); slots = the most adapters resident
+    at once.
     """
 
-    def __init__(self, device: torch.device, dtype: torch.dtype, capacity: int, num_rows: int, num_slots: int):
+    def __init__(self, device: torch.device, dtype: torch.dtype, capacity: int, rows: dict[str, int], num_slots: int):
         pool = torch.empty(capacity, dtype=dtype, device=device)
-        self.tables = DeviceTables(pool, num_rows, num_slots)
+        self.tables = DeviceTables(pool, len(rows), num_slots)
         self.allocator = ExtentAllocator(capacity)
-        self.rows: dict[str, int] = {}  # module name -> its row in the tables
+        self.rows = rows  # module name -> its row in the tables
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     @property
@@ -151,14 +152,6 @@ class DevicePool:
         self.tables.apply(fn)
         if self.device != before:
             self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-
-    def row_for(self, module_name: str) -> int:
-        """The table row of ``module_name``, given out on its first use."""
-        if module_name not in self.rows:
-            if len(self.rows) == self.tables.ranks.shape[0]:
-                raise RuntimeError("punica_hf: more hooked modules than table rows (a bug)")
-            self.rows[module_name] = len(self.rows)
-        return self.rows[module_name]
 
     def place(self, slot: int, layout: ChunkLayout, chunk_start: int, host_chunk: torch.Tensor) -> torch.cuda.Event | None:
         """Copy ``host_chunk`` into the pool at ``chunk_start`` and point ``slot``'s table column at it.

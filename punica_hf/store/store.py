@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import numbers
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
@@ -28,7 +29,7 @@ from torch import nn
 
 from ..base_layers import check_servable, linear_features, lora_device, lora_dtype
 from ..formats import AdapterWeights, ModuleLora, load_adapter_weights
-from ..layers import LoraContext, LoraHook
+from ..layers import LoraContext, LoraHook, ProjectionGroup, find_projection_groups
 from .host import HostCopy, HostTier
 from .pool import ChunkLayout, DevicePool
 
@@ -75,7 +76,6 @@ class _Undo:
     """What one registration call made and must take away again if it fails."""
 
     hooks: list[str] = field(default_factory=list)
-    rows: list[tuple[DevicePool, str]] = field(default_factory=list)
     pools: list[torch.device] = field(default_factory=list)
 
 
@@ -117,6 +117,7 @@ class AdapterStore:
         self.host = HostTier(HOST_POOL_BYTES if host_pool_bytes is None else host_pool_bytes)
         self.pools: dict[torch.device, DevicePool] = {}
         self.hooks: dict[str, LoraHook] = {}
+        self._groups: dict[str, ProjectionGroup] | None = None  # module name -> its projection group
         self._by_name: dict[str, Adapter] = {}
         self._by_index: dict[int, Adapter] = {}  # registered, plus unloaded ones still held
         self._resident: OrderedDict[int, Adapter] = OrderedDict()  # least recently used first
@@ -199,9 +200,6 @@ class AdapterStore:
             for module_name in sorted(weights.modules):
                 module = modules[module_name]
                 pool = self._pool_for(module, undo.pools)
-                if module_name not in pool.rows:
-                    undo.rows.append((pool, module_name))
-                pool.row_for(module_name)
                 factors_by_device.setdefault(pool.device, {})[module_name] = weights.modules[module_name]
                 if module_name not in self.hooks:
                     undo.hooks.append(module_name)
@@ -215,15 +213,12 @@ class AdapterStore:
         return planned
 
     def _undo(self, undo: "_Undo") -> None:
-        """Remove the hooks, rows and pools a failed call made, unless an adapter registered since uses them."""
+        """Remove the hooks and pools a failed call made, unless an adapter registered since uses them."""
         used_modules = {m for a in self._by_index.values() for layout in a.layouts.values() for m in layout.modules}
         used_devices = {d for a in self._by_index.values() for d in a.layouts}
         for module_name in undo.hooks:
             if module_name not in used_modules:
                 self.hooks.pop(module_name).remove()
-        for pool, module_name in undo.rows:
-            if module_name not in used_modules:
-                del pool.rows[module_name]
         for device in undo.pools:
             if device not in used_devices:
                 del self.pools[device]
@@ -570,16 +565,28 @@ class AdapterStore:
             if pool_bytes is None:  # room for max_adapters adapters of max_rank on every linear layer, capped
                 most = self.max_adapters * self.max_rank * sum(i + o for i, o in features) * element_size
                 pool_bytes = min(most, _default_pool_cap(device))
-            num_rows = len(features)
-            self.pools[device] = DevicePool(device, dtype, pool_bytes // element_size, num_rows, self.max_adapters)
+            rows = {name: row for row, name in enumerate(self._linear_modules())}
+            self.pools[device] = DevicePool(device, dtype, pool_bytes // element_size, rows, self.max_adapters)
             new_pools.append(device)
         return self.pools[device]
+
+    def _linear_modules(self) -> dict[str, tuple[int, int]]:
+        """``{name: (in_features, out_features)}`` of every linear module of the model, in model order."""
+        features = ((name, linear_features(module)) for name, module in self.model.named_modules())
+        return {name: f for name, f in features if f is not None}
 
     def _hook(self, module_name: str, module: nn.Module) -> LoraHook:
         in_features, out_features = linear_features(module)
         pool = self.pools[lora_device(module)]
+        if self._groups is None:  # once, when the first hook is made: every module's group, hooked or not
+            modules = self._base_modules()
+            devices = {name: lora_device(modules[name]) for name in pool.rows if _servable(modules[name], name)}
+            linear = {name: (*f, devices[name]) for name, f in self._linear_modules().items() if name in devices}
+            grouping = os.environ.get("PUNICA_HF_GROUP_PROJECTIONS", "1").strip() != "0"  # 0: for comparisons
+            self._groups = find_projection_groups(linear, pool.rows) if grouping else {}
         return LoraHook(
-            module, in_features, out_features, pool.tables, pool.rows[module_name], self.context, self.max_rank
+            module, in_features, out_features, pool.tables, pool.rows[module_name], self.context, self.max_rank,
+            self._groups.get(module_name),
         )
 
     def _free_index(self) -> int:
@@ -628,6 +635,14 @@ class AdapterStore:
                 host_bytes_used=self.host.used,
                 host_bytes_budget=self.host.budget,
             )
+
+
+def _servable(module: nn.Module, name: str) -> bool:
+    try:
+        check_servable(module, name)
+    except ValueError:
+        return False
+    return True
 
 
 def _default_pool_cap(device: torch.device) -> int:

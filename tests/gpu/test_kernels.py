@@ -69,19 +69,21 @@ class Tables:
     ranks: torch.Tensor
 
 
-def _pool(rank_sets: list[torch.Tensor], hidden_in: int, hidden_out: int, dtype, gen: torch.Generator):
+def _pool(rank_sets: list[torch.Tensor], hidden_in: int, hidden_out: int | list[int], dtype, gen: torch.Generator):
     """Random factors for every (set, slot) of rank > 0, packed in random order with random gaps into one NaN pool.
 
-    A is scaled by hidden_in^-0.5 and Bt by rank^-0.5 so the update is about as large as y. Rank-0 slots point
-    at a NaN block. Returns the pool (on the GPU) and one Tables per rank set.
+    ``hidden_out``: one width for every set, or one per set (the projections of a group). A is scaled by
+    hidden_in^-0.5 and Bt by rank^-0.5 so the update is about as large as y. Rank-0 slots point at a NaN block.
+    Returns the pool (on the GPU) and one Tables per rank set.
     """
     device_gen = torch.Generator(device="cuda").manual_seed(int(torch.randint(2**31, (1,), generator=gen)))
+    widths = hidden_out if isinstance(hidden_out, list) else [hidden_out] * len(rank_sets)
     factors, owners = [], []  # owners[i] = (set, slot, "a" | "b")
     for set_index, ranks in enumerate(rank_sets):
         for slot, rank in enumerate(ranks.tolist()):
             if rank > 0:
                 factors.append(torch.randn(rank, hidden_in, generator=device_gen, device="cuda") * hidden_in**-0.5)
-                factors.append(torch.randn(rank, hidden_out, generator=device_gen, device="cuda") * rank**-0.5)
+                factors.append(torch.randn(rank, widths[set_index], generator=device_gen, device="cuda") * rank**-0.5)
                 owners += [(set_index, slot, "a"), (set_index, slot, "b")]
     order = torch.randperm(len(factors), generator=gen).tolist()
     gaps = torch.randint(0, 3 * torch_ops.POOL_ALIGNMENT, (len(factors) + 1,), generator=gen).tolist()
@@ -317,6 +319,115 @@ def test_torch_compile_fullgraph_no_recompile(num_tokens, monkeypatch):
                             f"{mapping}, tables {call % 2}, seed {seed}")
 
 
+GROUP_CASES = [
+    # tokens, hidden_in, widths, max_rank, slots, mapping, ranks
+    (32, 4096, [4096, 1024, 1024], 16, 32, "distinct", "mixed_rank0"),  # Llama-3-8B q/k/v at decode
+    (1, 4096, [14336, 14336], 16, 4, "distinct", "full"),  # gate/up
+    (17, 1024, [2048, 8, 512], 8, 3, "one", "full"),  # an output narrower than one column chunk
+    (64, 2048, [1024, 2048], 64, 8, "random", "mixed"),
+    (100, 5120, [5120, 1024, 1024], 13, 7, "requests", "mixed_rank0"),
+    (300, 512, [256, 264, 256, 128], 160, 8, "random", "mixed"),  # 4 outputs, 3 Bt tiles, above 256 tokens
+    (5, 8, [16, 8], 2, 2, "random", "full"),
+]
+
+
+def _group_problem(num_tokens, hidden_in, widths, max_rank, num_slots, mapping, ranks, dtype, seed):
+    """x, the pool, [G, S] tables (one row per output) and slots for one grouped call."""
+    gen = torch.Generator().manual_seed(seed)
+    rank_sets = [_random_ranks(ranks, num_slots, max_rank, gen) for _ in widths]
+    pool, tables = _pool(rank_sets, hidden_in, widths, dtype, gen)
+    x = torch.randn(num_tokens, hidden_in, generator=gen).to(dtype).cuda()
+    slots = _slots(mapping, num_tokens, num_slots, gen).to(torch.int32).cuda()
+    stacked = Tables(*(torch.stack([getattr(t, field.name) for t in tables]) for field in dataclasses.fields(Tables)))
+    return x, pool, tables, stacked, slots
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("case", GROUP_CASES, ids=lambda c: "-".join(map(str, c)).replace(", ", "_"))
+def test_lora_delta_matches_float64_reference(case, dtype):
+    """Each output's columns hold its own projection's update, zeros where a token has none; the memory the output
+    is made in was all NaN just before (the caching allocator hands the freed block back)."""
+    seed = secrets.randbits(31)
+    widths, max_rank = case[2], case[3]
+    x, pool, tables, stacked, slots = _group_problem(*case, dtype, seed)
+    segments = build_segments(slots, stacked.ranks.shape[1], "cuda")
+    poison = torch.full((x.shape[0], sum(widths)), float("nan"), dtype=dtype, device="cuda")
+    del poison
+    delta = cuda_ops.lora_delta(x, pool, stacked.a_offsets, stacked.b_offsets, stacked.ranks, segments, max_rank,
+                                widths)
+    assert delta.shape == (x.shape[0], sum(widths)) and delta.dtype == dtype
+    first = 0
+    for g, width in enumerate(widths):
+        zeros = torch.zeros(x.shape[0], width, dtype=dtype, device="cuda")
+        expected = _reference(zeros, x, pool, tables[g], slots, max_rank)
+        _assert_matches(delta[:, first : first + width], zeros, expected, slots, tables[g].ranks, dtype,
+                        f"output {g}, seed {seed}")
+        first += width
+
+
+@pytest.mark.parametrize("case", GROUP_CASES[:5], ids=lambda c: "-".join(map(str, c)).replace(", ", "_"))
+def test_grouped_call_gives_the_bits_of_separate_calls(case):
+    """Per-token path: output g of one grouped call is bit for bit ``lora_add`` into zeros with table row g."""
+    x, pool, tables, stacked, slots = _group_problem(*case, torch.bfloat16, secrets.randbits(31))
+    widths, max_rank = case[2], case[3]
+    segments = build_segments(slots, stacked.ranks.shape[1], "cuda")
+    delta = cuda_ops.lora_delta_unchecked(x, pool, stacked.a_offsets, stacked.b_offsets, stacked.ranks, segments,
+                                          max_rank, widths)
+    separate = []
+    for g, width in enumerate(widths):
+        y = torch.zeros(x.shape[0], width, dtype=torch.bfloat16, device="cuda")
+        cuda_ops.lora_add(y, x, pool, tables[g].a_offsets, tables[g].b_offsets, tables[g].ranks, segments, max_rank)
+        separate.append(y)
+    assert torch.equal(delta, torch.cat(separate, dim=1))
+
+
+def test_lora_delta_in_a_cuda_graph_and_compiled_follows_new_tables(monkeypatch):
+    """Captured once and compiled once: new slots and new table values in the same tensors are followed."""
+    monkeypatch.setenv("PUNICA_HF_BACKEND", "cuda")
+    seed = secrets.randbits(31)
+    widths, max_rank, num_slots, num_tokens = [2048, 512, 512], 16, 8, 48
+    x, pool, tables, stacked, slots = _group_problem(num_tokens, 1024, widths, max_rank, num_slots, "random",
+                                                     "mixed_rank0", torch.bfloat16, seed)
+    gen = torch.Generator().manual_seed(seed)
+    other_ranks = torch.stack([_random_ranks("mixed_rank0", num_slots, max_rank, gen) for _ in widths]).cuda()
+    live_ranks = stacked.ranks.clone()
+    slot_buffer = slots.clone()
+
+    def step():
+        segments = ops.build_segments(slot_buffer, num_slots)
+        return ops.lora_delta(x, pool, stacked.a_offsets, stacked.b_offsets, live_ranks, segments, max_rank, widths)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside the capture (allocator, sort workspace)
+        step()
+        compiled()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for replay, mapping in enumerate(("random", "one", "distinct", "none")):
+            ranks = other_ranks.to(torch.int32) if replay % 2 else stacked.ranks
+            # a lower rank reads a prefix of the same factors: still a valid adapter of that rank
+            live_ranks.copy_(torch.minimum(ranks, stacked.ranks))
+            slot_buffer.copy_(_slots(mapping, num_tokens, num_slots, gen).repeat(num_tokens)[:num_tokens].to(torch.int32))
+            graph.replay()
+            results = {"graph": captured, "compiled": compiled()}
+            torch.cuda.synchronize()
+            first = 0
+            for g, width in enumerate(widths):
+                zeros = torch.zeros(num_tokens, width, dtype=torch.bfloat16, device="cuda")
+                row = Tables(stacked.a_offsets[g], stacked.b_offsets[g], live_ranks[g].clone())
+                expected = _reference(zeros, x, pool, row, slot_buffer, max_rank)
+                for name, delta in results.items():
+                    _assert_matches(delta[:, first : first + width], zeros, expected, slot_buffer, row.ranks,
+                                    torch.bfloat16, f"{name}, {mapping}, output {g}, seed {seed}")
+                first += width
+
+
 def test_unsupported_inputs_raise_value_error():
     y, x, pool, (tables,), slots = _problem(4, 64, 64, 8, 2, "random", "full", torch.bfloat16, 0)
     segments = build_segments(slots, 2, "cuda")
@@ -357,11 +468,18 @@ tables = {"a_offsets": torch.zeros(2, dtype=torch.int64, device="cuda"),
           "b_offsets": torch.full((2,), 4096, dtype=torch.int64, device="cuda"),
           "lora_ranks": torch.full((2,), 8, dtype=torch.int32, device="cuda")}
 segments = build_segments(torch.tensor([0, 1, 0, -1], dtype=torch.int32, device="cuda"), 2, "cuda")
-name, change = sys.argv[1], sys.argv[2]
+name, change, entry = sys.argv[1], sys.argv[2], sys.argv[3]
+if entry == "delta":  # two outputs of 32 columns: [2, S] tables
+    tables = {key: torch.stack([table, table]) for key, table in tables.items()}
 tables[name] = {"dtype": lambda t: t.to(torch.int32 if t.dtype == torch.int64 else torch.int64),
                 "length": lambda t: t[:1], "device": lambda t: t.cpu()}[change](tables[name])
 try:
-    cuda_ops.lora_add_unchecked(y, x, pool, tables["a_offsets"], tables["b_offsets"], tables["lora_ranks"], segments, 8)
+    if entry == "delta":
+        cuda_ops.lora_delta_unchecked(x, pool, tables["a_offsets"], tables["b_offsets"], tables["lora_ranks"],
+                                      segments, 8, [32, 32])
+    else:
+        cuda_ops.lora_add_unchecked(y, x, pool, tables["a_offsets"], tables["b_offsets"], tables["lora_ranks"],
+                                    segments, 8)
     torch.cuda.synchronize()
     print("returned")
 except Exception as error:
@@ -369,20 +487,22 @@ except Exception as error:
 """
 
 
-def _call_with_wrong_table(name: str, change: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", _WRONG_TABLE_CALL, name, change], capture_output=True, text=True,
-                          timeout=300)
+def _call_with_wrong_table(name: str, change: str, entry: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", _WRONG_TABLE_CALL, name, change, entry], capture_output=True,
+                          text=True, timeout=300)
 
 
+@pytest.mark.parametrize("entry", ["add", "delta"])
 @pytest.mark.parametrize(
     "name, change",
-    [("a_offsets", "device"), ("a_offsets", "dtype"), ("a_offsets", "length"), ("lora_ranks", "dtype")],
+    [("a_offsets", "device"), ("a_offsets", "dtype"), ("a_offsets", "length"), ("lora_ranks", "dtype"),
+     ("b_offsets", "length")],
 )
-def test_unchecked_entry_raises_on_a_wrong_table(name, change):
-    """The binding's own checks keep the unchecked entry memory-safe: ValueError naming the table, no crash.
+def test_unchecked_entry_raises_on_a_wrong_table(name, change, entry):
+    """The binding's own checks keep the unchecked entries memory-safe: ValueError naming the table, no crash.
 
     (A dtype or length error once killed the process: its message streamed an integer; see punica_ops.cpp.)
     """
-    result = _call_with_wrong_table(name, change)
+    result = _call_with_wrong_table(name, change, entry)
     assert result.returncode == 0, f"the process died (status {result.returncode}): {result.stderr[-2000:]}"
-    assert result.stdout.startswith(f"raised ValueError punica_hf::lora_add: {name}"), result.stdout
+    assert result.stdout.startswith(f"raised ValueError punica_hf::lora_{entry}: {name}"), result.stdout
