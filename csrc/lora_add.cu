@@ -10,7 +10,7 @@ namespace {
 constexpr int kPerTokenMaxTokens = 256;
 
 bool use_tiled(const PunicaLoraProblem& p) {
-  return p.num_outputs == 1 && p.dtype != PUNICA_FLOAT32 && p.num_tokens > kPerTokenMaxTokens &&
+  return p.num_outputs == 1 && p.accumulate && p.dtype != PUNICA_FLOAT32 && p.num_tokens > kPerTokenMaxTokens &&
          p.max_rank <= kTiledMaxRank;
 }
 
@@ -21,7 +21,12 @@ extern "C" size_t punica_lora_workspace_floats(const PunicaLoraProblem* problem)
 }
 
 extern "C" cudaError_t punica_lora_add(const PunicaLoraProblem* problem, float* workspace, cudaStream_t stream) {
-  if (problem->num_tokens == 0 || problem->max_rank == 0 || problem->num_slots == 0) return cudaSuccess;
+  const PunicaLoraProblem& p = *problem;
+  if (p.num_tokens == 0) return cudaSuccess;
+  if (p.max_rank == 0 || p.num_slots == 0) {  // no update: a written y is all zeros
+    const size_t bytes = static_cast<size_t>(p.num_tokens) * p.hidden_out * (p.dtype == PUNICA_FLOAT32 ? 4 : 2);
+    return p.accumulate ? cudaSuccess : cudaMemsetAsync(p.y, 0, bytes, stream);
+  }
   return use_tiled(*problem) ? punica_tiled_launch(*problem, workspace, stream)
                              : punica_per_token_launch(*problem, workspace, stream);
 }

@@ -15,6 +15,8 @@
 // the shrink, and it waits for the shrink grid only before reading the partials.
 // A grouped call (G outputs sharing x) adds a grid dimension: block z works on output z, with row z of the tables
 // and its own partials; the expand's grid covers the widest output, and blocks past a narrower one exit at once.
+// A call that writes y instead of adding to it (accumulate = 0) has the shrink's blocks zero y first (the blocks
+// of position p share row p) and the expand write without reading y: no separate fill kernel.
 #include "kernel_common.cuh"
 
 namespace punica {
@@ -133,9 +135,17 @@ __global__ void __launch_bounds__(kThreads, 4)
 shrink_chunk_kernel(const T* __restrict__ x, const T* __restrict__ pool, const int64_t* __restrict__ a_offsets,
                     const int32_t* __restrict__ lora_ranks, const int32_t* __restrict__ sorted_token_ids,
                     const int32_t* __restrict__ sorted_slots, float* __restrict__ v_partial, int num_tokens,
-                    int hidden_in, int max_rank, int num_slots, int num_slices) {
+                    int hidden_in, int max_rank, int num_slots, int num_slices, T* __restrict__ zero_y,
+                    int row_width) {
   allow_dependent_launch();  // every shrink block has started: the expand grid may fill the free multiprocessors
   constexpr int kVec = Vec<T>::kSize;
+  if (zero_y != nullptr) {  // y is written, not added to: zero row blockIdx.x, a share per block of the position
+    const int row_vectors = row_width / kVec;
+    const int blocks = gridDim.y * gridDim.z, block = blockIdx.z * gridDim.y + blockIdx.y;
+    const int first = row_vectors * block / blocks, last = row_vectors * (block + 1) / blocks;
+    uint4* row = reinterpret_cast<uint4*>(zero_y + static_cast<size_t>(blockIdx.x) * row_width);
+    for (int i = first + threadIdx.x; i < last; i += kThreads) row[i] = make_uint4(0, 0, 0, 0);
+  }
   const int output = blockIdx.z;
   a_offsets += static_cast<size_t>(output) * num_slots;
   lora_ranks += static_cast<size_t>(output) * num_slots;
@@ -223,7 +233,8 @@ __global__ void __launch_bounds__(kThreads, 4)
 expand_chunk_kernel(T* __restrict__ y, const T* __restrict__ pool, const int64_t* __restrict__ b_offsets,
                     const int32_t* __restrict__ lora_ranks, const int32_t* __restrict__ sorted_token_ids,
                     const int32_t* __restrict__ sorted_slots, const float* __restrict__ v_partial,
-                    int num_tokens, OutputColumns columns, int max_rank, int num_slots, int num_slices) {
+                    int num_tokens, OutputColumns columns, int max_rank, int num_slots, int num_slices,
+                    bool accumulate) {
   constexpr int kVec = Vec<T>::kSize;
   extern __shared__ uint4 smem_vectors[];
   __shared__ Chunk chunk;
@@ -262,7 +273,7 @@ expand_chunk_kernel(T* __restrict__ y, const T* __restrict__ pool, const int64_t
     }
   };
   load_tile(0, 0);
-  for (int i = threadIdx.x; i < size * row_vectors; i += kThreads) {  // y rows of the chunk's tokens
+  for (int i = threadIdx.x; accumulate && i < size * row_vectors; i += kThreads) {  // y rows of the chunk's tokens
     const int c = col0 + i % row_vectors * kVec;
     if (c < hidden_out)
       cp_async_16(y_tile + i, y + chunk.tokens[i / row_vectors] * row_width + c, true);
@@ -342,8 +353,8 @@ expand_chunk_kernel(T* __restrict__ y, const T* __restrict__ pool, const int64_t
           const int item = first_item + warp + u * kWarps;
           const int col = col0 + item % kGroup * slice_elems<T>() + lane * kVec;
           if (valid[u] && col < hidden_out) {
-            float values[kVec];
-            widen<T>(y_tile[item / kGroup * row_vectors + item % kGroup * 32 + lane], values);
+            float values[kVec] = {};
+            if (accumulate) widen<T>(y_tile[item / kGroup * row_vectors + item % kGroup * 32 + lane], values);
 #pragma unroll
             for (int e = 0; e < kVec; ++e) values[e] += acc[u][e];
             *reinterpret_cast<uint4*>(y + chunk.tokens[item / kGroup] * row_width + col) = narrow<T>(values);
@@ -390,7 +401,8 @@ cudaError_t launch_shrink(const PunicaLoraProblem& p, float* v_partial, int num_
   return launch_kernel(shrink_chunk_kernel<T, kGroup>,
                        dim3(p.num_tokens, (num_slices + kGroup - 1) / kGroup, p.num_outputs), dim3(kThreads), smem, stream, false, static_cast<const T*>(p.x), static_cast<const T*>(p.pool),
                        p.a_offsets, p.lora_ranks, p.sorted_token_ids, p.sorted_slots, v_partial, p.num_tokens,
-                       p.hidden_in, p.max_rank, p.num_slots, num_slices);
+                       p.hidden_in, p.max_rank, p.num_slots, num_slices,
+                       p.accumulate ? static_cast<T*>(nullptr) : static_cast<T*>(p.y), p.hidden_out);
 }
 
 // Column chunks of the widest output: the expand grid's y extent.
@@ -418,7 +430,7 @@ cudaError_t launch_expand(const PunicaLoraProblem& p, const float* v_partial, in
                        dim3(p.num_tokens, (widest_col_chunks<T>(p) + kGroup - 1) / kGroup, p.num_outputs),
                        dim3(kThreads), smem, stream, p.programmatic_launch != 0, static_cast<T*>(p.y),
                        static_cast<const T*>(p.pool), p.b_offsets, p.lora_ranks, p.sorted_token_ids, p.sorted_slots,
-                       v_partial, p.num_tokens, columns, p.max_rank, p.num_slots, num_slices);
+                       v_partial, p.num_tokens, columns, p.max_rank, p.num_slots, num_slices, p.accumulate != 0);
 }
 
 template <typename T>

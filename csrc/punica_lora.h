@@ -38,6 +38,7 @@ typedef struct {
   const int32_t* sorted_slots;      // [T], slot of each sorted position (of token sorted_token_ids[p]), -1 = none
   int num_tokens, hidden_in, hidden_out, max_rank, num_slots;
   int num_outputs;                                // G, 1..PUNICA_MAX_OUTPUTS; above 1 only on the per-token path
+  int accumulate;  // 1: y += updates; 0 (per-token path only): y = updates, zero where a token has none
   int output_columns[PUNICA_MAX_OUTPUTS + 1];     // [G + 1], output_columns[0] = 0, output_columns[G] = hidden_out
   int device;               // the CUDA device of every array (the launchers cache per-device settings)
   int num_sms;              // multiprocessors of the device: sizes the grids (static per device)

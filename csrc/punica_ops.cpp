@@ -152,6 +152,7 @@ PunicaLoraProblem make_problem(const char* op, const at::Tensor& y, const at::Te
   problem.max_rank = static_cast<int>(max_rank);
   problem.num_slots = static_cast<int>(num_slots);
   problem.num_outputs = static_cast<int>(num_outputs);
+  problem.accumulate = 1;
   for (int64_t g = 0; g < num_outputs; ++g)
     problem.output_columns[g + 1] = problem.output_columns[g] + static_cast<int>(out_features[g]);
   const DeviceInfo& info = device_info(device);
@@ -200,9 +201,10 @@ at::Tensor lora_delta(const at::Tensor& x, const at::Tensor& pool, const at::Ten
   const c10::cuda::CUDAGuard device_guard(x.device());
   int64_t columns = 0;
   for (const int64_t width : out_features) columns += width;
-  const at::Tensor y = at::zeros({x.size(0), columns}, x.options());
-  const PunicaLoraProblem problem = make_problem(kDelta, y, x, pool, a_offsets, b_offsets, lora_ranks, sorted_token_ids,
+  const at::Tensor y = at::empty({x.size(0), columns}, x.options());  // written whole by the kernels
+  PunicaLoraProblem problem = make_problem(kDelta, y, x, pool, a_offsets, b_offsets, lora_ranks, sorted_token_ids,
                                                  sorted_slots, out_features, max_rank);
+  problem.accumulate = 0;
   run(problem, y);
   return y;
 }
