@@ -185,8 +185,7 @@ def lora_add_unchecked(
 
     The caller guarantees what ``lora_add`` would check (dtypes, shapes, contiguity, ``max_rank`` an int in
     ``[1, MAX_RANK]``). The binding checks devices, shapes, dtypes and alignment again before any launch and
-    raises ValueError. A table of the wrong dtype or length crashed the process there on the H200 instead; the
-    change meant to fix it (messages without streamed integers) awaits a GPU run: benchmarks/KERNEL_NOTES.md.
+    raises ValueError (a wrong table once crashed the process there instead: benchmarks/KERNEL_NOTES.md).
     """
     if _op is None:
         load_extension()
