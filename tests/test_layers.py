@@ -13,7 +13,7 @@ from transformers.pytorch_utils import Conv1D
 
 from punica_hf import MultiLoraModel
 from punica_hf.formats import ModuleLora
-from punica_hf.layers import LoraContext, LoraHook, find_projection_groups
+from punica_hf.layers import GROUP_MAX_TOKENS, LoraContext, LoraHook, find_projection_groups
 from punica_hf.ops import build_segments
 from punica_hf.ops import cuda as cuda_ops
 from punica_hf.store.pool import ALIGN, ChunkLayout, DevicePool, ExtentAllocator
@@ -153,6 +153,41 @@ def test_grouped_projections_each_get_their_own_update(targets):
     assert group.shares_input and not context.group_deltas
     for name, output in outputs.items():
         torch.testing.assert_close(output, _expected(block, factors, name, x, token_slots), atol=1e-5, rtol=1e-5)
+
+
+def test_above_decode_sizes_each_member_computes_its_own():
+    """Past GROUP_MAX_TOKENS (prefill) no grouped call is made; every member still gets its update."""
+    block, context, factors, group = _hooked_group()
+    token_slots = torch.randint(-1, SLOTS, (GROUP_MAX_TOKENS + 1,))
+    x = torch.randn(GROUP_MAX_TOKENS + 1, IN)
+    context.begin(build_segments(token_slots, SLOTS))
+    outputs = block(x)
+    assert not context.group_deltas
+    context.end()
+    for name, output in zip(["q_proj", "k_proj", "v_proj"], outputs):
+        torch.testing.assert_close(output, _expected(block, factors, name, x, token_slots), atol=1e-4, rtol=1e-5)
+    assert group.shares_input
+
+
+def test_grouping_can_be_turned_off_and_changes_no_output(base, tmp_path, monkeypatch):
+    """PUNICA_HF_GROUP_PROJECTIONS=0 (read when the hooks are made) gives every projection its own call, and the
+    same logits as the grouped calls."""
+    adapter = save_peft_adapter(base, tmp_path / "a", r=4, target_modules=["q_proj", "k_proj", "v_proj", "up_proj"])
+    input_ids = torch.tensor([[5, 17, 42, 8], [61, 2, 9, 77]])
+    logits = {}
+    for setting in ("1", "0"):
+        monkeypatch.setenv("PUNICA_HF_GROUP_PROJECTIONS", setting)
+        wrapped = MultiLoraModel(copy.deepcopy(base), max_adapters=2, max_rank=8)
+        wrapped.load_adapters({"a": adapter})
+        grouped = {name: hook.group for name, hook in wrapped._store.hooks.items()}
+        assert all(g is not None for g in grouped.values()) == (setting == "1"), grouped
+        with torch.no_grad():
+            logits[setting] = wrapped(input_ids=input_ids, adapter_ids=["a", None]).logits
+    torch.testing.assert_close(logits["1"], logits["0"], atol=1e-5, rtol=1e-5)
+    with torch.no_grad():
+        plain = base(input_ids=input_ids).logits
+    assert not torch.allclose(logits["1"][0], plain[0], atol=1e-3)  # row 0's adapter changed it
+    torch.testing.assert_close(logits["1"][1], plain[1], atol=1e-5, rtol=1e-5)  # row 1 has none
 
 
 def test_members_with_different_inputs_compute_their_own():
