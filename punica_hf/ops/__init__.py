@@ -8,8 +8,8 @@ the kernels cannot be built or the tensors are not on a GPU.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
 import warnings
+from collections.abc import Sequence
 from functools import lru_cache
 
 import torch
