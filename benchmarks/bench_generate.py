@@ -45,9 +45,9 @@ from punica_hf.formats import AdapterWeights, LoraAdapterConfig, ModuleLora
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 MODES = {"eager": {}, "compiled": {"cache_implementation": "static"}}  # generate() kwargs of each mode
 COPY_BANDWIDTH_BYTES_PER_S = 4.30e12  # H200 device-to-device copy (ANCHORS.md): the LoRA bytes floor per step
-# punica_hf's kernels (csrc/: shrink_*/expand_* kernels). Inductor's generated kernels start with "triton" and may
-# carry "expand" in their fused-op names, so they never count as LoRA.
-LORA_KERNEL = re.compile(r"shrink|expand|lora", re.IGNORECASE)
+# punica_hf's kernels: everything in csrc/ lives in namespace punica (Inductor's generated kernels start with
+# "triton" and may carry "expand" in their fused-op names, so they never count as LoRA).
+LORA_KERNEL = re.compile(r"\bpunica::")
 
 
 # ------------------------------------------------------------------------------------------- shared helpers

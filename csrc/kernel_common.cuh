@@ -14,6 +14,8 @@
 
 namespace punica {
 
+constexpr unsigned kFullMask = 0xffffffffu;  // every lane of a warp
+
 __device__ __forceinline__ float to_float(float value) { return value; }
 __device__ __forceinline__ float to_float(__half value) { return __half2float(value); }
 __device__ __forceinline__ float to_float(__nv_bfloat16 value) { return __bfloat162float(value); }
@@ -88,6 +90,9 @@ __device__ __forceinline__ int rank_of(const int32_t* lora_ranks, int slot, int 
 // Path launchers (host). Each enqueues its shrink + expand kernels and returns cudaGetLastError().
 size_t punica_per_token_workspace_floats(const PunicaLoraProblem& problem);
 cudaError_t punica_per_token_launch(const PunicaLoraProblem& problem, float* workspace, cudaStream_t stream);
+// Whether the fused one-launch per-token path takes `problem` (problem.fused set and its slices fit); no workspace.
+bool punica_fused_fits(const PunicaLoraProblem& problem);
+cudaError_t punica_fused_launch(const PunicaLoraProblem& problem, cudaStream_t stream);
 size_t punica_tiled_workspace_floats(const PunicaLoraProblem& problem);
 cudaError_t punica_tiled_launch(const PunicaLoraProblem& problem, float* workspace, cudaStream_t stream);
 // Largest max_rank the tiled path takes; above it the per-token path runs.
@@ -118,21 +123,34 @@ class DynamicSmemLimit {
   std::mutex mutex_;
 };
 
-// Launches `kernel` on `stream`; with `programmatic` set, the grid may start while the previous kernel of the
-// stream (which must call allow_dependent_launch) still runs, and must wait_for_primary_grid before reading
-// that kernel's output. Captured in a CUDA graph as a programmatic edge.
+// How a kernel is launched. programmatic: the grid may start while the previous kernel of the stream (which must
+// call allow_dependent_launch) still runs, and must wait_for_primary_grid before reading that kernel's output
+// (captured in a CUDA graph as a programmatic edge). cluster: blocks per thread-block cluster along x (sm_90+;
+// grid.x a multiple of it), 1 = no clusters.
+struct LaunchOptions {
+  bool programmatic = false;
+  unsigned cluster = 1;
+};
+
 template <typename... Params, typename... Args>
 cudaError_t launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
-                          bool programmatic, Args... args) {
+                          LaunchOptions options, Args... args) {
   cudaLaunchConfig_t config = {};
   config.gridDim = grid;
   config.blockDim = block;
   config.dynamicSmemBytes = smem;
   config.stream = stream;
-  cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute[0].val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = attribute;
-  config.numAttrs = programmatic ? 1 : 0;
+  cudaLaunchAttribute attributes[2];
+  unsigned count = 0;
+  if (options.programmatic) {
+    attributes[count].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attributes[count++].val.programmaticStreamSerializationAllowed = 1;
+  }
+  if (options.cluster > 1) {
+    attributes[count].id = cudaLaunchAttributeClusterDimension;
+    attributes[count++].val.clusterDim = {options.cluster, 1, 1};
+  }
+  config.attrs = attributes;
+  config.numAttrs = count;
   return cudaLaunchKernelEx(&config, kernel, static_cast<Params>(args)...);
 }

@@ -17,7 +17,8 @@ bool use_tiled(const PunicaLoraProblem& p) {
 }  // namespace
 
 extern "C" size_t punica_lora_workspace_floats(const PunicaLoraProblem* problem) {
-  return use_tiled(*problem) ? punica_tiled_workspace_floats(*problem) : punica_per_token_workspace_floats(*problem);
+  if (use_tiled(*problem)) return punica_tiled_workspace_floats(*problem);
+  return punica_fused_fits(*problem) ? 0 : punica_per_token_workspace_floats(*problem);
 }
 
 extern "C" cudaError_t punica_lora_add(const PunicaLoraProblem* problem, float* workspace, cudaStream_t stream) {
@@ -27,6 +28,6 @@ extern "C" cudaError_t punica_lora_add(const PunicaLoraProblem* problem, float* 
     const size_t bytes = static_cast<size_t>(p.num_tokens) * p.hidden_out * (p.dtype == PUNICA_FLOAT32 ? 4 : 2);
     return p.accumulate ? cudaSuccess : cudaMemsetAsync(p.y, 0, bytes, stream);
   }
-  return use_tiled(*problem) ? punica_tiled_launch(*problem, workspace, stream)
-                             : punica_per_token_launch(*problem, workspace, stream);
+  if (use_tiled(p)) return punica_tiled_launch(p, workspace, stream);
+  return punica_fused_fits(p) ? punica_fused_launch(p, stream) : punica_per_token_launch(p, workspace, stream);
 }

@@ -1,8 +1,6 @@
-// Per-token path (decode, fp32, ranks above 128): bound by latency and bytes, not arithmetic, so fp32 FMAs on
-// CUDA cores. Work is cut into chunks: up to kChunk consecutive positions of sorted_token_ids that share one slot
-// (a chunk starts where the slot changes and at every multiple of kChunk). A block of either kernel runs at the
-// chunk's first position and loads the adapter's factors once for all the chunk's tokens; blocks at other
-// positions exit after the lookup. With every token its own adapter, each chunk is one token.
+// Per-token path in two launches (what the fused one-launch path of lora_fused.cu does not take: more than 64
+// tokens, slices too large for its shared memory, GPUs without thread-block clusters, PUNICA_HF_FUSED=0): bound by latency and bytes, not arithmetic, so fp32 FMAs on CUDA cores. Work is cut into the chunks of
+// chunks.cuh; with every token its own adapter, each chunk is one token.
 // Every block moves up to 64 rank rows x 512 bytes = 32 KB of factors: small ranks take kGroup (2 or 4) K slices
 // (shrink) or column chunks (expand) of 32 lanes x 16 bytes per block.
 //   shrink: grid (T, K slices / kGroup); the block's 64 (row, slice) pieces of A and the chunk's x slices go to
@@ -17,77 +15,19 @@
 // and its own partials; the expand's grid covers the widest output, and blocks past a narrower one exit at once.
 // A call that writes y instead of adding to it (accumulate = 0) has the shrink's blocks zero y first (the blocks
 // of position p share row p) and the expand write without reading y: no separate fill kernel.
-#include "kernel_common.cuh"
+#include "chunks.cuh"
 
 namespace punica {
 namespace {
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
-constexpr int kChunk = 4;            // most tokens a block serves (it reuses the factors it loads for all)
 constexpr int kRowsPerWarp = 8;      // shrink: pieces of A one warp dots with a token (one warp_sum_8)
 constexpr int kPieces = kWarps * kRowsPerWarp;  // shrink: (row, K slice) pieces of A per block and pass
 constexpr int kTileRanks = 64;       // expand: rank rows of Bt staged in shared memory at a time
 constexpr int kItemsPerWarp = 2;     // expand: (token, column chunk) items a warp owns per pass
 constexpr int kMaxGroup = 4;         // most K slices / column chunks one block takes
 constexpr int kSumBatch = 16;        // expand: slice partials a thread loads at once
-constexpr unsigned kFullMask = 0xffffffffu;
-static_assert(kChunk + 1 < 32, "the chunk lookup uses one lane per position, plus the previous one");
-
-template <typename T>
-__host__ __device__ constexpr int slice_elems() { return 32 * Vec<T>::kSize; }  // K elements of one slice
-
-// Where the outputs of a call live in y: output g is columns [begin[g], begin[g + 1]), rows begin[count] wide.
-struct OutputColumns {
-  int begin[PUNICA_MAX_OUTPUTS + 1];
-  int count;
-};
-
-// The chunk a block at sorted position `position` serves; size 0 when the position does not start a chunk, has
-// no adapter, or its slot's rank is 0 (nothing to do).
-struct Chunk {
-  int size;          // tokens of the chunk, 0..kChunk
-  int rank;          // rank of its slot, 1..max_rank when size > 0
-  int64_t offset;    // the slot's factor offset in the pool (A for the shrink, Bt for the expand)
-  int tokens[kChunk];
-};
-
-// All threads call it; warp 0 looks the chunk up (lane i: position - 1 + i), then a barrier publishes it. Two
-// dependent loads: the positions' slots and token ids together, then the slot's rank and factor offset.
-__device__ __forceinline__ void find_chunk(const int32_t* sorted_token_ids, const int32_t* sorted_slots,
-                                           const int32_t* lora_ranks, const int64_t* offsets, int num_tokens,
-                                           int num_slots, int max_rank, int position, Chunk& chunk) {
-  if (threadIdx.x < 32) {
-    const int lane = threadIdx.x;
-    const int q = position - 1 + lane;
-    int slot = -2, token = 0;  // -2: outside the tokens, differs from every slot
-    if (lane <= kChunk && q >= 0 && q < num_tokens) {
-      slot = sorted_slots[q];
-      if (lane >= 1) token = sorted_token_ids[q];
-      if (slot < 0 || slot >= num_slots) slot = -1;
-    }
-    const int first_slot = __shfl_sync(kFullMask, slot, 1);
-    const int previous_slot = __shfl_sync(kFullMask, slot, 0);
-    const bool starts_chunk = position % kChunk == 0 || previous_slot != first_slot;
-    // Lane i >= 1 holds position + i - 1; the chunk ends before the first lane whose slot differs or whose
-    // position is the next multiple of kChunk. Lane kChunk + 1 always ends it (slot -2).
-    const bool ends = lane >= 1 && (slot != first_slot || (lane >= 2 && (position + lane - 1) % kChunk == 0));
-    const int size = __ffs(__ballot_sync(kFullMask, ends)) - 2;
-    if (lane == 0) {
-      int rank = 0;
-      int64_t offset = 0;
-      if (starts_chunk && first_slot >= 0) {  // both loads in flight together; the offset is used only if rank > 0
-        rank = rank_of(lora_ranks, first_slot, max_rank);
-        offset = offsets[first_slot];
-      }
-      chunk.size = rank > 0 ? size : 0;
-      chunk.rank = rank;
-      chunk.offset = offset;
-    }
-    if (lane >= 1 && lane <= size) chunk.tokens[lane - 1] = token;
-  }
-  __syncthreads();
-}
 
 // A 16-byte shared-memory load ptxas may not hoist out of a loop (a volatile PTX load; an asm volatile plain load
 // was still hoisted): re-reading the A pieces for every pair of tokens keeps 8 x 8 widened floats out of the
@@ -101,35 +41,12 @@ __device__ __forceinline__ uint4 load_shared_16(const uint4* ptr) {
   return v;
 }
 
-// Sums each of 8 values over the warp in 9 shuffles (not 8 x 5): halves the values at every step, so afterwards
-// lane l holds the warp's sum of values[(l >> 2) & 7].
-__device__ __forceinline__ float warp_sum_8(const float (&values)[8]) {
-  const int lane = threadIdx.x % 32;
-  float quad[4], pair[2];
-  const bool upper16 = lane & 16, upper8 = lane & 8, upper4 = lane & 4;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {  // keep values i + 4 * upper16, send the other half to lane ^ 16
-    const float keep = upper16 ? values[i + 4] : values[i];
-    const float send = upper16 ? values[i] : values[i + 4];
-    quad[i] = keep + __shfl_xor_sync(kFullMask, send, 16);
-  }
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const float keep = upper8 ? quad[i + 2] : quad[i];
-    const float send = upper8 ? quad[i] : quad[i + 2];
-    pair[i] = keep + __shfl_xor_sync(kFullMask, send, 8);
-  }
-  float sum = (upper4 ? pair[1] : pair[0]) + __shfl_xor_sync(kFullMask, upper4 ? pair[0] : pair[1], 4);
-  sum += __shfl_xor_sync(kFullMask, sum, 2);
-  sum += __shfl_xor_sync(kFullMask, sum, 1);
-  return sum;
-}
-
 // v_partial [G, num_slices, T, max_rank] fp32: entry (g, slice, p, r) = A_s[r, slice] . x[token(p), slice] with
-// output g's A, for the positions p of every chunk and r < its rank; nothing else is written. The block takes kGroup consecutive
-// K slices (1, 2 or 4) and kPieces (row, slice) pieces of A per pass: piece q = w + 8 i belongs to warp w, slice
-// w % group, row w / group + (8 / group) i. Pieces and x go to shared memory by cp.async (no registers held
-// while loads fly, so more blocks fit). Dynamic shared memory: A [kPieces][32], x [kChunk][group][32] (16 B each).
+// output g's A, for the positions p of every chunk and r < its rank; nothing else is written. The block takes
+// kGroup consecutive K slices (1, 2 or 4) and kPieces (row, slice) pieces of A per pass: piece q = w + 8 i belongs
+// to warp w, slice w % group, row w / group + (8 / group) i. Pieces and x go to shared memory by cp.async (no
+// registers held while loads fly, so more blocks fit). Dynamic shared memory: A [kPieces][32], x [kChunk][group][32]
+// (16 B each).
 template <typename T, int kGroup>
 __global__ void __launch_bounds__(kThreads, 4)
 shrink_chunk_kernel(const T* __restrict__ x, const T* __restrict__ pool, const int64_t* __restrict__ a_offsets,
@@ -155,11 +72,12 @@ shrink_chunk_kernel(const T* __restrict__ x, const T* __restrict__ pool, const i
   uint4* x_shared = smem_vectors + kPieces * 32;
   __shared__ Chunk chunk;
   const int position = blockIdx.x;
-  find_chunk(sorted_token_ids, sorted_slots, lora_ranks, a_offsets, num_tokens, num_slots, max_rank, position, chunk);
+  find_chunk(sorted_token_ids, sorted_slots, lora_ranks, a_offsets, nullptr, num_tokens, num_slots, max_rank, position,
+             chunk);
   const int size = chunk.size;
   if (size == 0) return;
   const int rank = chunk.rank;
-  const T* lora_a = pool + chunk.offset;
+  const T* lora_a = pool + chunk.a_offset;
   const int lane = threadIdx.x % 32;
   const int warp = threadIdx.x / 32;
   const int first_slice = blockIdx.y * kGroup;
@@ -224,8 +142,9 @@ shrink_chunk_kernel(const T* __restrict__ x, const T* __restrict__ pool, const i
 }
 
 // y[token(p), n] += sum_{r < rank} Bt_s[r, n] * v[p, r] for the chunk's positions p, v[p, r] = sum over slices of
-// v_partial; n runs over output blockIdx.z's columns of y. The block takes kGroup consecutive column chunks of 32 x 16 bytes. Work items are (token, column
-// chunk) pairs: warp w owns items w + 8 u (u < 2) of each pass of 16, each lane a 16-byte run of outputs.
+// v_partial; n runs over output blockIdx.z's columns of y. The block takes kGroup consecutive column chunks of
+// 32 x 16 bytes. Work items are (token, column chunk) pairs: warp w owns items w + 8 u (u < 2) of each pass of 16,
+// each lane a 16-byte run of outputs.
 // Dynamic shared memory: Bt tiles [buffers][tile_rows][kGroup * 32], y [kChunk][kGroup * 32] (16-byte vectors),
 // then v [kChunk][max_rank] fp32. Several passes only when the rank fits one tile (kGroup > 1 needs rank <= 32).
 template <typename T, int kGroup>
@@ -233,7 +152,8 @@ __global__ void __launch_bounds__(kThreads, 4)
 expand_chunk_kernel(T* __restrict__ y, const T* __restrict__ pool, const int64_t* __restrict__ b_offsets,
                     const int32_t* __restrict__ lora_ranks, const int32_t* __restrict__ sorted_token_ids,
                     const int32_t* __restrict__ sorted_slots, const float* __restrict__ v_partial,
-                    int num_tokens, OutputColumns columns, int max_rank, int num_slots, int num_slices,
+                    int num_tokens, const __grid_constant__ OutputColumns columns, int max_rank, int num_slots,
+                    int num_slices,
                     bool accumulate) {
   constexpr int kVec = Vec<T>::kSize;
   extern __shared__ uint4 smem_vectors[];
@@ -248,11 +168,12 @@ expand_chunk_kernel(T* __restrict__ y, const T* __restrict__ pool, const int64_t
   lora_ranks += static_cast<size_t>(output) * num_slots;
   v_partial += static_cast<size_t>(output) * num_slices * num_tokens * max_rank;
   const int position = blockIdx.x;
-  find_chunk(sorted_token_ids, sorted_slots, lora_ranks, b_offsets, num_tokens, num_slots, max_rank, position, chunk);
+  find_chunk(sorted_token_ids, sorted_slots, lora_ranks, nullptr, b_offsets, num_tokens, num_slots, max_rank, position,
+             chunk);
   const int size = chunk.size;
   if (size == 0) return;
   const int rank = chunk.rank;
-  const T* lora_bt = pool + chunk.offset;
+  const T* lora_bt = pool + chunk.b_offset;
   const int lane = threadIdx.x % 32;
   const int warp = threadIdx.x / 32;
   constexpr int row_vectors = kGroup * 32;
@@ -399,7 +320,8 @@ cudaError_t launch_shrink(const PunicaLoraProblem& p, float* v_partial, int num_
       smem_limit.ensure(reinterpret_cast<const void*>(shrink_chunk_kernel<T, kGroup>), p.device, smem);
   if (err != cudaSuccess) return err;
   return launch_kernel(shrink_chunk_kernel<T, kGroup>,
-                       dim3(p.num_tokens, (num_slices + kGroup - 1) / kGroup, p.num_outputs), dim3(kThreads), smem, stream, false, static_cast<const T*>(p.x), static_cast<const T*>(p.pool),
+                       dim3(p.num_tokens, (num_slices + kGroup - 1) / kGroup, p.num_outputs), dim3(kThreads), smem,
+                       stream, LaunchOptions{}, static_cast<const T*>(p.x), static_cast<const T*>(p.pool),
                        p.a_offsets, p.lora_ranks, p.sorted_token_ids, p.sorted_slots, v_partial, p.num_tokens,
                        p.hidden_in, p.max_rank, p.num_slots, num_slices,
                        p.accumulate ? static_cast<T*>(nullptr) : static_cast<T*>(p.y), p.hidden_out);
@@ -428,7 +350,7 @@ cudaError_t launch_expand(const PunicaLoraProblem& p, const float* v_partial, in
   for (int g = 0; g <= p.num_outputs; ++g) columns.begin[g] = p.output_columns[g];
   return launch_kernel(expand_chunk_kernel<T, kGroup>,
                        dim3(p.num_tokens, (widest_col_chunks<T>(p) + kGroup - 1) / kGroup, p.num_outputs),
-                       dim3(kThreads), smem, stream, p.programmatic_launch != 0, static_cast<T*>(p.y),
+                       dim3(kThreads), smem, stream, LaunchOptions{p.programmatic_launch != 0}, static_cast<T*>(p.y),
                        static_cast<const T*>(p.pool), p.b_offsets, p.lora_ranks, p.sorted_token_ids, p.sorted_slots,
                        v_partial, p.num_tokens, columns, p.max_rank, p.num_slots, num_slices, p.accumulate != 0);
 }

@@ -30,7 +30,6 @@ constexpr int kLdOut = kTileCols + 8;          // expand y / Bt tile row stride 
 constexpr int kMaxFragments = kTiledMaxRank / 8;
 constexpr int kSumBatch = 4;                   // expand: K-split partials a thread loads at once
 constexpr size_t kSmemForTwoBlocks = 110 * 1024;  // two blocks of this much shared memory fit a multiprocessor
-constexpr unsigned kFullMask = 0xffffffffu;
 
 __host__ __device__ constexpr int round_up_16(int value) { return (value + 15) / 16 * 16; }
 
@@ -445,7 +444,7 @@ cudaError_t launch(const PunicaLoraProblem& p, float* v_partial, cudaStream_t st
   if (err != cudaSuccess) return err;
 
   err = launch_kernel(shrink_tiled_kernel<T>, dim3(s.num_tiles, s.num_splits), dim3(kShrinkThreads), shrink_smem,
-                      stream, false, static_cast<const T*>(p.x), static_cast<const T*>(p.pool), p.a_offsets,
+                      stream, LaunchOptions{}, static_cast<const T*>(p.x), static_cast<const T*>(p.pool), p.a_offsets,
                       p.lora_ranks, p.sorted_token_ids, p.sorted_slots, v_partial, p.num_tokens, s.num_tokens_pad,
                       p.hidden_in, p.max_rank, s.rank_pad, p.num_slots, s.k_chunk);
   if (err != cudaSuccess) return err;
@@ -458,7 +457,8 @@ cudaError_t launch(const PunicaLoraProblem& p, float* v_partial, cudaStream_t st
   chunks_per_block = chunks_per_block > num_chunks ? num_chunks : chunks_per_block;
   const int col_blocks = (num_chunks + chunks_per_block - 1) / chunks_per_block;
   return launch_kernel(expand_tiled_kernel<T>, dim3(s.num_tiles, col_blocks), dim3(kExpandThreads), expand_smem,
-                       stream, p.programmatic_launch != 0, static_cast<T*>(p.y), static_cast<const T*>(p.pool),
+                       stream, LaunchOptions{p.programmatic_launch != 0}, static_cast<T*>(p.y),
+                       static_cast<const T*>(p.pool),
                        p.b_offsets, p.lora_ranks, p.sorted_token_ids, p.sorted_slots,
                        static_cast<const float*>(v_partial), p.num_tokens, s.num_tokens_pad, p.hidden_out,
                        p.max_rank, s.rank_pad, p.num_slots, s.num_splits, chunks_per_block);

@@ -43,6 +43,7 @@ typedef struct {
   int device;               // the CUDA device of every array (the launchers cache per-device settings)
   int num_sms;              // multiprocessors of the device: sizes the grids (static per device)
   int programmatic_launch;  // 1: the expand kernel may start before the shrink ends (sm_90+), 0: plain launches
+  int fused;                // 1: per-token calls whose slices fit shared memory run as one launch (sm_90+ clusters)
   PunicaDtype dtype;
 } PunicaLoraProblem;
 

@@ -11,7 +11,6 @@
 #include <cstring>
 #include <mutex>
 #include <string>
-#include <vector>
 
 #include "punica_lora.h"
 
@@ -42,14 +41,15 @@ void check_on_device(const char* op, const at::Tensor& t, const char* name, cons
   TORCH_CHECK_VALUE(t.is_contiguous(), op, ": ", name, " must be contiguous");
 }
 
-// `t` must be on like's device, contiguous, of `dtype` and of shape `sizes`.
+// `t` must be on like's device, contiguous, of `dtype` and of shape `sizes` (the message is built only on failure:
+// this runs for five tables at every call).
 void check_table(const char* op, const at::Tensor& t, const char* name, at::ScalarType dtype, at::IntArrayRef sizes,
                  const at::Tensor& like) {
   check_on_device(op, t, name, like);
+  if (t.scalar_type() == dtype && t.sizes() == sizes) return;
   std::string shape = "[";
   for (size_t i = 0; i < sizes.size(); ++i) shape += (i ? ", " : "") + text(sizes[i]);
-  TORCH_CHECK_VALUE(t.scalar_type() == dtype && t.sizes() == sizes, op, ": ", name, " must be ", dtype,
-                    " of shape ", shape, "]");
+  TORCH_CHECK_VALUE(false, op, ": ", name, " must be ", dtype, " of shape ", shape, "]");
 }
 
 void check_aligned(const char* op, const at::Tensor& t, const char* name) {
@@ -84,12 +84,11 @@ const DeviceInfo& device_info(int device) {
   return info[device];
 }
 
-// Programmatic dependent launch of the expand kernel: on sm_90+, unless PUNICA_HF_PDL=0 (for comparisons and
-// bug triage; read at every call, so a graph captured after changing it follows it).
-bool programmatic_launch(const DeviceInfo& info) {
-  const char* setting = std::getenv("PUNICA_HF_PDL");
-  if (setting != nullptr && std::strcmp(setting, "0") == 0) return false;
-  return info.compute_major >= 9;
+// A switch read from the environment at every call (so a graph captured after changing it follows it): on unless
+// set to "0". For comparisons and bug triage.
+bool enabled(const char* variable) {
+  const char* setting = std::getenv(variable);
+  return setting == nullptr || std::strcmp(setting, "0") != 0;
 }
 
 // The checked problem of y [T, H_out] += LoRA of x [T, H_in] for G outputs (G = out_features.size()): output g
@@ -125,9 +124,9 @@ PunicaLoraProblem make_problem(const char* op, const at::Tensor& y, const at::Te
   check_aligned(op, x, "x");
   check_aligned(op, pool, "pool");
   // A plain call's tables are [S], a grouped call's [G, S].
-  const std::vector<int64_t> table_sizes =
-      num_outputs == 1 && lora_ranks.dim() == 1 ? std::vector<int64_t>{num_slots}
-                                                : std::vector<int64_t>{num_outputs, num_slots};
+  const int64_t grouped_sizes[2] = {num_outputs, num_slots};
+  const at::IntArrayRef table_sizes = num_outputs == 1 && lora_ranks.dim() == 1 ? at::IntArrayRef(&num_slots, 1)
+                                                                                : at::IntArrayRef(grouped_sizes, 2);
   check_table(op, lora_ranks, "lora_ranks", at::kInt, table_sizes, y);
   check_table(op, a_offsets, "a_offsets", at::kLong, table_sizes, y);
   check_table(op, b_offsets, "b_offsets", at::kLong, table_sizes, y);
@@ -158,16 +157,21 @@ PunicaLoraProblem make_problem(const char* op, const at::Tensor& y, const at::Te
   const DeviceInfo& info = device_info(device);
   problem.device = device;
   problem.num_sms = info.num_sms;
-  problem.programmatic_launch = programmatic_launch(info) ? 1 : 0;
+  // Programmatic dependent launch of the expand kernels (PUNICA_HF_PDL=0 turns it off) and the fused one-launch
+  // per-token path (PUNICA_HF_FUSED=0): both sm_90+.
+  problem.programmatic_launch = info.compute_major >= 9 && enabled("PUNICA_HF_PDL") ? 1 : 0;
+  problem.fused = info.compute_major >= 9 && enabled("PUNICA_HF_FUSED") ? 1 : 0;
   problem.dtype = to_punica_dtype(y.scalar_type());
   return problem;
 }
 
 void run(const PunicaLoraProblem& problem, const at::Tensor& y) {
-  // Scratch for the fp32 partials of v: from the caching allocator, so graph capture and reuse are free.
-  const at::Tensor workspace =
-      at::empty({static_cast<int64_t>(punica_lora_workspace_floats(&problem))}, y.options().dtype(at::kFloat));
-  const cudaError_t err = punica_lora_add(&problem, workspace.data_ptr<float>(), c10::cuda::getCurrentCUDAStream());
+  // Scratch for the fp32 partials of v (none for the fused kernel): from the caching allocator, so graph capture
+  // and reuse are free.
+  const int64_t floats = static_cast<int64_t>(punica_lora_workspace_floats(&problem));
+  const at::Tensor workspace = floats > 0 ? at::empty({floats}, y.options().dtype(at::kFloat)) : at::Tensor();
+  float* scratch = floats > 0 ? workspace.data_ptr<float>() : nullptr;
+  const cudaError_t err = punica_lora_add(&problem, scratch, c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "punica_hf: CUDA error: ", cudaGetErrorString(err));
 }
 

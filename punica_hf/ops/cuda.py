@@ -163,9 +163,11 @@ def lora_add(
 ) -> None:
     """``y[t] += Bt_s^T @ (A_s @ x[t])`` in place for tokens whose slot ``s >= 0`` has rank > 0; see ``torch_ops``.
 
-    Two launches, no host sync: capturable in a CUDA graph and traceable by ``torch.compile``; the table values
-    (offsets, ranks, slots) are read on the device. The kernel path (per-token chunks for T <= 256 or fp32,
-    segment-tiled tensor cores above) depends on shapes and ``max_rank`` only. Bad arguments raise ValueError.
+    One or two launches, no host sync: capturable in a CUDA graph and traceable by ``torch.compile``; the table
+    values (offsets, ranks, slots) are read on the device. The kernel path depends on shapes, dtype and
+    ``max_rank`` only: per-token chunks for T <= 256 or fp32 (one launch of a thread-block cluster kernel on sm_90
+    where the factor slices fit shared memory, else a shrink and an expand launch), segment-tiled tensor cores
+    above. Bad arguments raise ValueError.
     """
     _check(y, x, pool, a_offsets, b_offsets, lora_ranks, segments, max_rank)
     lora_add_unchecked(y, x, pool, a_offsets, b_offsets, lora_ranks, segments, max_rank)
@@ -203,7 +205,7 @@ def lora_delta(
     max_rank: int,
     out_features: Sequence[int],
 ) -> torch.Tensor:
-    """``ops.lora_delta`` on the kernels: one shrink and one expand launch for ``G <= MAX_OUTPUTS`` projections.
+    """``ops.lora_delta`` on the kernels: the per-token path's launches for ``G <= MAX_OUTPUTS`` projections at once.
 
     Tables ``[G, S]`` (``G = len(out_features)``), each width a multiple of 8. The per-token kernels run at every
     ``T`` (the grouping pays at decode sizes); no host sync, capturable and traceable like ``lora_add``. Bad
@@ -218,7 +220,7 @@ def lora_delta(
     for name, table in (("a_offsets", a_offsets), ("b_offsets", b_offsets), ("lora_ranks", lora_ranks)):
         if table.shape != tables_shape:
             raise ValueError(f"lora_delta: {name} must have shape {list(tables_shape)}, got {tuple(table.shape)}")
-    y = x.new_empty(x.shape[0], sum(out_features))  # only for the shared checks: the op makes its own output
+    y = torch.empty(x.shape[0], sum(out_features), dtype=x.dtype, device="meta")  # for the shared checks only
     _check(y, x, pool, a_offsets[0], b_offsets[0], lora_ranks[0], segments, max_rank)
     if not all(t.is_contiguous() for t in (a_offsets, b_offsets, lora_ranks)):
         raise ValueError("lora_delta: the offset / rank tables must be contiguous")

@@ -33,6 +33,14 @@ pytestmark = [
 TOLERANCE = {torch.bfloat16: 1.5e-2, torch.float16: 2e-3, torch.float32: 1e-5}
 
 
+@pytest.fixture(params=["fused", "two_launch"])
+def per_token_path(request, monkeypatch):
+    """The per-token path under test: one launch of the cluster kernel (sm_90+, the default where the slices fit
+    shared memory) or the shrink and expand kernels (``PUNICA_HF_FUSED=0``). Calls on the tiled path ignore it."""
+    monkeypatch.setenv("PUNICA_HF_FUSED", "1" if request.param == "fused" else "0")
+    return request.param
+
+
 def _slots(mapping: str, num_tokens: int, num_slots: int, gen: torch.Generator) -> torch.Tensor:
     if mapping == "distinct":  # every token its own adapter
         return torch.randperm(num_slots, generator=gen)[:num_tokens]
@@ -168,7 +176,7 @@ CASES = [
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
-def test_lora_add_matches_float64_reference(case, dtype):
+def test_lora_add_matches_float64_reference(case, dtype, per_token_path):
     seed = secrets.randbits(31)
     max_rank = case[3]
     y, x, pool, (tables,), slots = _problem(*case, dtype, seed)
@@ -192,12 +200,14 @@ def test_programmatic_launch_changes_nothing(num_tokens, monkeypatch):
     assert torch.equal(outputs[0], outputs[1])
 
 
-def test_unwritten_workspace_is_ignored():
-    """Per-token path: the expand must read only the partials the shrink wrote (rows of each chunk, r < rank).
+def test_unwritten_workspace_is_ignored(monkeypatch):
+    """Two-launch per-token path: the expand must read only the partials the shrink wrote (rows of each chunk,
+    r < rank).
 
     The workspace is likely to reuse a freed all-NaN block of its size (the caching allocator hands back a freed
     block of the same size), so reading an unwritten entry shows up as NaN rows or a large error.
     """
+    monkeypatch.setenv("PUNICA_HF_FUSED", "0")
     seed = secrets.randbits(31)
     num_tokens, hidden_in, max_rank = 64, 2048, 32
     y, x, pool, (tables,), slots = _problem(num_tokens, hidden_in, 1024, max_rank, 8, "random", "mixed",
@@ -212,7 +222,7 @@ def test_unwritten_workspace_is_ignored():
 
 
 @pytest.mark.parametrize("num_tokens", [32, 1024], ids=["per_token", "tiled"])
-def test_unchecked_entry_gives_the_same_bits(num_tokens):
+def test_unchecked_entry_gives_the_same_bits(num_tokens, per_token_path):
     """``lora_add_unchecked`` (the hooks' entry) runs the same kernels as the checked ``lora_add``."""
     y, x, pool, (tables,), slots = _problem(num_tokens, 4096, 1024, 16, 8, "random", "mixed_rank0", torch.bfloat16,
                                             secrets.randbits(31))
@@ -239,7 +249,7 @@ def test_shared_memory_limit_follows_growing_max_rank():
 
 
 @pytest.mark.parametrize("num_tokens", [64, 4096], ids=["per_token", "tiled"])
-def test_repeated_calls_are_deterministic(num_tokens):
+def test_repeated_calls_are_deterministic(num_tokens, per_token_path):
     """Same inputs twice give the same bits: no race between blocks (no atomics are used)."""
     y, x, pool, (tables,), slots = _problem(num_tokens, 4096, 4096, 16, 16, "random", "full", torch.bfloat16,
                                             secrets.randbits(31))
@@ -252,7 +262,7 @@ def test_repeated_calls_are_deterministic(num_tokens):
 
 
 @pytest.mark.parametrize("num_tokens", [64, 512], ids=["per_token", "tiled"])
-def test_cuda_graph_replay_follows_new_slots_offsets_and_ranks(num_tokens, monkeypatch):
+def test_cuda_graph_replay_follows_new_slots_offsets_and_ranks(num_tokens, monkeypatch, per_token_path):
     """A captured call reads the slots, offsets and ranks in place: new values in the same tensors are followed."""
     monkeypatch.setenv("PUNICA_HF_BACKEND", "cuda")
     seed = secrets.randbits(31)
@@ -344,7 +354,7 @@ def _group_problem(num_tokens, hidden_in, widths, max_rank, num_slots, mapping, 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("case", GROUP_CASES, ids=lambda c: "-".join(map(str, c)).replace(", ", "_"))
-def test_lora_delta_matches_float64_reference(case, dtype):
+def test_lora_delta_matches_float64_reference(case, dtype, per_token_path):
     """Each output's columns hold its own projection's update, zeros where a token has none; the memory the output
     is made in was all NaN just before (the caching allocator hands the freed block back)."""
     seed = secrets.randbits(31)
@@ -366,7 +376,7 @@ def test_lora_delta_matches_float64_reference(case, dtype):
 
 
 @pytest.mark.parametrize("case", GROUP_CASES[:5], ids=lambda c: "-".join(map(str, c)).replace(", ", "_"))
-def test_grouped_call_gives_the_bits_of_separate_calls(case):
+def test_grouped_call_gives_the_bits_of_separate_calls(case, per_token_path):
     """Per-token path: output g of one grouped call is bit for bit ``lora_add`` into zeros with table row g."""
     x, pool, tables, stacked, slots = _group_problem(*case, torch.bfloat16, secrets.randbits(31))
     widths, max_rank = case[2], case[3]
@@ -381,7 +391,7 @@ def test_grouped_call_gives_the_bits_of_separate_calls(case):
     assert torch.equal(delta, torch.cat(separate, dim=1))
 
 
-def test_lora_delta_in_a_cuda_graph_and_compiled_follows_new_tables(monkeypatch):
+def test_lora_delta_in_a_cuda_graph_and_compiled_follows_new_tables(monkeypatch, per_token_path):
     """Captured once and compiled once: new slots and new table values in the same tensors are followed."""
     monkeypatch.setenv("PUNICA_HF_BACKEND", "cuda")
     seed = secrets.randbits(31)
@@ -426,6 +436,36 @@ def test_lora_delta_in_a_cuda_graph_and_compiled_follows_new_tables(monkeypatch)
                     _assert_matches(delta[:, first : first + width], zeros, expected, slot_buffer, row.ranks,
                                     torch.bfloat16, f"{name}, {mapping}, output {g}, seed {seed}")
                 first += width
+
+
+def _kernel_names(call) -> set[str]:
+    """Names of the CUDA kernels ``call()`` launches."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+        call()
+        torch.cuda.synchronize()
+    return {event.name for event in profile.events() if event.device_type == torch.autograd.DeviceType.CUDA}
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] < 9, reason="needs sm_90")
+@pytest.mark.parametrize(
+    "setting, num_tokens, max_rank, fused",
+    [("1", 32, 16, True), ("1", 64, 16, True), ("0", 32, 16, False), ("1", 32, 128, False), ("1", 65, 16, False)],
+    ids=["rank16", "64_tokens", "switched_off", "rank128_too_large", "65_tokens"],
+)
+def test_decode_call_takes_the_fused_path_where_it_fits(setting, num_tokens, max_rank, fused, monkeypatch):
+    """A Llama-3-8B gate projection at decode runs one cluster kernel at rank 16 up to 64 tokens (its slices fit
+    shared memory), the shrink and expand kernels at rank 128, above 64 tokens or with ``PUNICA_HF_FUSED=0``;
+    each computes the right thing."""
+    monkeypatch.setenv("PUNICA_HF_FUSED", setting)
+    seed = secrets.randbits(31)
+    y, x, pool, (tables,), slots = _problem(num_tokens, 4096, 14336, max_rank, 128, "distinct", "full",
+                                            torch.bfloat16, seed)
+    y_in = y.clone()
+    expected = _reference(y, x, pool, tables, slots, max_rank)
+    names = " ".join(_kernel_names(lambda: _run(y, x, pool, tables, slots, max_rank)))
+    assert ("fused_chunk_kernel" in names) == fused, names
+    assert ("shrink_chunk_kernel" in names) == (not fused), names
+    _assert_matches(y, y_in, expected, slots, tables.ranks, torch.bfloat16, f"seed {seed}")
 
 
 def test_unsupported_inputs_raise_value_error():

@@ -1,0 +1,233 @@
+// Fused per-token path (sm_90+): shrink and expand in one launch. A thread-block cluster of kCluster blocks serves
+// one chunk (chunks.cuh) for one output: block i of the cluster dots K slice i of A with the chunk's x, the
+// cluster sums its kCluster partial v through distributed shared memory, and block i then expands column slice i
+// of Bt. Every byte a block needs (its A and Bt slices, the chunk's x slice, and y when adding) is requested by
+// cp.async right after the chunk lookup, so a call costs one memory round trip plus its bytes, and the partials
+// never leave the chip: half the launches of the two-kernel path, no workspace, no wait between grids.
+//   grid (T * kCluster, 1, G), clusters (kCluster, 1, 1): block (position p, part i, output g).
+//   Dynamic shared memory: A [max_rank][K slice], Bt [max_rank][N slice], x [kChunk][K slice],
+//   y [kChunk][N slice] (adding only), then partials and v [kChunk][max_rank] fp32.
+// Written y (accumulate = 0): a position whose token has no adapter (or rank 0 for this output) zeroes its own row
+// slice; every other row is written by the cluster of its chunk, so no two blocks touch one element.
+#include <cooperative_groups.h>
+
+#include <algorithm>
+
+#include "chunks.cuh"
+
+namespace punica {
+namespace {
+
+namespace cg = cooperative_groups;
+
+constexpr int kCluster = 8;            // blocks per cluster: K and N are cut into this many slices
+constexpr int kFusedThreads = 256;
+constexpr int kFusedWarps = kFusedThreads / 32;
+// Where the fused kernel runs (H200, bench_ops, 2026-12-03): it beats the two launches by up to 20 % at 1-32
+// tokens and when tokens share adapters, ties at 32 distinct adapters, and loses at 64+ distinct adapters (one
+// memory round trip per block, nothing overlapping it) and when a block's slices take most of a multiprocessor's
+// shared memory (rank 64: 141 KB, one block per multiprocessor).
+constexpr int kFusedMaxTokens = 64;
+constexpr size_t kFusedMaxSmem = 100 * 1024;  // two blocks per multiprocessor
+constexpr int kFusedMinBlocks = 4;           // registers for four blocks per multiprocessor (smem permitting)
+static_assert(kChunk == 4, "the shrink reduces 2 rows x kChunk tokens with one warp_sum_8");
+
+// Elements of one of kCluster slices of `size`, rounded up to whole 16-byte vectors.
+template <typename T>
+__host__ __device__ int slice_of(int size) {
+  constexpr int kVec = Vec<T>::kSize;
+  return ((size + kCluster - 1) / kCluster + kVec - 1) / kVec * kVec;
+}
+
+template <typename T>
+size_t fused_smem_bytes(int hidden_in, int widest_out, int max_rank, bool accumulate) {
+  const size_t k_slice = slice_of<T>(hidden_in), n_slice = slice_of<T>(widest_out);
+  const size_t elements = max_rank * (k_slice + n_slice) + kChunk * (k_slice + (accumulate ? n_slice : 0));
+  return elements * sizeof(T) + 2 * static_cast<size_t>(kChunk) * max_rank * sizeof(float);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kFusedThreads, kFusedMinBlocks)
+fused_chunk_kernel(T* __restrict__ y, const T* __restrict__ x, const T* __restrict__ pool,
+                   const int64_t* __restrict__ a_offsets, const int64_t* __restrict__ b_offsets,
+                   const int32_t* __restrict__ lora_ranks, const int32_t* __restrict__ sorted_token_ids,
+                   const int32_t* __restrict__ sorted_slots, int num_tokens, int hidden_in,
+                   const __grid_constant__ OutputColumns columns, int max_rank, int num_slots, bool accumulate) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+  __trap();  // clusters need sm_90: the binding never sets `fused` below it
+#else
+  constexpr int kVec = Vec<T>::kSize;
+  const cg::cluster_group cluster = cg::this_cluster();
+  const int part = static_cast<int>(cluster.block_rank());
+  const int position = blockIdx.x / kCluster;
+  const int output = blockIdx.z;
+  const int hidden_out = columns.begin[output + 1] - columns.begin[output];
+  const size_t row_width = columns.begin[columns.count];
+  y += columns.begin[output];
+  a_offsets += static_cast<size_t>(output) * num_slots;
+  b_offsets += static_cast<size_t>(output) * num_slots;
+  lora_ranks += static_cast<size_t>(output) * num_slots;
+
+  // This block's K elements [k0, k0 + k_vectors * kVec) and columns [n0, n0 + n_vectors * kVec) of its output.
+  const int k_slice = slice_of<T>(hidden_in), n_slice = slice_of<T>(hidden_out);
+  const int k0 = part * k_slice, n0 = part * n_slice;
+  const int k_vectors = max(0, min(k_slice, hidden_in - k0)) / kVec;
+  const int n_vectors = max(0, min(n_slice, hidden_out - n0)) / kVec;
+  // Tiles are laid out with this output's slice widths: within the space sized by the widest output.
+  const int k_stride = k_slice / kVec, n_stride = n_slice / kVec;
+
+  __shared__ Chunk chunk;
+  find_chunk(sorted_token_ids, sorted_slots, lora_ranks, a_offsets, b_offsets, num_tokens, num_slots, max_rank,
+             position, chunk);
+  const int size = chunk.size;
+  if (size == 0) {  // every block of the cluster sees the same chunk, so all leave here together
+    if (!accumulate && !chunk.position_served) {
+      uint4* row = reinterpret_cast<uint4*>(y + chunk.position_token * row_width + n0);
+      for (int v = threadIdx.x; v < n_vectors; v += kFusedThreads) row[v] = make_uint4(0, 0, 0, 0);
+    }
+    return;
+  }
+  const int rank = chunk.rank;
+  const T* lora_a = pool + chunk.a_offset;
+  const T* lora_bt = pool + chunk.b_offset;
+
+  extern __shared__ uint4 smem_vectors[];
+  uint4* a_tile = smem_vectors;                           // [max_rank][k_stride]
+  uint4* b_tile = a_tile + max_rank * k_stride;           // [max_rank][n_stride]
+  uint4* x_tile = b_tile + max_rank * n_stride;           // [kChunk][k_stride]
+  uint4* y_tile = x_tile + kChunk * k_stride;             // [kChunk][n_stride], adding only
+  float* partials = reinterpret_cast<float*>(y_tile + (accumulate ? kChunk * n_stride : 0));  // [kChunk][max_rank]
+  float* v_shared = partials + kChunk * max_rank;         // [kChunk][max_rank]
+
+  // Two copy groups: what the shrink reads (A, x), then what only the expand reads (Bt, y).
+  for (int e = threadIdx.x; e < rank * k_vectors; e += kFusedThreads) {
+    const int r = e / k_vectors, v = e % k_vectors;
+    cp_async_16(a_tile + r * k_stride + v, lora_a + static_cast<size_t>(r) * hidden_in + k0 + v * kVec, true);
+  }
+  for (int e = threadIdx.x; e < size * k_vectors; e += kFusedThreads) {
+    const int j = e / k_vectors, v = e % k_vectors;
+    cp_async_16(x_tile + j * k_stride + v, x + static_cast<size_t>(chunk.tokens[j]) * hidden_in + k0 + v * kVec,
+                true);
+  }
+  cp_async_commit();
+  for (int e = threadIdx.x; e < rank * n_vectors; e += kFusedThreads) {
+    const int r = e / n_vectors, v = e % n_vectors;
+    cp_async_16(b_tile + r * n_stride + v, lora_bt + static_cast<size_t>(r) * hidden_out + n0 + v * kVec, true);
+  }
+  for (int e = threadIdx.x; accumulate && e < size * n_vectors; e += kFusedThreads) {
+    const int j = e / n_vectors, v = e % n_vectors;
+    cp_async_16(y_tile + j * n_stride + v, y + chunk.tokens[j] * row_width + n0 + v * kVec, true);
+  }
+  cp_async_commit();
+  cp_async_wait<1>();
+  __syncthreads();
+
+  // Shrink: warp w takes row pairs (r, r + 8), r = w + 16 m; lane l sums vectors l, l + 32, ... of the slice for
+  // each (row, token), and one warp_sum_8 reduces the 2 x kChunk dots. Every (token < size, row < rank) entry
+  // of `partials` is written, zero for a block past the end of K.
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  for (int r0 = warp; r0 < rank; r0 += 2 * kFusedWarps) {
+    float dots[2 * kChunk] = {};
+    for (int v = lane; v < k_vectors; v += 32) {
+      float a_values[2][kVec] = {};
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        if (r0 + h * kFusedWarps < rank) widen<T>(a_tile[(r0 + h * kFusedWarps) * k_stride + v], a_values[h]);
+      }
+#pragma unroll
+      for (int j = 0; j < kChunk; ++j) {
+        if (j >= size) break;  // uniform over the warp: a chunk of one token (distinct adapters) dots once
+        float x_values[kVec];
+        widen<T>(x_tile[j * k_stride + v], x_values);
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+          for (int e = 0; e < kVec; ++e) dots[h * kChunk + j] = fmaf(a_values[h][e], x_values[e], dots[h * kChunk + j]);
+      }
+    }
+    const float sum = warp_sum_8(dots);
+    const int entry = (lane >> 2) & 7, row = r0 + entry / kChunk * kFusedWarps, j = entry % kChunk;
+    if (lane % 4 == 0 && row < rank && j < size) partials[j * max_rank + row] = sum;
+  }
+
+  // v = the cluster's partials summed in block order (the same sum in every block of the cluster).
+  cluster.sync();
+  for (int e = threadIdx.x; e < size * rank; e += kFusedThreads) {
+    const int j = e / rank, r = e % rank;
+    float sum = 0.f;
+#pragma unroll
+    for (int i = 0; i < kCluster; ++i) sum += cluster.map_shared_rank(partials, i)[j * max_rank + r];
+    v_shared[j * max_rank + r] = sum;
+  }
+  cluster.barrier_arrive();  // this block is done reading the others' partials; they may leave once all are
+  cp_async_wait<0>();
+  __syncthreads();
+
+  // Expand: thread items (token j, column vector v): sum over the rank of v[j, r] * Bt[r, v], y added when asked.
+  for (int item = threadIdx.x; item < size * n_vectors; item += kFusedThreads) {
+    const int j = item / n_vectors, v = item % n_vectors;
+    const float* v_row = v_shared + j * max_rank;
+    float acc[kVec] = {};
+    if (accumulate) widen<T>(y_tile[j * n_stride + v], acc);
+#pragma unroll 4
+    for (int r = 0; r < rank; ++r) {
+      float b_values[kVec];
+      widen<T>(b_tile[r * n_stride + v], b_values);
+      const float coefficient = v_row[r];
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) acc[e] = fmaf(b_values[e], coefficient, acc[e]);
+    }
+    *reinterpret_cast<uint4*>(y + chunk.tokens[j] * row_width + n0 + v * kVec) = narrow<T>(acc);
+  }
+  cluster.barrier_wait();  // no block leaves while another may still read its partials
+#endif
+}
+
+int widest_output(const PunicaLoraProblem& p) {
+  int widest = 0;
+  for (int g = 0; g < p.num_outputs; ++g) widest = std::max(widest, p.output_columns[g + 1] - p.output_columns[g]);
+  return widest;
+}
+
+template <typename T>
+size_t smem_bytes(const PunicaLoraProblem& p) {
+  return fused_smem_bytes<T>(p.hidden_in, widest_output(p), p.max_rank, p.accumulate != 0);
+}
+
+template <typename T>
+cudaError_t launch(const PunicaLoraProblem& p, cudaStream_t stream) {
+  const size_t smem = smem_bytes<T>(p);
+  static DynamicSmemLimit smem_limit;
+  const cudaError_t err = smem_limit.ensure(reinterpret_cast<const void*>(fused_chunk_kernel<T>), p.device, smem);
+  if (err != cudaSuccess) return err;
+  OutputColumns columns{};
+  columns.count = p.num_outputs;
+  for (int g = 0; g <= p.num_outputs; ++g) columns.begin[g] = p.output_columns[g];
+  LaunchOptions options;
+  options.cluster = kCluster;
+  return launch_kernel(fused_chunk_kernel<T>, dim3(p.num_tokens * kCluster, 1, p.num_outputs),
+                       dim3(kFusedThreads), smem, stream, options, static_cast<T*>(p.y),
+                       static_cast<const T*>(p.x), static_cast<const T*>(p.pool), p.a_offsets, p.b_offsets,
+                       p.lora_ranks, p.sorted_token_ids, p.sorted_slots, p.num_tokens, p.hidden_in, columns,
+                       p.max_rank, p.num_slots, p.accumulate != 0);
+}
+
+}  // namespace
+}  // namespace punica
+
+bool punica_fused_fits(const PunicaLoraProblem& p) {
+  if (!p.fused || p.num_tokens > punica::kFusedMaxTokens) return false;
+  switch (p.dtype) {
+    case PUNICA_FLOAT32: return punica::smem_bytes<float>(p) <= punica::kFusedMaxSmem;
+    default: return punica::smem_bytes<__half>(p) <= punica::kFusedMaxSmem;
+  }
+}
+
+cudaError_t punica_fused_launch(const PunicaLoraProblem& p, cudaStream_t stream) {
+  switch (p.dtype) {
+    case PUNICA_FLOAT32: return punica::launch<float>(p, stream);
+    case PUNICA_FLOAT16: return punica::launch<__half>(p, stream);
+    case PUNICA_BFLOAT16: return punica::launch<__nv_bfloat16>(p, stream);
+  }
+  return cudaErrorInvalidValue;
+}
