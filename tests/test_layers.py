@@ -272,6 +272,24 @@ def _(x, pool, a_offsets, b_offsets, lora_ranks, token_slots, num_slots, max_ran
     return x.new_empty(x.shape[0], sum(out_features))
 
 
+def test_hooks_keep_no_instance_dict_and_survive_a_deep_copy(base, tmp_path):
+    """A compiled forward guards every hook object at every call; an instance __dict__ adds a guard per method the
+    hook calls (Dynamo checks it does not shadow the class's). Hooks and groups keep their state in slots, and a
+    deep copy of the wrapped model still carries working hooks with their groups."""
+    wrapped = MultiLoraModel(copy.deepcopy(base), max_adapters=2, max_rank=8)
+    targets = ["q_proj", "k_proj", "v_proj"]
+    wrapped.load_adapters({"a": save_peft_adapter(base, tmp_path / "a", r=4, target_modules=targets)})
+    hooks = list(wrapped._store.hooks.values())
+    assert hooks and all(not hasattr(hook, "__dict__") for hook in hooks)
+    assert all(hook.group is not None and not hasattr(hook.group, "__dict__") for hook in hooks)
+    ids = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    with torch.no_grad():
+        expected = wrapped(input_ids=ids, adapter_ids=["a", None]).logits
+        copied = copy.deepcopy(wrapped)
+        torch.testing.assert_close(copied(input_ids=ids, adapter_ids=["a", None]).logits, expected, rtol=0, atol=0)
+        assert not torch.equal(expected[0], wrapped(input_ids=ids, adapter_ids=[None, None]).logits[0])
+
+
 def test_compiled_forward_takes_the_tables_once_not_per_hook(base, tmp_path, monkeypatch):
     """Each graph input costs host time at every compiled call: the hooks must add a fixed few, not three each.
     Projections that share their input make one grouped call: q/k/v and gate/up one each, o and down their own."""
