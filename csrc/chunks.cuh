@@ -21,6 +21,22 @@ struct OutputColumns {
   int count;
 };
 
+// Host side of a call's outputs: the kernel parameter, and the widest output's width in elements.
+inline OutputColumns output_columns_of(const PunicaLoraProblem& p) {
+  OutputColumns columns{};
+  columns.count = p.num_outputs;
+  for (int g = 0; g <= p.num_outputs; ++g) columns.begin[g] = p.output_columns[g];
+  return columns;
+}
+inline int widest_output(const PunicaLoraProblem& p) {
+  int widest = 0;
+  for (int g = 0; g < p.num_outputs; ++g) {
+    const int width = p.output_columns[g + 1] - p.output_columns[g];
+    if (width > widest) widest = width;
+  }
+  return widest;
+}
+
 // The chunk a block at sorted position `position` serves; size 0 when the position does not start a chunk, has
 // no adapter, or its slot's rank is 0 (nothing to do).
 struct Chunk {

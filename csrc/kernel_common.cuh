@@ -106,25 +106,33 @@ constexpr int kTiledMaxRank = 128;
 // caller's device guard makes that `device`). A limit is never lowered, so concurrent callers are safe.
 class DynamicSmemLimit {
  public:
-  cudaError_t ensure(const void* kernel, int device, size_t bytes) {
-    if (device < 0 || device >= PUNICA_MAX_DEVICES)  // not cached: set it every time
-      return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
+  // large_clusters: also allow clusters above the portable 8 blocks (set with the limit, so once per device).
+  cudaError_t ensure(const void* kernel, int device, size_t bytes, bool large_clusters = false) {
+    if (device < 0 || device >= PUNICA_MAX_DEVICES) return set(kernel, bytes, large_clusters);  // not cached
     if (raised_[device].load(std::memory_order_acquire) >= bytes + 1) return cudaSuccess;
     const std::lock_guard<std::mutex> lock(mutex_);
     if (raised_[device].load(std::memory_order_relaxed) >= bytes + 1) return cudaSuccess;
-    const cudaError_t err =
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
+    const cudaError_t err = set(kernel, bytes, large_clusters);
     if (err == cudaSuccess) raised_[device].store(bytes + 1, std::memory_order_release);
     return err;
   }
 
  private:
+  static cudaError_t set(const void* kernel, size_t bytes, bool large_clusters) {
+    if (large_clusters) {
+      const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+      if (err != cudaSuccess) return err;
+    }
+    return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
+  }
+
   std::atomic<size_t> raised_[PUNICA_MAX_DEVICES] = {};  // per device: the limit set + 1, 0 = never set
   std::mutex mutex_;
 };
 
-// How a kernel is launched. programmatic: the grid may start while the previous kernel of the stream (which must
-// call allow_dependent_launch) still runs, and must wait_for_primary_grid before reading that kernel's output
+// How a kernel is launched. programmatic: the grid may start while the previous kernel of the stream still runs
+// (once that kernel calls allow_dependent_launch, or as its last blocks exit), and must wait_for_primary_grid
+// before reading that kernel's output
 // (captured in a CUDA graph as a programmatic edge). cluster: blocks per thread-block cluster along x (sm_90+;
 // grid.x a multiple of it), 1 = no clusters.
 struct LaunchOptions {

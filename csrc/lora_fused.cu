@@ -1,17 +1,15 @@
-// Fused per-token path (sm_90+): shrink and expand in one launch. A thread-block cluster of kCluster blocks serves
-// one chunk (chunks.cuh) for one output: block i of the cluster dots K slice i of A with the chunk's x, the
-// cluster sums its kCluster partial v through distributed shared memory, and block i then expands column slice i
-// of Bt. Every byte a block needs (its A and Bt slices, the chunk's x slice, and y when adding) is requested by
+// Fused per-token path (sm_90+): shrink and expand in one launch. A thread-block cluster of Cluster blocks (8, or
+// 16 where the slices of 8 would fill shared memory) serves one chunk (chunks.cuh) for one output: block i of the
+// cluster dots K slice i of A with the chunk's x, the cluster sums its Cluster partial v through distributed
+// shared memory, and block i then expands column slice i of Bt. Every byte a block needs (its A and Bt slices, the chunk's x slice, and y when adding) is requested by
 // cp.async right after the chunk lookup, so a call costs one memory round trip plus its bytes, and the partials
 // never leave the chip: half the launches of the two-kernel path, no workspace, no wait between grids.
-//   grid (T * kCluster, 1, G), clusters (kCluster, 1, 1): block (position p, part i, output g).
+//   grid (T * Cluster, 1, G), clusters (Cluster, 1, 1): block (position p, part i, output g).
 //   Dynamic shared memory: A [max_rank][K slice], Bt [max_rank][N slice], x [kChunk][K slice],
 //   y [kChunk][N slice] (adding only), then partials and v [kChunk][max_rank] fp32.
 // Written y (accumulate = 0): a position whose token has no adapter (or rank 0 for this output) zeroes its own row
 // slice; every other row is written by the cluster of its chunk, so no two blocks touch one element.
 #include <cooperative_groups.h>
-
-#include <algorithm>
 
 #include "chunks.cuh"
 
@@ -20,7 +18,15 @@ namespace {
 
 namespace cg = cooperative_groups;
 
-constexpr int kCluster = 8;            // blocks per cluster: K and N are cut into this many slices
+// Blocks per cluster: K and N are cut into this many slices. Calls with a wide input (Llama-3-8B's down projection:
+// A and x slices of 72 KB per block in clusters of 8, two blocks per multiprocessor whose loads all start and end
+// together) take clusters of 16 (the largest sm_90 allows, non-portable): half the bytes per block, four blocks per
+// multiprocessor at different phases of their round trips (down projection 22.5 -> 20.2 us in bench_ops, 17.4 ->
+// 15.3 us in a compiled decode step; wide outputs gained nothing in the step, so the choice looks at the K side
+// only). It depends on hidden_in and max_rank alone: a projection's bits are the same alone and in a group.
+constexpr int kCluster = 8;
+constexpr int kWideCluster = 16;
+constexpr size_t kWideKSmem = 48 * 1024;  // A and x slices above it in clusters of 8: clusters of 16
 constexpr int kFusedThreads = 256;
 constexpr int kFusedWarps = kFusedThreads / 32;
 // Where the fused kernel runs (H200, bench_ops, 2026-12-03): it beats the two launches by up to 20 % at 1-32
@@ -32,21 +38,21 @@ constexpr size_t kFusedMaxSmem = 100 * 1024;  // two blocks per multiprocessor
 constexpr int kFusedMinBlocks = 4;           // registers for four blocks per multiprocessor (smem permitting)
 static_assert(kChunk == 4, "the shrink reduces 2 rows x kChunk tokens with one warp_sum_8");
 
-// Elements of one of kCluster slices of `size`, rounded up to whole 16-byte vectors.
+// Elements of one of `parts` slices of `size`, rounded up to whole 16-byte vectors.
 template <typename T>
-__host__ __device__ int slice_of(int size) {
+__host__ __device__ int slice_of(int size, int parts) {
   constexpr int kVec = Vec<T>::kSize;
-  return ((size + kCluster - 1) / kCluster + kVec - 1) / kVec * kVec;
+  return ((size + parts - 1) / parts + kVec - 1) / kVec * kVec;
 }
 
 template <typename T>
-size_t fused_smem_bytes(int hidden_in, int widest_out, int max_rank, bool accumulate) {
-  const size_t k_slice = slice_of<T>(hidden_in), n_slice = slice_of<T>(widest_out);
+size_t fused_smem_bytes(int hidden_in, int widest_out, int max_rank, bool accumulate, int cluster) {
+  const size_t k_slice = slice_of<T>(hidden_in, cluster), n_slice = slice_of<T>(widest_out, cluster);
   const size_t elements = max_rank * (k_slice + n_slice) + kChunk * (k_slice + (accumulate ? n_slice : 0));
   return elements * sizeof(T) + 2 * static_cast<size_t>(kChunk) * max_rank * sizeof(float);
 }
 
-template <typename T>
+template <typename T, int Cluster>
 __global__ void __launch_bounds__(kFusedThreads, kFusedMinBlocks)
 fused_chunk_kernel(T* __restrict__ y, const T* __restrict__ x, const T* __restrict__ pool,
                    const int64_t* __restrict__ a_offsets, const int64_t* __restrict__ b_offsets,
@@ -59,7 +65,7 @@ fused_chunk_kernel(T* __restrict__ y, const T* __restrict__ x, const T* __restri
   constexpr int kVec = Vec<T>::kSize;
   const cg::cluster_group cluster = cg::this_cluster();
   const int part = static_cast<int>(cluster.block_rank());
-  const int position = blockIdx.x / kCluster;
+  const int position = blockIdx.x / Cluster;
   const int output = blockIdx.z;
   const int hidden_out = columns.begin[output + 1] - columns.begin[output];
   const size_t row_width = columns.begin[columns.count];
@@ -69,13 +75,16 @@ fused_chunk_kernel(T* __restrict__ y, const T* __restrict__ x, const T* __restri
   lora_ranks += static_cast<size_t>(output) * num_slots;
 
   // This block's K elements [k0, k0 + k_vectors * kVec) and columns [n0, n0 + n_vectors * kVec) of its output.
-  const int k_slice = slice_of<T>(hidden_in), n_slice = slice_of<T>(hidden_out);
+  const int k_slice = slice_of<T>(hidden_in, Cluster), n_slice = slice_of<T>(hidden_out, Cluster);
   const int k0 = part * k_slice, n0 = part * n_slice;
   const int k_vectors = max(0, min(k_slice, hidden_in - k0)) / kVec;
   const int n_vectors = max(0, min(n_slice, hidden_out - n0)) / kVec;
   // Tiles are laid out with this output's slice widths: within the space sized by the widest output.
   const int k_stride = k_slice / kVec, n_stride = n_slice / kVec;
 
+  // Launched as a dependent grid (PDL), the blocks are placed while the previous kernel drains; nothing this
+  // kernel reads or writes is touched before that kernel is done (tables and segments may come from it).
+  wait_for_primary_grid();
   __shared__ Chunk chunk;
   find_chunk(sorted_token_ids, sorted_slots, lora_ranks, a_offsets, b_offsets, num_tokens, num_slots, max_rank,
              position, chunk);
@@ -156,7 +165,7 @@ fused_chunk_kernel(T* __restrict__ y, const T* __restrict__ x, const T* __restri
     const int j = e / rank, r = e % rank;
     float sum = 0.f;
 #pragma unroll
-    for (int i = 0; i < kCluster; ++i) sum += cluster.map_shared_rank(partials, i)[j * max_rank + r];
+    for (int i = 0; i < Cluster; ++i) sum += cluster.map_shared_rank(partials, i)[j * max_rank + r];
     v_shared[j * max_rank + r] = sum;
   }
   cluster.barrier_arrive();  // this block is done reading the others' partials; they may leave once all are
@@ -183,33 +192,35 @@ fused_chunk_kernel(T* __restrict__ y, const T* __restrict__ x, const T* __restri
 #endif
 }
 
-int widest_output(const PunicaLoraProblem& p) {
-  int widest = 0;
-  for (int g = 0; g < p.num_outputs; ++g) widest = std::max(widest, p.output_columns[g + 1] - p.output_columns[g]);
-  return widest;
+// Blocks per cluster for `p`, and the dynamic shared memory of one block.
+template <typename T>
+int cluster_for(const PunicaLoraProblem& p, size_t* smem) {
+  const size_t k_side = static_cast<size_t>(p.max_rank + kChunk) * slice_of<T>(p.hidden_in, kCluster) * sizeof(T);
+  const int cluster = k_side > kWideKSmem ? kWideCluster : kCluster;
+  *smem = fused_smem_bytes<T>(p.hidden_in, widest_output(p), p.max_rank, p.accumulate != 0, cluster);
+  return cluster;
 }
 
-template <typename T>
-size_t smem_bytes(const PunicaLoraProblem& p) {
-  return fused_smem_bytes<T>(p.hidden_in, widest_output(p), p.max_rank, p.accumulate != 0);
+template <typename T, int Cluster>
+cudaError_t launch_clusters(const PunicaLoraProblem& p, size_t smem, cudaStream_t stream) {
+  static DynamicSmemLimit smem_limit;
+  const auto kernel = fused_chunk_kernel<T, Cluster>;
+  const cudaError_t err = smem_limit.ensure(reinterpret_cast<const void*>(kernel), p.device, smem, Cluster > 8);
+  if (err != cudaSuccess) return err;
+  LaunchOptions options;
+  options.cluster = Cluster;
+  options.programmatic = p.programmatic_launch != 0;
+  return launch_kernel(kernel, dim3(p.num_tokens * Cluster, 1, p.num_outputs), dim3(kFusedThreads), smem, stream,
+                       options, static_cast<T*>(p.y), static_cast<const T*>(p.x), static_cast<const T*>(p.pool),
+                       p.a_offsets, p.b_offsets, p.lora_ranks, p.sorted_token_ids, p.sorted_slots, p.num_tokens,
+                       p.hidden_in, output_columns_of(p), p.max_rank, p.num_slots, p.accumulate != 0);
 }
 
 template <typename T>
 cudaError_t launch(const PunicaLoraProblem& p, cudaStream_t stream) {
-  const size_t smem = smem_bytes<T>(p);
-  static DynamicSmemLimit smem_limit;
-  const cudaError_t err = smem_limit.ensure(reinterpret_cast<const void*>(fused_chunk_kernel<T>), p.device, smem);
-  if (err != cudaSuccess) return err;
-  OutputColumns columns{};
-  columns.count = p.num_outputs;
-  for (int g = 0; g <= p.num_outputs; ++g) columns.begin[g] = p.output_columns[g];
-  LaunchOptions options;
-  options.cluster = kCluster;
-  return launch_kernel(fused_chunk_kernel<T>, dim3(p.num_tokens * kCluster, 1, p.num_outputs),
-                       dim3(kFusedThreads), smem, stream, options, static_cast<T*>(p.y),
-                       static_cast<const T*>(p.x), static_cast<const T*>(p.pool), p.a_offsets, p.b_offsets,
-                       p.lora_ranks, p.sorted_token_ids, p.sorted_slots, p.num_tokens, p.hidden_in, columns,
-                       p.max_rank, p.num_slots, p.accumulate != 0);
+  size_t smem = 0;
+  return cluster_for<T>(p, &smem) == kCluster ? launch_clusters<T, kCluster>(p, smem, stream)
+                                              : launch_clusters<T, kWideCluster>(p, smem, stream);
 }
 
 }  // namespace
@@ -217,10 +228,10 @@ cudaError_t launch(const PunicaLoraProblem& p, cudaStream_t stream) {
 
 bool punica_fused_fits(const PunicaLoraProblem& p) {
   if (!p.fused || p.num_tokens > punica::kFusedMaxTokens) return false;
-  switch (p.dtype) {
-    case PUNICA_FLOAT32: return punica::smem_bytes<float>(p) <= punica::kFusedMaxSmem;
-    default: return punica::smem_bytes<__half>(p) <= punica::kFusedMaxSmem;
-  }
+  // Measured against the slices of clusters of 8 even where 16 run: rank 64 (141 KB at 4096) stays on two launches.
+  const int widest = punica::widest_output(p);
+  const auto bytes = p.dtype == PUNICA_FLOAT32 ? punica::fused_smem_bytes<float> : punica::fused_smem_bytes<__half>;
+  return bytes(p.hidden_in, widest, p.max_rank, p.accumulate != 0, punica::kCluster) <= punica::kFusedMaxSmem;
 }
 
 cudaError_t punica_fused_launch(const PunicaLoraProblem& p, cudaStream_t stream) {

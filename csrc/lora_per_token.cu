@@ -330,12 +330,7 @@ cudaError_t launch_shrink(const PunicaLoraProblem& p, float* v_partial, int num_
 // Column chunks of the widest output: the expand grid's y extent.
 template <typename T>
 int widest_col_chunks(const PunicaLoraProblem& p) {
-  int widest = 0;
-  for (int g = 0; g < p.num_outputs; ++g) {
-    const int width = p.output_columns[g + 1] - p.output_columns[g];
-    if (width > widest) widest = width;
-  }
-  return (widest + slice_elems<T>() - 1) / slice_elems<T>();
+  return (widest_output(p) + slice_elems<T>() - 1) / slice_elems<T>();
 }
 
 template <typename T, int kGroup>
@@ -345,14 +340,12 @@ cudaError_t launch_expand(const PunicaLoraProblem& p, const float* v_partial, in
   const cudaError_t err =
       smem_limit.ensure(reinterpret_cast<const void*>(expand_chunk_kernel<T, kGroup>), p.device, smem);
   if (err != cudaSuccess) return err;
-  OutputColumns columns{};
-  columns.count = p.num_outputs;
-  for (int g = 0; g <= p.num_outputs; ++g) columns.begin[g] = p.output_columns[g];
   return launch_kernel(expand_chunk_kernel<T, kGroup>,
                        dim3(p.num_tokens, (widest_col_chunks<T>(p) + kGroup - 1) / kGroup, p.num_outputs),
                        dim3(kThreads), smem, stream, LaunchOptions{p.programmatic_launch != 0}, static_cast<T*>(p.y),
                        static_cast<const T*>(p.pool), p.b_offsets, p.lora_ranks, p.sorted_token_ids, p.sorted_slots,
-                       v_partial, p.num_tokens, columns, p.max_rank, p.num_slots, num_slices, p.accumulate != 0);
+                       v_partial, p.num_tokens, output_columns_of(p), p.max_rank, p.num_slots, num_slices,
+                       p.accumulate != 0);
 }
 
 template <typename T>

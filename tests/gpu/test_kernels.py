@@ -10,6 +10,7 @@ block: a read outside an adapter's own factors shows up as NaN. Imports only ``p
 from __future__ import annotations
 
 import dataclasses
+import re
 import secrets
 import subprocess
 import sys
@@ -151,6 +152,8 @@ CASES = [
     (17, 1024, 2048, 8, 3, "one", "full"),  # full chunks and a one-token chunk
     (64, 1000, 1008, 64, 64, "distinct", "mixed"),  # non-power-of-2 hidden sizes
     (64, 4096, 4096, 16, 8, "random", "mixed_rank0"),
+    (48, 14336, 4096, 16, 48, "random", "mixed_rank0"),  # a wide input: clusters of 16 (fused path, 16-bit)
+    (20, 12296, 1000, 12, 5, "one", "full"),  # clusters of 16 with short last K and column slices
     (64, 2048, 2048, 64, 4, "one", "full"),
     (100, 5120, 13824, 13, 7, "random", "mixed"),  # odd ranks
     (250, 1024, 2056, 32, 5, "requests", "mixed_rank0"),  # long segments, chunk ends not at segment ends
@@ -261,6 +264,49 @@ def test_repeated_calls_are_deterministic(num_tokens, per_token_path):
     assert torch.equal(outputs[0], outputs[1])
 
 
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] < 9, reason="needs sm_90")
+@pytest.mark.parametrize("written_last", ["x", "y", "ranks"])
+@pytest.mark.parametrize("hidden_in", [4096, 14336], ids=["cluster8", "cluster16"])
+def test_dependent_launch_reads_what_the_kernel_before_wrote(hidden_in, written_last, monkeypatch):
+    """Launched as a dependent grid (PDL), the fused kernel may be placed while the kernel before it still runs:
+    in a CUDA graph (back-to-back launches), x, y or a rank table written by the kernel just before the call must
+    be what the call reads, at every replay."""
+    monkeypatch.setenv("PUNICA_HF_PDL", "1")
+    monkeypatch.setenv("PUNICA_HF_FUSED", "1")
+    seed = secrets.randbits(31)
+    num_slots, max_rank = 64, 16
+    y, x, pool, (tables,), slots = _problem(32, hidden_in, 4096, max_rank, num_slots, "distinct", "mixed_rank0",
+                                            torch.bfloat16, seed)
+    segments = build_segments(slots, num_slots, "cuda")
+    sources = {"x": x.clone(), "y": y.clone(), "ranks": tables.ranks.clone()}
+    buffers = {name: torch.zeros_like(tensor) for name, tensor in sources.items()}
+    order = [name for name in sources if name != written_last] + [written_last]
+
+    def step():
+        for name in order:  # kernels (not copies), so the LoRA launch directly follows one
+            torch.mul(sources[name], 1, out=buffers[name])
+        cuda_ops.lora_add(buffers["y"], buffers["x"], pool, tables.a_offsets, tables.b_offsets, buffers["ranks"],
+                          segments, max_rank)
+
+    step()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    gen = torch.Generator().manual_seed(seed)
+    for replay in range(8):
+        sources["x"].copy_(torch.randn(x.shape, generator=gen).to(x.dtype))
+        sources["y"].copy_(torch.randn(y.shape, generator=gen).to(y.dtype))
+        # each slot's factors hold its rank's rows: any lower rank reads a part of them
+        lower = (tables.ranks.cpu() * torch.rand(num_slots, generator=gen)).round().to(torch.int32)
+        sources["ranks"].copy_(lower)
+        graph.replay()
+        torch.cuda.synchronize()
+        live = dataclasses.replace(tables, ranks=sources["ranks"])
+        expected = _reference(sources["y"], sources["x"], pool, live, slots, max_rank)
+        _assert_matches(buffers["y"], sources["y"], expected, slots, sources["ranks"], torch.bfloat16,
+                        f"replay {replay}, seed {seed}")
+
+
 @pytest.mark.parametrize("num_tokens", [64, 512], ids=["per_token", "tiled"])
 def test_cuda_graph_replay_follows_new_slots_offsets_and_ranks(num_tokens, monkeypatch, per_token_path):
     """A captured call reads the slots, offsets and ranks in place: new values in the same tensors are followed."""
@@ -333,6 +379,7 @@ GROUP_CASES = [
     # tokens, hidden_in, widths, max_rank, slots, mapping, ranks
     (32, 4096, [4096, 1024, 1024], 16, 32, "distinct", "mixed_rank0"),  # Llama-3-8B q/k/v at decode
     (1, 4096, [14336, 14336], 16, 4, "distinct", "full"),  # gate/up
+    (24, 14336, [4096, 1024], 16, 6, "random", "mixed_rank0"),  # a wide input: clusters of 16, written outputs
     (17, 1024, [2048, 8, 512], 8, 3, "one", "full"),  # an output narrower than one column chunk
     (64, 2048, [1024, 2048], 64, 8, "random", "mixed"),
     (100, 5120, [5120, 1024, 1024], 13, 7, "requests", "mixed_rank0"),
@@ -448,23 +495,30 @@ def _kernel_names(call) -> set[str]:
 
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] < 9, reason="needs sm_90")
 @pytest.mark.parametrize(
-    "setting, num_tokens, max_rank, fused",
-    [("1", 32, 16, True), ("1", 64, 16, True), ("0", 32, 16, False), ("1", 32, 128, False), ("1", 65, 16, False)],
-    ids=["rank16", "64_tokens", "switched_off", "rank128_too_large", "65_tokens"],
+    "setting, num_tokens, hidden_in, hidden_out, max_rank, kernel",
+    [("1", 32, 4096, 14336, 16, "fused 8"), ("1", 64, 4096, 14336, 16, "fused 8"),
+     ("1", 32, 14336, 4096, 16, "fused 16"), ("0", 32, 4096, 14336, 16, "two"), ("1", 32, 4096, 14336, 128, "two"),
+     ("1", 65, 4096, 14336, 16, "two")],
+    ids=["gate", "64_tokens", "down", "switched_off", "rank128_too_large", "65_tokens"],
 )
-def test_decode_call_takes_the_fused_path_where_it_fits(setting, num_tokens, max_rank, fused, monkeypatch):
-    """A Llama-3-8B gate projection at decode runs one cluster kernel at rank 16 up to 64 tokens (its slices fit
-    shared memory), the shrink and expand kernels at rank 128, above 64 tokens or with ``PUNICA_HF_FUSED=0``;
-    each computes the right thing."""
+def test_decode_call_takes_the_fused_path_where_it_fits(setting, num_tokens, hidden_in, hidden_out, max_rank,
+                                                        kernel, monkeypatch):
+    """Llama-3-8B projections at decode run one cluster kernel at rank 16 up to 64 tokens (their slices fit shared
+    memory): clusters of 16 for the down projection (its A and x slices would take 72 KB per block in clusters of
+    8), of 8 for the gate projection; the shrink and expand kernels at rank 128, above 64 tokens or with
+    ``PUNICA_HF_FUSED=0``; each computes the right thing."""
     monkeypatch.setenv("PUNICA_HF_FUSED", setting)
     seed = secrets.randbits(31)
-    y, x, pool, (tables,), slots = _problem(num_tokens, 4096, 14336, max_rank, 128, "distinct", "full",
+    y, x, pool, (tables,), slots = _problem(num_tokens, hidden_in, hidden_out, max_rank, 128, "distinct", "full",
                                             torch.bfloat16, seed)
     y_in = y.clone()
     expected = _reference(y, x, pool, tables, slots, max_rank)
     names = " ".join(_kernel_names(lambda: _run(y, x, pool, tables, slots, max_rank)))
+    fused = kernel != "two"
     assert ("fused_chunk_kernel" in names) == fused, names
     assert ("shrink_chunk_kernel" in names) == (not fused), names
+    if fused:
+        assert re.search(rf"fused_chunk_kernel<[^>]*, {kernel.split()[1]}>", names), names
     _assert_matches(y, y_in, expected, slots, tables.ranks, torch.bfloat16, f"seed {seed}")
 
 
