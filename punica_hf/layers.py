@@ -39,11 +39,24 @@ class LoraContext:
     """
 
     def __init__(self) -> None:
+        # Counts hook installs and removals. Dynamo does not guard nn.Module hook dictionaries
+        # (torch._dynamo.config.skip_nnmodule_hook_guards), so a compiled forward would keep running the hooks it
+        # was traced with; ``check_hooks`` makes it guard this number instead, and recompile when hooks change.
+        self.hooks_generation = 0
         self.segments: LoraSegments | None = None
         # Group key -> (the input, its [T, sum of widths] updates, the member that computed them), this forward.
         self.group_deltas: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
         self._on_device: dict[torch.device, LoraSegments] = {}
         self._backends: dict[torch.device, str] = {}
+
+    def hooks_changed(self) -> None:
+        self.hooks_generation += 1
+
+    def check_hooks(self) -> None:
+        """Called by every forward with adapters: under torch.compile the branch makes the trace specialize on
+        ``hooks_generation`` (a guard on its value)."""
+        if self.hooks_generation < 0:
+            raise AssertionError("hooks_generation only grows")
 
     def backend(self, device: torch.device) -> str:
         """The ops backend for ``device``, decided once (eagerly, before any compiled step reads it)."""

@@ -13,14 +13,15 @@ with its own mapping; generate() calls that keep a cache on the model (static ca
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 from collections.abc import Iterable, Mapping, Sequence
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+from torch._dynamo import config as _dynamo_config
 
 from .formats import AdapterWeights, load_adapter_weights
 from .layers import LoraContext
@@ -160,8 +161,13 @@ class MultiLoraModel(nn.Module):
             )
         # A static cache lives on the model between calls: two such calls at once would share it.
         keeps_cache = _keeps_cache_on_model(self.model, kwargs)
-        cache_lock = self._store.cache_generate_lock if keeps_cache else contextlib.nullcontext()
-        with cache_lock:
+        cache_lock = self._store.cache_generate_lock if keeps_cache else nullcontext()
+        # Static caches compile the decode step. Dynamo skips guards on nn.Module hook dictionaries by default, so a
+        # step compiled with graph breaks would keep running, in frames that saw no LoRA hook, without the hooks an
+        # adapter adds later; compiled in here, every frame guards them (a step compiled as one graph also guards
+        # LoraContext.hooks_generation).
+        hook_guards = _dynamo_config.patch(skip_nnmodule_hook_guards=False) if keeps_cache else nullcontext()
+        with cache_lock, hook_guards:
             if entries is None:
                 return self.model.generate(*args, **kwargs)
             with self._store.acquire(entries) as lease:
@@ -254,6 +260,7 @@ class AdapterForward:
         batch_shape = _batch_shape(args, kwargs)
         if batch_shape is None:
             raise ValueError("adapter_ids needs input_ids or inputs_embeds of shape [batch, seq, ...]")
+        self.context.check_hooks()
         if adapter_ids.dim() == 1:
             token_slots = adapter_ids[:, None].expand(batch_shape).reshape(-1)
         else:

@@ -272,6 +272,55 @@ def _(x, pool, a_offsets, b_offsets, lora_ranks, token_slots, num_slots, max_ran
     return x.new_empty(x.shape[0], sum(out_features))
 
 
+def _route_to_opaque_kernels(wrapped: MultiLoraModel, monkeypatch) -> None:
+    """The hooks take their CUDA route, with the opaque CPU ops above standing in for the kernels."""
+    monkeypatch.setattr(wrapped._store.context, "backend", lambda device: "cuda")
+    monkeypatch.setattr(cuda_ops, "DTYPES", (torch.float32,))
+
+    def opaque_kernels(y, x, pool, a_offsets, b_offsets, ranks, segments, max_rank):
+        _opaque_lora_add(y, x, pool, a_offsets, b_offsets, ranks, segments.token_slots, segments.num_slots, max_rank)
+
+    def opaque_grouped_kernels(x, pool, a_offsets, b_offsets, ranks, segments, max_rank, out_features):
+        return _opaque_lora_delta(x, pool, a_offsets, b_offsets, ranks, segments.token_slots, segments.num_slots,
+                                  max_rank, out_features)
+
+    monkeypatch.setattr(cuda_ops, "lora_add_unchecked", opaque_kernels)
+    monkeypatch.setattr(cuda_ops, "lora_delta_unchecked", opaque_grouped_kernels)
+
+
+def test_compiled_forward_follows_hooks_added_after_it_and_unwrap(base, tmp_path, monkeypatch):
+    """Dynamo does not guard module hook dictionaries (``skip_nnmodule_hook_guards``): a forward compiled as one
+    graph must still see a module hooked after its compile (an adapter on new targets: it recompiles, through
+    ``LoraContext.hooks_generation``), and after ``unwrap()`` the compiled call runs the base model."""
+    wrapped = MultiLoraModel(copy.deepcopy(base), max_adapters=2, max_rank=8)
+    wrapped.load_adapters({"a": save_peft_adapter(base, tmp_path / "a", r=4, target_modules=["q_proj"])})
+    _route_to_opaque_kernels(wrapped, monkeypatch)
+    compiles = []
+
+    def backend(graph_module, example_inputs):
+        compiles.append(graph_module)
+        return graph_module.forward
+
+    compiled = torch.compile(wrapped.model, backend=backend, fullgraph=True, dynamic=False)
+    ids = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    try:
+        with torch.no_grad():
+            for adapters in (["a", None], ["b", "a"]):
+                if adapters[0] == "b":  # hooks on o_proj and down_proj, made after the first compile
+                    targets = ["o_proj", "down_proj"]
+                    wrapped.load_adapters({"b": save_peft_adapter(base, tmp_path / "b", r=4, seed=3,
+                                                                  target_modules=targets)})
+                slots = torch.tensor(wrapped.acquire(adapters).slots, dtype=torch.int32)
+                expected = wrapped.model(input_ids=ids, adapter_ids=slots).logits
+                torch.testing.assert_close(compiled(input_ids=ids, adapter_ids=slots).logits, expected, rtol=0,
+                                           atol=0)
+            assert len(compiles) == 2
+            plain = wrapped.unwrap()
+            torch.testing.assert_close(compiled(input_ids=ids).logits, plain(input_ids=ids).logits, rtol=0, atol=0)
+    finally:
+        torch._dynamo.reset()
+
+
 def test_hooks_keep_no_instance_dict_and_survive_a_deep_copy(base, tmp_path):
     """A compiled forward guards every hook object at every call; an instance __dict__ adds a guard per method the
     hook calls (Dynamo checks it does not shadow the class's). Hooks and groups keep their state in slots, and a
@@ -316,19 +365,7 @@ def test_compiled_forward_takes_the_tables_once_not_per_hook(base, tmp_path, mon
     num_hooks = len(wrapped._store.hooks)
     assert num_hooks >= 7 * base.config.num_hidden_layers
 
-    # The CUDA route, with an opaque CPU op standing in for the kernels.
-    monkeypatch.setattr(wrapped._store.context, "backend", lambda device: "cuda")
-    monkeypatch.setattr(cuda_ops, "DTYPES", (torch.float32,))
-
-    def opaque_kernels(y, x, pool, a_offsets, b_offsets, ranks, segments, max_rank):
-        _opaque_lora_add(y, x, pool, a_offsets, b_offsets, ranks, segments.token_slots, segments.num_slots, max_rank)
-
-    def opaque_grouped_kernels(x, pool, a_offsets, b_offsets, ranks, segments, max_rank, out_features):
-        return _opaque_lora_delta(x, pool, a_offsets, b_offsets, ranks, segments.token_slots, segments.num_slots,
-                                  max_rank, out_features)
-
-    monkeypatch.setattr(cuda_ops, "lora_add_unchecked", opaque_kernels)
-    monkeypatch.setattr(cuda_ops, "lora_delta_unchecked", opaque_grouped_kernels)
+    _route_to_opaque_kernels(wrapped, monkeypatch)
     slots = torch.tensor(wrapped.acquire(["a", None]).slots, dtype=torch.int32)
     lora_inputs = count_inputs(wrapped.model, adapter_ids=slots)
     # adapter_ids, the pool, two offset tables and the ranks: independent of the number of hooks

@@ -6,7 +6,9 @@ import copy
 
 import pytest
 import torch
+from architectures import left_padded_batch, make_base_and_adapters
 from helpers import save_peft_adapter, tiny_llama
+from transformers import CompileConfig
 
 from punica_hf import MultiLoraModel
 
@@ -72,3 +74,27 @@ def test_per_token_adapter_ids_equal_per_row_ids_when_rows_are_uniform(wrapped):
     per_row = model(input_ids=INPUT_IDS, adapter_ids=torch.tensor([0, -1])).logits
     per_token = torch.tensor([[0] * 5, [-1] * 5])
     torch.testing.assert_close(model(input_ids=INPUT_IDS, adapter_ids=per_token).logits, per_row, atol=0, rtol=0)
+
+
+@torch.no_grad()
+def test_compiled_generate_applies_an_adapter_that_hooks_new_modules(tmp_path):
+    """A static-cache generate() compiles the decode step (here on the CPU, through the PyTorch ops, whose graph
+    breaks give one compiled frame per module). An adapter loaded after that compile that hooks modules no earlier
+    adapter targeted must change the next compiled generate exactly as it changes an eager one."""
+    base, paths = make_base_and_adapters("llama", tmp_path)
+    model = MultiLoraModel(copy.deepcopy(base), max_adapters=4, max_rank=8)
+    model.load_adapters({"attn": paths["attn"]})
+    compile_config = CompileConfig(backend="eager", mode=None)
+    compile_config._compile_all_devices = True  # transformers' switch to compile generate() off CUDA (for tests)
+    input_ids, attention_mask = left_padded_batch([7, 4, 9, 9, 2, 6], torch.Generator().manual_seed(0))
+    kwargs = dict(max_new_tokens=5, do_sample=False, attention_mask=attention_mask)
+    try:
+        for adapters in (["attn", None, "attn", None, "attn", "attn"], ["all", "attn", None, "all", "attn", "all"]):
+            if "all" in adapters:
+                model.load_adapters({"all": paths["all"]})  # hooks gate/up/down, which "attn" left alone
+            eager = model.generate(input_ids, adapter_ids=adapters, **kwargs)
+            compiled = model.generate(input_ids, adapter_ids=adapters, cache_implementation="static",
+                                      compile_config=compile_config, **kwargs)
+            assert torch.equal(compiled, eager), adapters
+    finally:
+        torch._dynamo.reset()

@@ -75,3 +75,20 @@ def test_static_cache_compiled_decode_matches_eager_and_does_not_recompile(tmp_p
         assert torch.equal(compiled, eager)
         # the second adapter mix must reuse the compiled graphs
         monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
+
+
+@torch.no_grad()
+def test_compiled_decode_applies_an_adapter_that_hooks_new_modules(tmp_path):
+    """An adapter loaded after a compiled static-cache generate() that hooks modules no earlier adapter targeted
+    (the MLP's, here) is applied by the next compiled generate, as by an eager one."""
+    base, paths = make_base_and_adapters("llama", tmp_path)
+    gpu = _wrapped(base, {"attn": paths["attn"]}, "cuda", torch.float32)
+    input_ids, attention_mask = left_padded_batch([7, 4, 9, 9, 2, 6])
+    input_ids, attention_mask = input_ids.cuda(), attention_mask.cuda()
+    kwargs = dict(max_new_tokens=6, do_sample=False, attention_mask=attention_mask)
+    for adapters in (["attn", None, "attn", None, "attn", "attn"], ["all", "attn", None, "all", "attn", "all"]):
+        if "all" in adapters:
+            gpu.load_adapters({"all": paths["all"]})  # hooks gate/up/down, untouched by "attn"
+        eager = gpu.generate(input_ids, adapter_ids=adapters, **kwargs)
+        compiled = gpu.generate(input_ids, adapter_ids=adapters, cache_implementation="static", **kwargs)
+        assert torch.equal(compiled, eager), adapters
