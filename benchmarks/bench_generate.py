@@ -25,6 +25,7 @@ kernels, host time inside the compiled call, launches per step.
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import platform
 import re
@@ -141,11 +142,13 @@ def tokens_per_second(generate: Callable[[], object], tokens: int, reps: int, de
     return rates
 
 
-def profile_decode(generate: Callable[..., object], steps: int, device: torch.device) -> dict:
+def profile_decode(generate: Callable[..., object], steps: int, device: torch.device,
+                   keep_trace: Path | None = None) -> dict:
     """Per decode step, from torch.profiler over ``steps`` steady decode steps of one (warmed-up) generate() call.
 
     ``generate(streamer=...)`` must run at the timed shapes. The streamer steps the profiler once per token, so the
     recorded window is exactly ``steps`` whole decode steps, after the prefill and two settling steps.
+    ``keep_trace``: where to keep the chrome trace (gzip), for a timeline.
     """
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
@@ -159,6 +162,9 @@ def profile_decode(generate: Callable[..., object], steps: int, device: torch.de
             clock = StepClock(on_put=lambda _: prof.step())
             generate(streamer=clock)
         events = json.loads(trace_path.read_text())["traceEvents"] if trace_path.exists() else []
+        if keep_trace is not None and trace_path.exists():
+            keep_trace.parent.mkdir(parents=True, exist_ok=True)
+            keep_trace.write_bytes(gzip.compress(trace_path.read_bytes()))
     return {"steps": steps, "wall_ms_per_step": 1000 * median(clock.decode_step_seconds()),
             **step_breakdown(events, steps)}
 
@@ -173,6 +179,8 @@ def step_breakdown(events: list[dict], steps: int) -> dict:
     runtime_events = [e for e in events if e.get("cat") == "cuda_runtime"]
     runtime = [e["name"] for e in runtime_events]
     compiled_us = _union_us([(e["ts"], e["ts"] + e["dur"]) for e in compiled])
+    # Time the GPU runs anything (kernels or copies); the rest of a step it waits for the host (or between nodes).
+    busy_us = _union_us([(e["ts"], e["ts"] + e["dur"]) for e in kernels + copies])
 
     def per_step_ms(selected: list[dict]) -> float:
         return sum(e["dur"] for e in selected) / 1000 / steps
@@ -184,6 +192,7 @@ def step_breakdown(events: list[dict], steps: int) -> dict:
         "lora_kernels_per_step": len(lora) / steps,
         "other_kernel_ms_per_step": per_step_ms(kernels) - per_step_ms(lora),
         "copy_ms_per_step": per_step_ms(copies),
+        "gpu_busy_ms_per_step": busy_us / 1000 / steps,
         "host_ms_in_compiled_code_per_step": compiled_us / 1000 / steps,
         "graph_launches_per_step": runtime.count("cudaGraphLaunch") / steps,
         "kernel_launches_per_step": (runtime.count("cudaLaunchKernel") + runtime.count("cudaLaunchKernelExC")) / steps,
@@ -268,6 +277,7 @@ def parse_args() -> argparse.Namespace:
                         help="PEFT systems (one adapter; mixed batch), eager, on a second copy of the model")
     parser.add_argument("--peft-mixed-new-tokens", type=int, default=4, help="new tokens for PEFT's slow mixed batch")
     parser.add_argument("--output", type=Path, default=Path("benchmarks/results/bench_generate_h200.json"))
+    parser.add_argument("--trace-dir", type=Path, help="keep each profile's chrome trace here (gzip)")
     args = parser.parse_args()
     for option, (full, tiny) in SIZES.items():
         if getattr(args, option) is None:
@@ -302,7 +312,8 @@ def main() -> None:
     }
     report = Report(args.output, {
         "environment": environment(device),
-        "setup": {**vars(args), "output": str(args.output), "model": f"Llama-3-8B shape, {args.layers} layers, bf16"},
+        "setup": {**vars(args), "output": str(args.output), "trace_dir": args.trace_dir and str(args.trace_dir),
+                  "model": f"Llama-3-8B shape, {args.layers} layers, bf16"},
         "memory": {"model_weights_gib": model_bytes / 2**30},
     })
 
@@ -327,7 +338,9 @@ def main() -> None:
             row["peak_allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
         profiled = ("base", f"{max(args.distinct, default=0)} distinct")
         if mode in args.profile and case == "decode" and adapters in profiled:
-            row["profile"] = profile_decode(lambda **extra: generate(**kwargs, **extra), args.profile_steps, device)
+            trace = args.trace_dir / f"{name.replace(', ', '_').replace(' ', '_')}.json.gz" if args.trace_dir else None
+            row["profile"] = profile_decode(lambda **extra: generate(**kwargs, **extra), args.profile_steps, device,
+                                            trace)
         report.add_system(row)
         print(f"{name:58s} {' '.join(f'{r:8.1f}' for r in rates)} tokens/s  ({row['seconds_with_warm_up']:.0f} s)",
               flush=True)
