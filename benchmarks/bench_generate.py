@@ -457,15 +457,16 @@ def print_table(data: dict) -> None:
               f"{'-' if ratio is None else f'{ratio:.2f}'} | {'-' if peak is None else f'{peak:.1f}'} |")
     profiled = [row for row in data["systems"] if "profile" in row]
     if profiled:
-        print("\n| profiled decode step (ms) | wall | GPU kernels | LoRA kernels (count) | other kernels | host in "
-              "compiled code | graph launches |")
-        print("|---|---|---|---|---|---|---|")
+        print("\n| profiled decode step (ms) | wall | GPU busy | GPU kernels | LoRA kernels (count) | other kernels | "
+              "host in compiled code | graph launches | kernel launches |")
+        print("|---|---|---|---|---|---|---|---|---|")
         for row in profiled:
             p = row["profile"]
-            print(f"| {row['name']} | {p['wall_ms_per_step']:.2f} | {p['gpu_kernel_ms_per_step']:.2f} | "
+            print(f"| {row['name']} | {p['wall_ms_per_step']:.2f} | {p['gpu_busy_ms_per_step']:.2f} | "
+                  f"{p['gpu_kernel_ms_per_step']:.2f} | "
                   f"{p['lora_kernel_ms_per_step']:.2f} ({p['lora_kernels_per_step']:.0f}) | "
                   f"{p['other_kernel_ms_per_step']:.2f} | {p['host_ms_in_compiled_code_per_step']:.2f} | "
-                  f"{p['graph_launches_per_step']:.1f} |")
+                  f"{p['graph_launches_per_step']:.1f} | {p['kernel_launches_per_step']:.0f} |")
 
 
 if __name__ == "__main__":
