@@ -39,9 +39,9 @@ class LoraContext:
     """
 
     def __init__(self) -> None:
-        # Counts hook installs and removals. Dynamo does not guard nn.Module hook dictionaries
-        # (torch._dynamo.config.skip_nnmodule_hook_guards), so a compiled forward would keep running the hooks it
-        # was traced with; ``check_hooks`` makes it guard this number instead, and recompile when hooks change.
+        # Counts hook installs and removals (each LoraHook reports its own). Dynamo does not guard nn.Module hook
+        # dictionaries (torch._dynamo.config.skip_nnmodule_hook_guards), so a compiled forward would keep running the
+        # hooks it was traced with; ``check_hooks`` makes it guard this number instead, and recompile when they change.
         self.hooks_generation = 0
         self.segments: LoraSegments | None = None
         # Group key -> (the input, its [T, sum of widths] updates, the member that computed them), this forward.
@@ -242,9 +242,11 @@ class LoraHook:
             self.member = row - group.first_row
             self.column_start = group.column_starts[self.member]  # this module's columns of the group's updates
         self._handle = module.register_forward_hook(self)
+        context.hooks_changed()
 
     def remove(self) -> None:
         self._handle.remove()
+        self.context.hooks_changed()
 
     def __call__(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
         tables = self.tables

@@ -204,7 +204,6 @@ class AdapterStore:
                 if module_name not in self.hooks:
                     undo.hooks.append(module_name)
                     self.hooks[module_name] = self._hook(module_name, module)
-                    self.context.hooks_changed()
             layouts = {
                 device: ChunkLayout.plan(factors, self.pools[device].rows) for device, factors in factors_by_device.items()
             }
@@ -220,7 +219,6 @@ class AdapterStore:
         for module_name in undo.hooks:
             if module_name not in used_modules:
                 self.hooks.pop(module_name).remove()
-                self.context.hooks_changed()
         for device in undo.pools:
             if device not in used_devices:
                 del self.pools[device]
@@ -624,7 +622,6 @@ class AdapterStore:
             for hook in self.hooks.values():
                 hook.remove()
             self.hooks.clear()
-            self.context.hooks_changed()
 
     # ------------------------------------------------------------------------------------------ stats
     def stats(self) -> dict[str, int]:
