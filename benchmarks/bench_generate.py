@@ -33,6 +33,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
+from unittest import mock
 from pathlib import Path
 
 import torch
@@ -41,6 +42,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.generation.streamers import BaseStreamer
 
 from punica_hf import MultiLoraModel
+from punica_hf.model import CompiledSteps
 from punica_hf.formats import AdapterWeights, LoraAdapterConfig, ModuleLora
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -277,6 +279,9 @@ def parse_args() -> argparse.Namespace:
                         help="PEFT systems (one adapter; mixed batch), eager, on a second copy of the model")
     parser.add_argument("--peft-mixed-new-tokens", type=int, default=4, help="new tokens for PEFT's slow mixed batch")
     parser.add_argument("--output", type=Path, default=Path("benchmarks/results/bench_generate_h200.json"))
+    parser.add_argument("--every-guard", action="store_true",
+                        help="also time compiled decode at the most distinct adapters with every Dynamo guard checked "
+                             "at every step (what CompiledSteps saves)")
     parser.add_argument("--trace-dir", type=Path, help="keep each profile's chrome trace here (gzip)")
     args = parser.parse_args()
     for option, (full, tiny) in SIZES.items():
@@ -367,6 +372,14 @@ def main() -> None:
                 for case in ["decode"] + (["prefill-heavy"] if prefill_heavy else []):
                     measure(f"punica_hf, {distinct} distinct, {mode}, {case}", f"{distinct} distinct", mode, case,
                             lambda rows=rows, **kwargs: served.generate(adapter_ids=rows, **kwargs))
+        if args.every_guard and "compiled" in args.modes:
+            # The same compiled decode with Dynamo's guards checked at every step, as before CompiledSteps.
+            distinct = max(args.distinct)
+            rows = [f"a{i % distinct}" for i in range(args.batch)]
+            with mock.patch.object(CompiledSteps, "__call__", lambda steps, *a, **k: steps.compiled(*a, **k)):
+                measure(f"punica_hf, {distinct} distinct, every guard checked, compiled, decode",
+                        f"{distinct} distinct, every guard", "compiled", "decode",
+                        lambda **kwargs: served.generate(adapter_ids=rows, **kwargs))
         step_costs(report, args, factor_bytes(adapters["a0"]))
 
     if args.peft:

@@ -10,7 +10,10 @@ graph with the LoRA calls of a step added, in each kernel configuration, and mea
 
 Variants: the base graph; plus 128 plain elementwise kernels (a node with no launch attributes); plus the step's
 LoRA calls (4 per layer: q/k/v and gate/up as grouped ``lora_delta`` calls, o and down as ``lora_add``) with the
-fused cluster kernel and with two launches, each with and without PDL.
+fused cluster kernel and with two launches, each with and without PDL; and the fused calls on a second stream,
+each forked before the GEMMs that read the same input and joined before their output is used ("overlapped": what
+running the LoRA kernels beside the base GEMMs would save; its joins add each update with one more elementwise
+kernel, 128 in all, which "base + 128 plain kernels" prices).
 
     python benchmarks/bench_graph_launch.py --output benchmarks/results/bench_graph_launch_h200.json
 """
@@ -72,29 +75,39 @@ class Step:
             self.tables[name] = (offsets[:, rows, 0].T.contiguous(), offsets[:, rows, 1].T.contiguous(),
                                  torch.full((len(outputs), distinct), RANK, dtype=torch.int32, device=device),
                                  outputs)
+        self.side = torch.cuda.Stream()  # the overlapped variant's second stream
         slots = (torch.arange(TOKENS, device=device) % distinct).to(torch.int32)
         self.segments = build_segments(slots, distinct, "cuda")
 
-    def run(self, lora: bool, plain_extra: bool) -> None:
+    def run(self, lora: bool, plain_extra: bool, overlap: bool = False) -> None:
         w, x = self.w, self.x
+        side = self.side
         for _ in range(LAYERS):
             h = x * 1.0001  # stands in for the norm
+            qkv_delta = self._fork(side, h, "qkv") if overlap else None
             q, k, v = F.linear(h, w["q"]), F.linear(h, w["k"]), F.linear(h, w["v"])
-            if lora:
+            if lora and not overlap:
                 self._delta(h, "qkv")
+            if overlap:
+                q = q + self._join(side, qkv_delta)[:, :HIDDEN]
             attn = q + k.repeat(1, 4) + v.repeat(1, 4)  # stands in for attention
+            o_delta = self._fork(side, attn, "o") if overlap else None
             o = F.linear(attn, w["o"])
-            if lora:
+            if lora and not overlap:
                 self._add(o, attn, "o")
-            h2 = o * 1.0001
+            h2 = o * 1.0001 if not overlap else o + self._join(side, o_delta)
+            gate_up_delta = self._fork(side, h2, "gate_up") if overlap else None
             gate, up = F.linear(h2, w["gate"]), F.linear(h2, w["up"])
-            if lora:
+            if lora and not overlap:
                 self._delta(h2, "gate_up")
+            if overlap:
+                gate = gate + self._join(side, gate_up_delta)[:, :INTERMEDIATE]
             act = F.silu(gate) * up
+            down_delta = self._fork(side, act, "down") if overlap else None
             down = F.linear(act, w["down"])
-            if lora:
+            if lora and not overlap:
                 self._add(down, act, "down")
-            x = down + o
+            x = down + o if not overlap else down + self._join(side, down_delta) + o
             if plain_extra:
                 for _ in range(4):
                     self.small.add_(1)
@@ -103,6 +116,17 @@ class Step:
     def _delta(self, h: torch.Tensor, name: str) -> torch.Tensor:
         a, b, ranks, outputs = self.tables[name]
         return cuda_ops.lora_delta_unchecked(h, self.pool, a, b, ranks, self.segments, RANK, outputs)
+
+    def _fork(self, side: torch.cuda.Stream, h: torch.Tensor, name: str) -> torch.Tensor:
+        """The call's updates computed on ``side`` once ``h`` is ready (the inputs stay alive: the graph is captured
+        whole, so nothing is freed before the join)."""
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            return self._delta(h, name)
+
+    def _join(self, side: torch.cuda.Stream, delta: torch.Tensor) -> torch.Tensor:
+        torch.cuda.current_stream().wait_stream(side)
+        return delta
 
     def _add(self, y: torch.Tensor, h: torch.Tensor, name: str) -> None:
         a, b, ranks, _ = self.tables[name]
@@ -159,6 +183,7 @@ def main() -> None:
     for name, env in LORA_VARIANTS.items():
         with mock.patch.dict(os.environ, env):  # read by the binding at every call, so at capture
             results[name] = measure(capture(lambda: step.run(True, False)), args.reps)
+    results["lora fused, overlapped"] = measure(capture(lambda: step.run(True, False, overlap=True)), args.reps)
     base = results["base"]
     for name, r in results.items():
         extra = r["kernels"] - base["kernels"]

@@ -82,9 +82,6 @@ fused_chunk_kernel(T* __restrict__ y, const T* __restrict__ x, const T* __restri
   // Tiles are laid out with this output's slice widths: within the space sized by the widest output.
   const int k_stride = k_slice / kVec, n_stride = n_slice / kVec;
 
-  // Launched as a dependent grid (PDL), the blocks are placed while the previous kernel drains; nothing this
-  // kernel reads or writes is touched before that kernel is done (tables and segments may come from it).
-  wait_for_primary_grid();
   __shared__ Chunk chunk;
   find_chunk(sorted_token_ids, sorted_slots, lora_ranks, a_offsets, b_offsets, num_tokens, num_slots, max_rank,
              position, chunk);
@@ -207,9 +204,10 @@ cudaError_t launch_clusters(const PunicaLoraProblem& p, size_t smem, cudaStream_
   const auto kernel = fused_chunk_kernel<T, Cluster>;
   const cudaError_t err = smem_limit.ensure(reinterpret_cast<const void*>(kernel), p.device, smem, Cluster > 8);
   if (err != cudaSuccess) return err;
+  // A plain launch, not a dependent one (PDL): in a compiled decode step's CUDA graph, programmatic edges cost
+  // the graph launch ~6 us of host time per LoRA node and saved no GPU time (benchmarks/KERNEL_NOTES.md).
   LaunchOptions options;
   options.cluster = Cluster;
-  options.programmatic = p.programmatic_launch != 0;
   return launch_kernel(kernel, dim3(p.num_tokens * Cluster, 1, p.num_outputs), dim3(kFusedThreads), smem, stream,
                        options, static_cast<T*>(p.y), static_cast<const T*>(p.x), static_cast<const T*>(p.pool),
                        p.a_offsets, p.b_offsets, p.lora_ranks, p.sorted_token_ids, p.sorted_slots, p.num_tokens,

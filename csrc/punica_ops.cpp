@@ -91,21 +91,24 @@ bool enabled(const char* variable) {
   return setting == nullptr || std::strcmp(setting, "0") != 0;
 }
 
-// The checked problem of y [T, H_out] += LoRA of x [T, H_in] for G outputs (G = out_features.size()): output g
-// is columns [sum of out_features[:g], + out_features[g]) of y, with row g of the [G, S] tables (a_offsets,
-// b_offsets, lora_ranks); see punica_lora.h for the layout.
+// The checked problem of y [..., H_out] += LoRA of x [..., H_in] for G outputs (G = out_features.size()): the
+// leading dimensions are the T tokens (contiguous, so flattened as they are); output g is columns
+// [sum of out_features[:g], + out_features[g]) of y, with row g of the [G, S] tables (a_offsets, b_offsets,
+// lora_ranks); see punica_lora.h for the layout.
 PunicaLoraProblem make_problem(const char* op, const at::Tensor& y, const at::Tensor& x, const at::Tensor& pool,
                                const at::Tensor& a_offsets, const at::Tensor& b_offsets, const at::Tensor& lora_ranks,
                                const at::Tensor& sorted_token_ids, const at::Tensor& sorted_slots,
                                at::IntArrayRef out_features, int64_t max_rank) {
-  TORCH_CHECK_VALUE(y.dim() == 2 && x.dim() == 2 && pool.dim() == 1 && lora_ranks.dim() >= 1,
-                    op, ": expected y, x 2-D, pool 1-D and a lora_ranks table");
+  TORCH_CHECK_VALUE(y.dim() >= 2 && x.dim() >= 2 && pool.dim() == 1 && lora_ranks.dim() >= 1,
+                    op, ": expected y [..., H_out], x [..., H_in], pool 1-D and a lora_ranks table");
   const int64_t num_outputs = static_cast<int64_t>(out_features.size());
   TORCH_CHECK_VALUE(num_outputs >= 1 && num_outputs <= PUNICA_MAX_OUTPUTS, op, ": from 1 to ",
                     text(PUNICA_MAX_OUTPUTS), " outputs per call");
-  const int64_t num_tokens = x.size(0), hidden_in = x.size(1), hidden_out = y.size(1);
+  const int64_t hidden_in = x.size(-1), hidden_out = y.size(-1);
+  TORCH_CHECK_VALUE(hidden_in > 0 && hidden_out > 0, op, ": hidden sizes must be positive");
+  const int64_t num_tokens = x.numel() / hidden_in;
   const int64_t num_slots = lora_ranks.size(-1);
-  TORCH_CHECK_VALUE(y.size(0) == num_tokens, op, ": y and x have different token counts");
+  TORCH_CHECK_VALUE(y.numel() / hidden_out == num_tokens, op, ": y and x have different token counts");
   int64_t columns = 0;
   for (const int64_t width : out_features) {
     TORCH_CHECK_VALUE(width > 0 && width % 8 == 0, op, ": hidden sizes must be multiples of 8");
@@ -157,8 +160,8 @@ PunicaLoraProblem make_problem(const char* op, const at::Tensor& y, const at::Te
   const DeviceInfo& info = device_info(device);
   problem.device = device;
   problem.num_sms = info.num_sms;
-  // Programmatic dependent launch of the expand kernels (PUNICA_HF_PDL=0 turns it off) and the fused one-launch
-  // per-token path (PUNICA_HF_FUSED=0): both sm_90+.
+  // Programmatic dependent launch of the two-launch paths' expand kernels (PUNICA_HF_PDL=0 turns it off) and the
+  // fused one-launch per-token path (PUNICA_HF_FUSED=0): both sm_90+.
   problem.programmatic_launch = info.compute_major >= 9 && enabled("PUNICA_HF_PDL") ? 1 : 0;
   problem.fused = info.compute_major >= 9 && enabled("PUNICA_HF_FUSED") ? 1 : 0;
   problem.dtype = to_punica_dtype(y.scalar_type());
@@ -175,16 +178,16 @@ void run(const PunicaLoraProblem& problem, const at::Tensor& y) {
   TORCH_CHECK(err == cudaSuccess, "punica_hf: CUDA error: ", cudaGetErrorString(err));
 }
 
-// y [T, H_out] += per-token LoRA of x [T, H_in]; tables [S].
+// y [..., H_out] += per-token LoRA of x [..., H_in] (T tokens in the leading dimensions); tables [S].
 // segment_starts / segment_slots belong to the op's schema (the PyTorch reference loops over them); the kernels
 // find the adapter runs from sorted_token_ids and sorted_slots directly and only check their shapes.
 void lora_add(at::Tensor y, const at::Tensor& x, const at::Tensor& pool, const at::Tensor& a_offsets,
               const at::Tensor& b_offsets, const at::Tensor& lora_ranks, const at::Tensor& sorted_token_ids,
               const at::Tensor& sorted_slots, const at::Tensor& segment_starts, const at::Tensor& segment_slots,
               int64_t max_rank) {
-  TORCH_CHECK_VALUE(y.dim() == 2 && lora_ranks.dim() == 1 && segment_slots.dim() == 1,
-                    "punica_hf::lora_add: expected y 2-D and lora_ranks, segment_slots 1-D");
-  const int64_t hidden_out = y.size(1), num_segments = segment_slots.size(0);
+  TORCH_CHECK_VALUE(y.dim() >= 2 && lora_ranks.dim() == 1 && segment_slots.dim() == 1,
+                    "punica_hf::lora_add: expected y [..., H_out] and lora_ranks, segment_slots 1-D");
+  const int64_t hidden_out = y.size(-1), num_segments = segment_slots.size(0);
   const PunicaLoraProblem problem =
       make_problem(kAdd, y, x, pool, a_offsets, b_offsets, lora_ranks, sorted_token_ids, sorted_slots, {hidden_out},
                    max_rank);

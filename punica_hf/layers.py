@@ -12,8 +12,10 @@ its hidden states only): the model wrapper puts each forward's ``LoraSegments`` 
 all hooks, built once per forward and per device.
 
 Projections that share their input (q/k/v, gate/up: a ``ProjectionGroup``) compute their updates together at
-decode sizes: the first member's hook to run makes one ``ops.lora_delta`` call for the whole group (one shrink and
-one expand launch instead of two per projection), and every member adds its own columns of it.
+decode sizes in compiled code: the first member's hook to run makes one ``ops.lora_delta`` call for the whole
+group, and every member adds its own columns of it (an add that Inductor fuses into the next kernel). Eager calls
+on the kernels do not group: there each member's add would be one more launch, and host time is what an eager
+step spends, so each projection makes one call that adds into its output in place.
 """
 
 from __future__ import annotations
@@ -256,35 +258,45 @@ class LoraHook:
         x = args[0] if args else None
         if not isinstance(x, torch.Tensor):
             raise ValueError(f"a LoRA-targeted {type(module).__name__} got no input tensor")
-        x_tokens = x.reshape(-1, self.in_features)
-        if x_tokens.shape[0] != segments.num_tokens:
+        if x.numel() != segments.num_tokens * self.in_features:
             raise ValueError(
-                f"a LoRA layer got {x_tokens.shape[0]} tokens but the batch's adapter mapping has "
+                f"a LoRA layer got {x.numel() // self.in_features} tokens but the batch's adapter mapping has "
                 f"{segments.num_tokens}; adapter_ids must cover every token of input_ids"
             )
         pool = tables.pool
+        compiling = torch.compiler.is_compiling()
+        on_kernels = segments.backend == "cuda" and self.kernel_shapes_ok and pool.dtype in cuda_ops.DTYPES
+        # In place in the module's output, where the dtypes and devices allow (else the module computes in another
+        # dtype or on another device: quantized or offloaded bases, and the update is added there).
+        in_place = output.dtype == pool.dtype and output.device == pool.device and output.is_contiguous()
+        if (on_kernels and in_place and not compiling and x.dtype == pool.dtype and x.device == pool.device
+                and x.is_contiguous()):
+            # Eager calls cost host time per op: one kernel call that adds into the output, tokens flattened by
+            # the binding, and no grouping (whose members would each launch an add of their columns).
+            cuda_ops.lora_add_unchecked(output, x, pool, *tables.row(self.row), segments, self.max_rank)
+            return output
+        x_tokens = x.reshape(-1, self.in_features)
         if x_tokens.dtype != pool.dtype or x_tokens.device != pool.device:
             x_tokens = x_tokens.to(device=pool.device, dtype=pool.dtype)
         x_tokens = x_tokens.contiguous()
         group = self.group
         if group is not None and group.shares_input and segments.num_tokens <= GROUP_MAX_TOKENS:
+            # Compiled code (and the PyTorch ops): one call for the group, each member's add fused by Inductor into
+            # the kernel that reads its output next.
             delta = self._group_delta(x, x_tokens, segments)
             if delta is not None:
                 return self._add(output, delta.narrow(1, self.column_start, self.out_features))
-        if torch.compiler.is_compiling():
+        if compiling:
             row = self.row
             a_offsets, b_offsets, ranks = tables.a_offsets[row], tables.b_offsets[row], tables.ranks[row]
         else:
             a_offsets, b_offsets, ranks = tables.row(self.row)
-        in_place = output.dtype == pool.dtype and output.device == pool.device and output.is_contiguous()
-        # Otherwise the module computes in another dtype or on another device (quantized or offloaded bases):
-        # the delta is added there.
         y_tokens = (
             output.view(-1, self.out_features)  # a view: the kernels add into the output in place
             if in_place
             else torch.zeros(x_tokens.shape[0], self.out_features, dtype=pool.dtype, device=pool.device)
         )
-        if segments.backend == "cuda" and self.kernel_shapes_ok and pool.dtype in cuda_ops.DTYPES:
+        if on_kernels:
             cuda_ops.lora_add_unchecked(
                 y_tokens, x_tokens, pool, a_offsets, b_offsets, ranks, segments, self.max_rank
             )

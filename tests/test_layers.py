@@ -8,6 +8,7 @@ import copy
 import pytest
 import torch
 from helpers import save_peft_adapter
+from opaque_kernels import route_to_opaque_kernels
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
@@ -243,58 +244,13 @@ def test_extent_allocator_first_fit_and_merging():
     assert allocator.used == 0 and allocator.allocate(100) == 0
 
 
-@torch.library.custom_op("punica_hf_test::lora_add", mutates_args=("y",))
-def _opaque_lora_add(
-    y: torch.Tensor, x: torch.Tensor, pool: torch.Tensor, a_offsets: torch.Tensor, b_offsets: torch.Tensor,
-    lora_ranks: torch.Tensor, token_slots: torch.Tensor, num_slots: int, max_rank: int,
-) -> None:
-    """The reference op behind one opaque call, as the CUDA op is to torch.compile (its host reads stay outside)."""
-    from punica_hf.ops import torch_ops
-
-    segments = build_segments(token_slots, num_slots)
-    torch_ops.lora_add(y, x, pool, a_offsets, b_offsets, lora_ranks, segments, max_rank)
-
-
-@torch.library.custom_op("punica_hf_test::lora_delta", mutates_args=())
-def _opaque_lora_delta(
-    x: torch.Tensor, pool: torch.Tensor, a_offsets: torch.Tensor, b_offsets: torch.Tensor, lora_ranks: torch.Tensor,
-    token_slots: torch.Tensor, num_slots: int, max_rank: int, out_features: list[int],
-) -> torch.Tensor:
-    """The reference grouped op behind one opaque call, as the CUDA ``lora_delta`` is to torch.compile."""
-    from punica_hf.ops import torch_ops
-
-    segments = build_segments(token_slots, num_slots)
-    return torch_ops.lora_delta(x, pool, a_offsets, b_offsets, lora_ranks, segments, max_rank, out_features)
-
-
-@_opaque_lora_delta.register_fake
-def _(x, pool, a_offsets, b_offsets, lora_ranks, token_slots, num_slots, max_rank, out_features):
-    return x.new_empty(x.shape[0], sum(out_features))
-
-
-def _route_to_opaque_kernels(wrapped: MultiLoraModel, monkeypatch) -> None:
-    """The hooks take their CUDA route, with the opaque CPU ops above standing in for the kernels."""
-    monkeypatch.setattr(wrapped._store.context, "backend", lambda device: "cuda")
-    monkeypatch.setattr(cuda_ops, "DTYPES", (torch.float32,))
-
-    def opaque_kernels(y, x, pool, a_offsets, b_offsets, ranks, segments, max_rank):
-        _opaque_lora_add(y, x, pool, a_offsets, b_offsets, ranks, segments.token_slots, segments.num_slots, max_rank)
-
-    def opaque_grouped_kernels(x, pool, a_offsets, b_offsets, ranks, segments, max_rank, out_features):
-        return _opaque_lora_delta(x, pool, a_offsets, b_offsets, ranks, segments.token_slots, segments.num_slots,
-                                  max_rank, out_features)
-
-    monkeypatch.setattr(cuda_ops, "lora_add_unchecked", opaque_kernels)
-    monkeypatch.setattr(cuda_ops, "lora_delta_unchecked", opaque_grouped_kernels)
-
-
 def test_compiled_forward_follows_hooks_added_after_it_and_unwrap(base, tmp_path, monkeypatch):
     """Dynamo does not guard module hook dictionaries (``skip_nnmodule_hook_guards``): a forward compiled as one
     graph must still see a module hooked after its compile (an adapter on new targets: it recompiles, through
     ``LoraContext.hooks_generation``), and after ``unwrap()`` the compiled call runs the base model."""
     wrapped = MultiLoraModel(copy.deepcopy(base), max_adapters=2, max_rank=8)
     wrapped.load_adapters({"a": save_peft_adapter(base, tmp_path / "a", r=4, target_modules=["q_proj"])})
-    _route_to_opaque_kernels(wrapped, monkeypatch)
+    route_to_opaque_kernels(wrapped, monkeypatch)
     compiles = []
 
     def backend(graph_module, example_inputs):
@@ -339,6 +295,35 @@ def test_hooks_keep_no_instance_dict_and_survive_a_deep_copy(base, tmp_path):
         assert not torch.equal(expected[0], wrapped(input_ids=ids, adapter_ids=[None, None]).logits[0])
 
 
+def test_eager_forward_on_the_kernels_adds_in_place_once_per_projection(base, tmp_path, monkeypatch):
+    """Eager steps are bound by host time per op: on the kernels each hooked projection makes exactly one call,
+    with the module's own input and output tensors (no reshape, no grouped call whose members would each launch an
+    add), and the logits are the PyTorch ops'."""
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    adapter = save_peft_adapter(base, tmp_path / "a", r=4, target_modules=targets)
+    ids = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    reference = MultiLoraModel(copy.deepcopy(base), max_adapters=2, max_rank=8)
+    reference.load_adapters({"a": adapter})
+    wrapped = MultiLoraModel(copy.deepcopy(base), max_adapters=2, max_rank=8)
+    wrapped.load_adapters({"a": adapter})
+    route_to_opaque_kernels(wrapped, monkeypatch)
+    calls = []
+    add, delta = cuda_ops.lora_add_unchecked, cuda_ops.lora_delta_unchecked
+
+    def spy_add(y, x, *args):
+        calls.append(("add", y.shape, x.shape))
+        add(y, x, *args)
+
+    monkeypatch.setattr(cuda_ops, "lora_add_unchecked", spy_add)
+    monkeypatch.setattr(cuda_ops, "lora_delta_unchecked", lambda *args: calls.append("delta") or delta(*args))
+    with torch.no_grad():
+        logits = wrapped(input_ids=ids, adapter_ids=["a", None]).logits
+        expected = reference(input_ids=ids, adapter_ids=["a", None]).logits
+    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
+    assert len(calls) == len(wrapped._store.hooks) == 7 * base.config.num_hidden_layers, calls
+    assert all(call[0] == "add" and call[1][:2] == call[2][:2] == (2, 3) for call in calls), calls
+
+
 def test_compiled_forward_takes_the_tables_once_not_per_hook(base, tmp_path, monkeypatch):
     """Each graph input costs host time at every compiled call: the hooks must add a fixed few, not three each.
     Projections that share their input make one grouped call: q/k/v and gate/up one each, o and down their own."""
@@ -365,7 +350,7 @@ def test_compiled_forward_takes_the_tables_once_not_per_hook(base, tmp_path, mon
     num_hooks = len(wrapped._store.hooks)
     assert num_hooks >= 7 * base.config.num_hidden_layers
 
-    _route_to_opaque_kernels(wrapped, monkeypatch)
+    route_to_opaque_kernels(wrapped, monkeypatch)
     slots = torch.tensor(wrapped.acquire(["a", None]).slots, dtype=torch.int32)
     lora_inputs = count_inputs(wrapped.model, adapter_ids=slots)
     # adapter_ids, the pool, two offset tables and the ranks: independent of the number of hooks

@@ -268,9 +268,9 @@ def test_repeated_calls_are_deterministic(num_tokens, per_token_path):
 @pytest.mark.parametrize("written_last", ["x", "y", "ranks"])
 @pytest.mark.parametrize("hidden_in", [4096, 14336], ids=["cluster8", "cluster16"])
 def test_dependent_launch_reads_what_the_kernel_before_wrote(hidden_in, written_last, monkeypatch):
-    """Launched as a dependent grid (PDL), the fused kernel may be placed while the kernel before it still runs:
-    in a CUDA graph (back-to-back launches), x, y or a rank table written by the kernel just before the call must
-    be what the call reads, at every replay."""
+    """In a CUDA graph (back-to-back launches), x, y or a rank table written by the kernel just before the fused
+    call must be what the call reads, at every replay (with PDL allowed: the fused kernel must not be placed early
+    without waiting, as a dependent launch would be)."""
     monkeypatch.setenv("PUNICA_HF_PDL", "1")
     monkeypatch.setenv("PUNICA_HF_FUSED", "1")
     seed = secrets.randbits(31)
@@ -520,6 +520,25 @@ def test_decode_call_takes_the_fused_path_where_it_fits(setting, num_tokens, hid
     if fused:
         assert re.search(rf"fused_chunk_kernel<[^>]*, {kernel.split()[1]}>", names), names
     _assert_matches(y, y_in, expected, slots, tables.ranks, torch.bfloat16, f"seed {seed}")
+
+
+@pytest.mark.parametrize("num_tokens", [24, 600], ids=["per_token", "tiled"])
+def test_tokens_in_leading_dimensions_are_flattened(num_tokens):
+    """The eager hooks pass the module's own ``[B, T, H]`` input and output: the binding takes the tokens from the
+    leading dimensions, bit for bit as the same call on ``[B * T, H]`` views, and refuses mismatched counts."""
+    seed = secrets.randbits(31)
+    y, x, pool, (tables,), slots = _problem(num_tokens, 256, 512, 16, 8, "random", "random", torch.bfloat16, seed)
+    segments = build_segments(slots, 8, "cuda")
+    args = (pool, tables.a_offsets, tables.b_offsets, tables.ranks, segments, 16)
+    flat = y.clone()
+    cuda_ops.lora_add_unchecked(flat, x, *args)
+    batched = y.clone().view(4, num_tokens // 4, 512)
+    cuda_ops.lora_add_unchecked(batched, x.view(4, num_tokens // 4, 256), *args)
+    assert torch.equal(batched.view(num_tokens, 512), flat), f"seed {seed}"
+    _assert_matches(flat, y, _reference(y, x, pool, tables, slots, 16), slots, tables.ranks, torch.bfloat16,
+                    f"seed {seed}")
+    with pytest.raises(ValueError, match="different token counts"):
+        cuda_ops.lora_add_unchecked(y.view(2, num_tokens // 2, 512)[:1], x.view(2, num_tokens // 2, 256), *args)
 
 
 def test_unsupported_inputs_raise_value_error():
