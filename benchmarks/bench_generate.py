@@ -282,6 +282,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--every-guard", action="store_true",
                         help="also time compiled decode at the most distinct adapters with every Dynamo guard checked "
                              "at every step (what CompiledSteps saves)")
+    parser.add_argument("--wrapped-base", action="store_true",
+                        help="also time the wrapped model called without adapter_ids (base math through the wrapper)")
     parser.add_argument("--trace-dir", type=Path, help="keep each profile's chrome trace here (gzip)")
     args = parser.parse_args()
     for option, (full, tiny) in SIZES.items():
@@ -372,6 +374,10 @@ def main() -> None:
                 for case in ["decode"] + (["prefill-heavy"] if prefill_heavy else []):
                     measure(f"punica_hf, {distinct} distinct, {mode}, {case}", f"{distinct} distinct", mode, case,
                             lambda rows=rows, **kwargs: served.generate(adapter_ids=rows, **kwargs))
+        if args.wrapped_base:
+            for mode in args.modes:  # the base model's math through the wrapper: what it saves the base itself
+                measure(f"punica_hf wrapper, no adapter_ids, {mode}, decode", "wrapper, no adapters", mode, "decode",
+                        served.generate)
         if args.every_guard and "compiled" in args.modes:
             # The same compiled decode with Dynamo's guards checked at every step, as before CompiledSteps.
             distinct = max(args.distinct)

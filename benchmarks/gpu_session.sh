@@ -19,7 +19,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD PUNICA_HF_CACHE=${PUNICA_HF_CACHE:-/tm
 OUT=${OUT:-/tmp/punica_out}
 ONLY=${ONLY:-build tests ops adapters generate}
 [ -n "$SKIP_TESTS" ] && ONLY=${ONLY//tests/}
-GEN_FLAGS=${GEN_FLAGS:---modes eager,compiled --distinct 1,8,32 --prefill-heavy eager --profile eager,compiled}
+GEN_FLAGS=${GEN_FLAGS:---modes eager,compiled --distinct 1,8,32 --prefill-heavy eager --profile eager,compiled --every-guard}
 BUDGET_S=${BUDGET_S:-530}
 mkdir -p "$OUT"
 LOG="$OUT/session.log"

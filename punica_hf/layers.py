@@ -1,9 +1,9 @@
 """The LoRA add-on of one targeted module, and the per-forward state all of them share.
 
-A targeted ``nn.Linear`` / ``Conv1D`` (or bitsandbytes layer) is not replaced: it gets a forward hook, a
-``LoraHook``, that adds ``B_s(A_s x)`` for each token's adapter slot ``s`` to the module's output. The module tree,
-``state_dict()`` and ``save_pretrained()`` stay exactly the base model's, accelerate's device hooks keep working,
-and ``LoraHook.remove()`` gives the module back untouched.
+A targeted ``nn.Linear`` / ``Conv1D`` (or bitsandbytes layer) is not replaced: a ``LoraHook`` becomes its
+``forward`` (an instance attribute), calls the forward it replaced and adds ``B_s(A_s x)`` for each token's adapter
+slot ``s`` to the output. The module tree, ``state_dict()`` and ``save_pretrained()`` stay exactly the base
+model's, accelerate's device hooks keep working, and ``LoraHook.remove()`` gives the module back untouched.
 
 The factors live in the adapter store's pool on the module's device (``DeviceTables``): one flat tensor in which
 every resident adapter occupies exactly its own factors, plus per-layer tables of offsets and ranks indexed by
@@ -41,24 +41,11 @@ class LoraContext:
     """
 
     def __init__(self) -> None:
-        # Counts hook installs and removals (each LoraHook reports its own). Dynamo does not guard nn.Module hook
-        # dictionaries (torch._dynamo.config.skip_nnmodule_hook_guards), so a compiled forward would keep running the
-        # hooks it was traced with; ``check_hooks`` makes it guard this number instead, and recompile when they change.
-        self.hooks_generation = 0
         self.segments: LoraSegments | None = None
         # Group key -> (the input, its [T, sum of widths] updates, the member that computed them), this forward.
         self.group_deltas: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
         self._on_device: dict[torch.device, LoraSegments] = {}
         self._backends: dict[torch.device, str] = {}
-
-    def hooks_changed(self) -> None:
-        self.hooks_generation += 1
-
-    def check_hooks(self) -> None:
-        """Called by every forward with adapters: under torch.compile the branch makes the trace specialize on
-        ``hooks_generation`` (a guard on its value)."""
-        if self.hooks_generation < 0:
-            raise AssertionError("hooks_generation only grows")
 
     def backend(self, device: torch.device) -> str:
         """The ops backend for ``device``, decided once (eagerly, before any compiled step reads it)."""
@@ -215,17 +202,20 @@ def find_projection_groups(
 
 
 class LoraHook:
-    """Forward hook of one targeted module: ``output += B_s (A_s x)`` with ``s`` the adapter slot of each token.
+    """The LoRA add-on of one targeted module: ``output += B_s (A_s x)`` with ``s`` the adapter slot of each token.
 
-    ``in_features``/``out_features`` are the module's; ``row`` is its row in ``tables``. Factors and ``x`` use the
-    LoRA dtype (the module's compute dtype, never a quantized storage dtype). The hook runs once per targeted module
-    and forward (224 times per decode step of an 8B Llama), so its eager path does the least work it can: the
-    static properties the kernels need are checked once here, and the CUDA op is called without re-checking them.
+    Installed as the module's ``forward`` (an instance attribute over the class's method, as accelerate's device
+    hooks are): it calls the forward it replaced, then adds the update. Not a forward hook: a module with forward
+    hooks takes ``nn.Module.__call__``'s slow path, which cost more host time per call than the whole add-on, 224
+    times per eager decode step of an 8B Llama. ``in_features``/``out_features`` are the module's; ``row`` is its
+    row in ``tables``. Factors and ``x`` use the LoRA dtype (the module's compute dtype, never a quantized storage
+    dtype). The eager path does the least work it can: the static properties the kernels need are checked once
+    here, and the CUDA op is called without re-checking them.
     """
 
     # No instance __dict__ (see ProjectionGroup): fewer guards per hook in a compiled forward.
-    __slots__ = ("in_features", "out_features", "tables", "row", "context", "max_rank", "kernel_shapes_ok", "group",
-                 "member", "column_start", "_handle")
+    __slots__ = ("module", "replaced_forward", "installed", "in_features", "out_features", "tables", "row",
+                 "context", "max_rank", "kernel_shapes_ok", "group", "member", "column_start")
 
     def __init__(
         self, module: nn.Module, in_features: int, out_features: int, tables: DeviceTables, row: int,
@@ -243,14 +233,33 @@ class LoraHook:
         if group is not None:
             self.member = row - group.first_row
             self.column_start = group.column_starts[self.member]  # this module's columns of the group's updates
-        self._handle = module.register_forward_hook(self)
-        context.hooks_changed()
+        self.module = module
+        self.replaced_forward = module.__dict__.get("forward")  # None: the class's
+        self.installed = True
+        # Compiled code guards the module's forward attribute: a hook added or removed after a compile recompiles.
+        module.forward = self
 
     def remove(self) -> None:
-        self._handle.remove()
-        self.context.hooks_changed()
+        """Give the module its forward back; if another wrapper was installed over this one since (it calls this
+        one), stay in its chain, passing the output through."""
+        if self.module.__dict__.get("forward") is self:
+            if self.replaced_forward is None:
+                del self.module.forward
+            else:
+                self.module.forward = self.replaced_forward
+        self.installed = False
 
-    def __call__(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+    def __call__(self, *args, **kwargs):
+        module = self.module
+        forward = self.replaced_forward
+        # The class's function called with the module rather than a bound method kept here (see AdapterForward).
+        output = type(module).forward(module, *args, **kwargs) if forward is None else forward(*args, **kwargs)
+        if not self.installed:
+            return output
+        return self.add_update(module, args, output)
+
+    def add_update(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+        """``output`` of ``module`` for positional ``args``, plus each token's LoRA update."""
         tables = self.tables
         segments = self.context.segments_on(tables.device)
         if segments is None:

@@ -22,7 +22,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._dynamo import config as _dynamo_config
 from torch._dynamo.utils import counters as _dynamo_counters
 
 from .formats import AdapterWeights, load_adapter_weights
@@ -164,13 +163,9 @@ class MultiLoraModel(nn.Module):
         # A static cache lives on the model between calls: two such calls at once would share it.
         keeps_cache = _keeps_cache_on_model(self.model, kwargs)
         cache_lock = self._store.cache_generate_lock if keeps_cache else nullcontext()
-        # Static caches compile the decode step. Dynamo skips guards on nn.Module hook dictionaries by default, so a
-        # step compiled with graph breaks would keep running, in frames that saw no LoRA hook, without the hooks an
-        # adapter adds later; compiled in here, every frame guards them (a step compiled as one graph also guards
-        # LoraContext.hooks_generation).
-        hook_guards = _dynamo_config.patch(skip_nnmodule_hook_guards=False) if keeps_cache else nullcontext()
+        # Static caches compile the decode step; its later steps in this call check fewer guards (CompiledSteps).
         decode_steps = _steps_check_changed_guards_only(self.model) if keeps_cache else nullcontext()
-        with cache_lock, hook_guards, decode_steps:
+        with cache_lock, decode_steps:
             if entries is None:
                 return self.model.generate(*args, **kwargs)
             with self._store.acquire(entries) as lease:
@@ -263,7 +258,6 @@ class AdapterForward:
         batch_shape = _batch_shape(args, kwargs)
         if batch_shape is None:
             raise ValueError("adapter_ids needs input_ids or inputs_embeds of shape [batch, seq, ...]")
-        self.context.check_hooks()
         if adapter_ids.dim() == 1:
             token_slots = adapter_ids[:, None].expand(batch_shape).reshape(-1)
         else:

@@ -80,10 +80,49 @@ def test_a_reused_slot_holds_nothing_of_its_previous_owner():
 
 def test_removed_hook_gives_the_module_back():
     module, hook, context, _, _ = _hooked("linear")
+    assert module.forward is hook and not module._forward_hooks  # a forward attribute, not a module hook
     hook.remove()
+    assert "forward" not in module.__dict__
     x = torch.randn(2, IN)
     context.begin(build_segments(torch.tensor([0, 2]), SLOTS))
     torch.testing.assert_close(module(x), nn.functional.linear(x, module.weight, module.bias), atol=0, rtol=0)
+
+
+def test_hooks_chain_with_other_forward_wrappers():
+    """A forward already on the instance (accelerate's device hooks) is called by the hook and put back on removal;
+    one installed over the hook afterwards keeps working once the hook is removed (the hook then passes through)."""
+    torch.manual_seed(0)
+    calls = []
+
+    def wrap(module, name):
+        inner = module.forward
+
+        def forward(*args, **kwargs):
+            calls.append(name)
+            return inner(*args, **kwargs)
+
+        module.forward = forward
+        return forward
+
+    module, _, context, factors, pool = _hooked("linear")
+    module.forward.remove()
+    before = wrap(module, "before")
+    hook = LoraHook(module, IN, OUT, pool.tables, pool.rows["m"], context, MAX_RANK)
+    wrap(module, "after")
+    x = torch.randn(2, IN)
+    plain = nn.functional.linear(x, module.weight, module.bias)
+    context.begin(build_segments(torch.tensor([0, -1]), SLOTS))
+    y = module(x)
+    torch.testing.assert_close(y[0], plain[0] + factors[0].lora_b @ (factors[0].lora_a @ x[0]), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(y[1], plain[1], atol=0, rtol=0)
+    assert calls == ["after", "before"]
+    hook.remove()  # "after" still calls it: it stays in the chain, adding nothing
+    torch.testing.assert_close(module(x), plain, atol=0, rtol=0)
+    assert calls[2:] == ["after", "before"]
+    context.end()
+    module.forward = before  # "after" removed: a new hook over "before" gives it back on removal
+    LoraHook(module, IN, OUT, pool.tables, pool.rows["m"], context, MAX_RANK).remove()
+    assert module.forward is before
 
 
 def test_token_count_mismatch_is_a_clear_error():
@@ -245,9 +284,9 @@ def test_extent_allocator_first_fit_and_merging():
 
 
 def test_compiled_forward_follows_hooks_added_after_it_and_unwrap(base, tmp_path, monkeypatch):
-    """Dynamo does not guard module hook dictionaries (``skip_nnmodule_hook_guards``): a forward compiled as one
-    graph must still see a module hooked after its compile (an adapter on new targets: it recompiles, through
-    ``LoraContext.hooks_generation``), and after ``unwrap()`` the compiled call runs the base model."""
+    """A forward compiled as one graph must still see a module hooked after its compile (an adapter on new
+    targets: its hooks are new ``forward`` attributes, which Dynamo guards, so it recompiles), and after
+    ``unwrap()`` the compiled call runs the base model."""
     wrapped = MultiLoraModel(copy.deepcopy(base), max_adapters=2, max_rank=8)
     wrapped.load_adapters({"a": save_peft_adapter(base, tmp_path / "a", r=4, target_modules=["q_proj"])})
     route_to_opaque_kernels(wrapped, monkeypatch)
