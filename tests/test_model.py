@@ -178,3 +178,23 @@ def test_a_compiled_step_whose_inputs_change_checks_every_guard():
         assert CompiledSteps.one_graph[steps.compiled]
     finally:
         torch._dynamo.reset()
+
+
+def test_a_step_that_raises_leaves_the_default_stance():
+    """The stance is process-wide: a step that raises while guard checks are skipped must not leave it set."""
+    calls = []
+
+    def step(x):
+        calls.append(torch._dynamo.eval_frame._stance.skip_guard_eval_unsafe)
+        if len(calls) == 2:
+            raise RuntimeError("failed step")
+        return x
+
+    steps = CompiledSteps(step)
+    CompiledSteps.one_graph[step] = True  # as if it had compiled to one graph
+    x = torch.ones(2)
+    steps(x)
+    with pytest.raises(RuntimeError, match="failed step"):
+        steps(x)
+    assert calls == [False, True]
+    assert torch._dynamo.eval_frame._stance.skip_guard_eval_unsafe is False

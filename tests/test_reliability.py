@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM
 from transformers.generation.streamers import BaseStreamer
 
 from punica_hf import MultiLoraModel
+from punica_hf.layers import LoraHook
 from punica_hf.store import pool as pool_module
 
 GREEDY = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
@@ -171,9 +172,12 @@ def test_deepcopy_is_an_independent_working_model(served):
     with torch.no_grad():
         expected = served(ids, adapter_ids=mix).logits
     copied = copy.deepcopy(served)
+    hooked = [m for m in copied.model.modules() if isinstance(m.__dict__.get("forward"), LoraHook)]
+    assert hooked and all(m.forward.module is m for m in hooked)  # each copied hook calls its own copied module
     served.unload_adapter("a")
     served.load_adapters({"a": _other_adapter(served)})
     with torch.no_grad():
+        served.model.model.layers[0].self_attn.q_proj.weight.zero_()  # the original's weights: not the copy's
         torch.testing.assert_close(copied(ids, adapter_ids=mix).logits, expected, rtol=0, atol=0)
         assert not torch.equal(served(ids, adapter_ids=mix).logits, expected)
     copied.unload_adapter("c")
@@ -197,6 +201,8 @@ def test_pickle_round_trip(served):
         expected = served(ids, adapter_ids=mix).logits
         restored = pickle.loads(pickle.dumps(served))
         torch.testing.assert_close(restored(ids, adapter_ids=mix).logits, expected, rtol=0, atol=0)
+    hooked = [m for m in restored.model.modules() if isinstance(m.__dict__.get("forward"), LoraHook)]
+    assert hooked and all(m.forward.module is m for m in hooked)
 
 
 def test_state_dict_and_save_pretrained_are_the_clean_base(served, base, tmp_path):
