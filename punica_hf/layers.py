@@ -256,7 +256,8 @@ class LoraHook:
         output = type(module).forward(module, *args, **kwargs) if forward is None else forward(*args, **kwargs)
         if not self.installed:
             return output
-        return self.add_update(module, args, output)
+        # The input passed by keyword (``q_proj(input=x)``) counts as positional: it is the module's only argument.
+        return self.add_update(module, args or tuple(kwargs.values()), output)
 
     def add_update(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
         """``output`` of ``module`` for positional ``args``, plus each token's LoRA update."""

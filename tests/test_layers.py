@@ -125,6 +125,18 @@ def test_hooks_chain_with_other_forward_wrappers():
     assert module.forward is before
 
 
+@pytest.mark.parametrize("kind", ["linear", "conv1d"])
+def test_an_input_passed_by_keyword_gets_its_update(kind):
+    module, _, context, _, _ = _hooked(kind)
+    x = torch.randn(3, IN)
+    context.begin(build_segments(torch.tensor([0, 2, -1]), SLOTS))
+    by_position = module(x)
+    by_keyword = module(**{"input" if kind == "linear" else "x": x})
+    context.end()
+    torch.testing.assert_close(by_keyword, by_position, atol=0, rtol=0)
+    assert not torch.equal(by_keyword, module(x))  # outside the forward: no update
+
+
 def test_token_count_mismatch_is_a_clear_error():
     module, _, context, _, _ = _hooked("linear")
     context.begin(build_segments(torch.tensor([0, 2]), SLOTS))
