@@ -10,7 +10,8 @@ graph with the LoRA calls of a step added, in each kernel configuration, and mea
 
 Variants: the base graph; plus 128 plain elementwise kernels (a node with no launch attributes); plus the step's
 LoRA calls (4 per layer: q/k/v and gate/up as grouped ``lora_delta`` calls, o and down as ``lora_add``) with the
-fused cluster kernel and with two launches, each with and without PDL; and the fused calls on a second stream,
+fused cluster kernel, and with two launches with and without PDL (the results of 14:43 also have the fused
+kernel with PDL, since removed); and the fused calls on a second stream,
 each forked before the GEMMs that read the same input and joined before their output is used ("overlapped": what
 running the LoRA kernels beside the base GEMMs would save; its joins add each update with one more elementwise
 kernel, 128 in all, which "base + 128 plain kernels" prices).
@@ -38,8 +39,7 @@ from punica_hf.ops.segments import build_segments
 LAYERS, TOKENS, HIDDEN, KV, INTERMEDIATE, RANK = 32, 32, 4096, 1024, 14336, 16
 # Environment of each LoRA variant (the switches the binding reads at every call, so at capture).
 LORA_VARIANTS = {
-    "lora fused": {"PUNICA_HF_FUSED": "1", "PUNICA_HF_PDL": "1"},
-    "lora fused, no PDL": {"PUNICA_HF_FUSED": "1", "PUNICA_HF_PDL": "0"},
+    "lora fused": {"PUNICA_HF_FUSED": "1"},  # a plain launch since 2026-12-03 (PUNICA_HF_PDL is for two launches)
     "lora two launches, PDL": {"PUNICA_HF_FUSED": "0", "PUNICA_HF_PDL": "1"},
     "lora two launches, no PDL": {"PUNICA_HF_FUSED": "0", "PUNICA_HF_PDL": "0"},
 }
