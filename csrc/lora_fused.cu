@@ -1,11 +1,14 @@
 // Fused per-token path (sm_90+): shrink and expand in one launch. A thread-block cluster of Cluster blocks (8, or
 // 16 where the slices of 8 would fill shared memory) serves one chunk (chunks.cuh) for one output: block i of the
 // cluster dots K slice i of A with the chunk's x, the cluster sums its Cluster partial v through distributed
-// shared memory, and block i then expands column slice i of Bt. Every byte a block needs (its A and Bt slices, the chunk's x slice, and y when adding) is requested by
-// cp.async right after the chunk lookup, so a call costs one memory round trip plus its bytes, and the partials
-// never leave the chip: half the launches of the two-kernel path, no workspace, no wait between grids.
+// shared memory, and block i then expands column slice i of Bt. Every byte a block needs (its A and Bt slices, the
+// chunk's x slice, and y when adding) is requested by cp.async right after the chunk lookup, so a call costs one
+// memory round trip plus its bytes, and the partials never leave the chip: half the launches of the two-kernel
+// path, no workspace, no wait between grids. Where staging Bt would leave fewer than four blocks per multiprocessor
+// (wide outputs: Llama-3-8B's gate/up, 78 KB per block, two blocks and 30 clusters resident, two waves), Bt is
+// prefetched into L2 instead and read from there by the expand.
 //   grid (T * Cluster, 1, G), clusters (Cluster, 1, 1): block (position p, part i, output g).
-//   Dynamic shared memory: A [max_rank][K slice], Bt [max_rank][N slice], x [kChunk][K slice],
+//   Dynamic shared memory: A [max_rank][K slice], Bt [max_rank][N slice] (staged only), x [kChunk][K slice],
 //   y [kChunk][N slice] (adding only), then partials and v [kChunk][max_rank] fp32.
 // Written y (accumulate = 0): a position whose token has no adapter (or rank 0 for this output) zeroes its own row
 // slice; every other row is written by the cluster of its chunk, so no two blocks touch one element.
@@ -36,6 +39,8 @@ constexpr int kFusedWarps = kFusedThreads / 32;
 constexpr int kFusedMaxTokens = 64;
 constexpr size_t kFusedMaxSmem = 100 * 1024;  // two blocks per multiprocessor
 constexpr int kFusedMinBlocks = 4;           // registers for four blocks per multiprocessor (smem permitting)
+// Most shared memory per block with Bt staged: four blocks (and their 1 KB of driver reserve) per multiprocessor.
+constexpr size_t kStagedBtMaxSmem = 56 * 1024;
 static_assert(kChunk == 4, "the shrink reduces 2 rows x kChunk tokens with one warp_sum_8");
 
 // Elements of one of `parts` slices of `size`, rounded up to whole 16-byte vectors.
@@ -46,13 +51,14 @@ __host__ __device__ int slice_of(int size, int parts) {
 }
 
 template <typename T>
-size_t fused_smem_bytes(int hidden_in, int widest_out, int max_rank, bool accumulate, int cluster) {
+size_t fused_smem_bytes(int hidden_in, int widest_out, int max_rank, bool accumulate, int cluster, bool staged_bt) {
   const size_t k_slice = slice_of<T>(hidden_in, cluster), n_slice = slice_of<T>(widest_out, cluster);
-  const size_t elements = max_rank * (k_slice + n_slice) + kChunk * (k_slice + (accumulate ? n_slice : 0));
+  const size_t elements =
+      max_rank * (k_slice + (staged_bt ? n_slice : 0)) + kChunk * (k_slice + (accumulate ? n_slice : 0));
   return elements * sizeof(T) + 2 * static_cast<size_t>(kChunk) * max_rank * sizeof(float);
 }
 
-template <typename T, int Cluster>
+template <typename T, int Cluster, bool kStagedBt>
 __global__ void __launch_bounds__(kFusedThreads, kFusedMinBlocks)
 fused_chunk_kernel(T* __restrict__ y, const T* __restrict__ x, const T* __restrict__ pool,
                    const int64_t* __restrict__ a_offsets, const int64_t* __restrict__ b_offsets,
@@ -99,8 +105,8 @@ fused_chunk_kernel(T* __restrict__ y, const T* __restrict__ x, const T* __restri
 
   extern __shared__ uint4 smem_vectors[];
   uint4* a_tile = smem_vectors;                           // [max_rank][k_stride]
-  uint4* b_tile = a_tile + max_rank * k_stride;           // [max_rank][n_stride]
-  uint4* x_tile = b_tile + max_rank * n_stride;           // [kChunk][k_stride]
+  uint4* b_tile = a_tile + max_rank * k_stride;           // [max_rank][n_stride], staged only
+  uint4* x_tile = b_tile + (kStagedBt ? max_rank * n_stride : 0);  // [kChunk][k_stride]
   uint4* y_tile = x_tile + kChunk * k_stride;             // [kChunk][n_stride], adding only
   float* partials = reinterpret_cast<float*>(y_tile + (accumulate ? kChunk * n_stride : 0));  // [kChunk][max_rank]
   float* v_shared = partials + kChunk * max_rank;         // [kChunk][max_rank]
@@ -116,9 +122,16 @@ fused_chunk_kernel(T* __restrict__ y, const T* __restrict__ x, const T* __restri
                 true);
   }
   cp_async_commit();
-  for (int e = threadIdx.x; e < rank * n_vectors; e += kFusedThreads) {
-    const int r = e / n_vectors, v = e % n_vectors;
-    cp_async_16(b_tile + r * n_stride + v, lora_bt + static_cast<size_t>(r) * hidden_out + n0 + v * kVec, true);
+  if constexpr (kStagedBt) {
+    for (int e = threadIdx.x; e < rank * n_vectors; e += kFusedThreads) {
+      const int r = e / n_vectors, v = e % n_vectors;
+      cp_async_16(b_tile + r * n_stride + v, lora_bt + static_cast<size_t>(r) * hidden_out + n0 + v * kVec, true);
+    }
+  } else if (n_vectors > 0) {  // one bulk L2 prefetch per rank row of the slice (16-byte aligned, whole vectors)
+    for (int r = threadIdx.x; r < rank; r += kFusedThreads) {
+      const T* row = lora_bt + static_cast<size_t>(r) * hidden_out + n0;
+      asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(row), "r"(n_vectors * 16) : "memory");
+    }
   }
   for (int e = threadIdx.x; accumulate && e < size * n_vectors; e += kFusedThreads) {
     const int j = e / n_vectors, v = e % n_vectors;
@@ -170,6 +183,9 @@ fused_chunk_kernel(T* __restrict__ y, const T* __restrict__ x, const T* __restri
   __syncthreads();
 
   // Expand: thread items (token j, column vector v): sum over the rank of v[j, r] * Bt[r, v], y added when asked.
+  // Bt from shared memory when staged, else from global memory (L2, prefetched above); the same sum either way.
+  const uint4* bt_vectors = kStagedBt ? b_tile : reinterpret_cast<const uint4*>(lora_bt + n0);
+  const int bt_stride = kStagedBt ? n_stride : hidden_out / kVec;
   for (int item = threadIdx.x; item < size * n_vectors; item += kFusedThreads) {
     const int j = item / n_vectors, v = item % n_vectors;
     const float* v_row = v_shared + j * max_rank;
@@ -178,7 +194,7 @@ fused_chunk_kernel(T* __restrict__ y, const T* __restrict__ x, const T* __restri
 #pragma unroll 4
     for (int r = 0; r < rank; ++r) {
       float b_values[kVec];
-      widen<T>(b_tile[r * n_stride + v], b_values);
+      widen<T>(bt_vectors[r * bt_stride + v], b_values);
       const float coefficient = v_row[r];
 #pragma unroll
       for (int e = 0; e < kVec; ++e) acc[e] = fmaf(b_values[e], coefficient, acc[e]);
@@ -189,19 +205,28 @@ fused_chunk_kernel(T* __restrict__ y, const T* __restrict__ x, const T* __restri
 #endif
 }
 
-// Blocks per cluster for `p`, and the dynamic shared memory of one block.
+// How `p` runs: blocks per cluster, whether Bt is staged in shared memory, and the dynamic shared memory of a block.
+struct FusedShape {
+  int cluster;
+  bool staged_bt;
+  size_t smem;
+};
+
 template <typename T>
-int cluster_for(const PunicaLoraProblem& p, size_t* smem) {
+FusedShape fused_shape(const PunicaLoraProblem& p) {
   const size_t k_side = static_cast<size_t>(p.max_rank + kChunk) * slice_of<T>(p.hidden_in, kCluster) * sizeof(T);
   const int cluster = k_side > kWideKSmem ? kWideCluster : kCluster;
-  *smem = fused_smem_bytes<T>(p.hidden_in, widest_output(p), p.max_rank, p.accumulate != 0, cluster);
-  return cluster;
+  const auto bytes = [&](bool staged_bt) {
+    return fused_smem_bytes<T>(p.hidden_in, widest_output(p), p.max_rank, p.accumulate != 0, cluster, staged_bt);
+  };
+  const bool staged_bt = bytes(true) <= kStagedBtMaxSmem;
+  return {cluster, staged_bt, bytes(staged_bt)};
 }
 
-template <typename T, int Cluster>
+template <typename T, int Cluster, bool StagedBt>
 cudaError_t launch_clusters(const PunicaLoraProblem& p, size_t smem, cudaStream_t stream) {
   static DynamicSmemLimit smem_limit;
-  const auto kernel = fused_chunk_kernel<T, Cluster>;
+  const auto kernel = fused_chunk_kernel<T, Cluster, StagedBt>;
   const cudaError_t err = smem_limit.ensure(reinterpret_cast<const void*>(kernel), p.device, smem, Cluster > 8);
   if (err != cudaSuccess) return err;
   // A plain launch, not a dependent one (PDL): in a compiled decode step's CUDA graph, programmatic edges cost
@@ -216,9 +241,13 @@ cudaError_t launch_clusters(const PunicaLoraProblem& p, size_t smem, cudaStream_
 
 template <typename T>
 cudaError_t launch(const PunicaLoraProblem& p, cudaStream_t stream) {
-  size_t smem = 0;
-  return cluster_for<T>(p, &smem) == kCluster ? launch_clusters<T, kCluster>(p, smem, stream)
-                                              : launch_clusters<T, kWideCluster>(p, smem, stream);
+  const FusedShape shape = fused_shape<T>(p);
+  if (shape.cluster == kCluster) {
+    return shape.staged_bt ? launch_clusters<T, kCluster, true>(p, shape.smem, stream)
+                           : launch_clusters<T, kCluster, false>(p, shape.smem, stream);
+  }
+  return shape.staged_bt ? launch_clusters<T, kWideCluster, true>(p, shape.smem, stream)
+                         : launch_clusters<T, kWideCluster, false>(p, shape.smem, stream);
 }
 
 }  // namespace
@@ -226,10 +255,11 @@ cudaError_t launch(const PunicaLoraProblem& p, cudaStream_t stream) {
 
 bool punica_fused_fits(const PunicaLoraProblem& p) {
   if (!p.fused || p.num_tokens > punica::kFusedMaxTokens) return false;
-  // Measured against the slices of clusters of 8 even where 16 run: rank 64 (141 KB at 4096) stays on two launches.
+  // Measured with Bt staged and the slices of clusters of 8, whatever runs (so the path choice is that of the tests
+  // and measurements): rank 64 (141 KB at 4096) stays on two launches.
   const int widest = punica::widest_output(p);
   const auto bytes = p.dtype == PUNICA_FLOAT32 ? punica::fused_smem_bytes<float> : punica::fused_smem_bytes<__half>;
-  return bytes(p.hidden_in, widest, p.max_rank, p.accumulate != 0, punica::kCluster) <= punica::kFusedMaxSmem;
+  return bytes(p.hidden_in, widest, p.max_rank, p.accumulate != 0, punica::kCluster, true) <= punica::kFusedMaxSmem;
 }
 
 cudaError_t punica_fused_launch(const PunicaLoraProblem& p, cudaStream_t stream) {

@@ -496,16 +496,17 @@ def _kernel_names(call) -> set[str]:
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] < 9, reason="needs sm_90")
 @pytest.mark.parametrize(
     "setting, num_tokens, hidden_in, hidden_out, max_rank, kernel",
-    [("1", 32, 4096, 14336, 16, "fused 8"), ("1", 64, 4096, 14336, 16, "fused 8"),
-     ("1", 32, 14336, 4096, 16, "fused 16"), ("0", 32, 4096, 14336, 16, "two"), ("1", 32, 4096, 14336, 128, "two"),
-     ("1", 65, 4096, 14336, 16, "two")],
-    ids=["gate", "64_tokens", "down", "switched_off", "rank128_too_large", "65_tokens"],
+    [("1", 32, 4096, 14336, 16, "fused 8 false"), ("1", 64, 4096, 14336, 16, "fused 8 false"),
+     ("1", 32, 4096, 4096, 16, "fused 8 true"), ("1", 32, 14336, 4096, 16, "fused 16 true"),
+     ("0", 32, 4096, 14336, 16, "two"), ("1", 32, 4096, 14336, 128, "two"), ("1", 65, 4096, 14336, 16, "two")],
+    ids=["gate", "64_tokens", "q", "down", "switched_off", "rank128_too_large", "65_tokens"],
 )
 def test_decode_call_takes_the_fused_path_where_it_fits(setting, num_tokens, hidden_in, hidden_out, max_rank,
                                                         kernel, monkeypatch):
     """Llama-3-8B projections at decode run one cluster kernel at rank 16 up to 64 tokens (their slices fit shared
     memory): clusters of 16 for the down projection (its A and x slices would take 72 KB per block in clusters of
-    8), of 8 for the gate projection; the shrink and expand kernels at rank 128, above 64 tokens or with
+    8), of 8 for q and gate, Bt staged in shared memory except for gate's wide output (read from L2: four blocks
+    per multiprocessor rather than one); the shrink and expand kernels at rank 128, above 64 tokens or with
     ``PUNICA_HF_FUSED=0``; each computes the right thing."""
     monkeypatch.setenv("PUNICA_HF_FUSED", setting)
     seed = secrets.randbits(31)
@@ -518,7 +519,8 @@ def test_decode_call_takes_the_fused_path_where_it_fits(setting, num_tokens, hid
     assert ("fused_chunk_kernel" in names) == fused, names
     assert ("shrink_chunk_kernel" in names) == (not fused), names
     if fused:
-        assert re.search(rf"fused_chunk_kernel<[^>]*, {kernel.split()[1]}>", names), names
+        _, cluster, staged = kernel.split()
+        assert re.search(rf"fused_chunk_kernel<[^>]*, {cluster}, {staged}>", names), names
     _assert_matches(y, y_in, expected, slots, tables.ranks, torch.bfloat16, f"seed {seed}")
 
 
