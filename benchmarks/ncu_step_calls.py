@@ -8,7 +8,8 @@ in-place ``lora_add``. Three calls of each named call; profile the third, e.g.
             python3 benchmarks/ncu_step_calls.py $call > ncu_$call.txt
     done
 
-(results/ncu/ holds the run of 2026-12-03 16:30 UTC, kernels before Bt was read from L2 for wide outputs.)
+(results/ncu/ holds the run of 2026-12-03 16:30 UTC, kernels before Bt was read from L2 for wide outputs, made by an
+earlier copy of this script that also printed event timings: under ncu those mean nothing.)
 """
 
 from __future__ import annotations
