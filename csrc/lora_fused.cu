@@ -4,9 +4,9 @@
 // shared memory, and block i then expands column slice i of Bt. Every byte a block needs (its A and Bt slices, the
 // chunk's x slice, and y when adding) is requested by cp.async right after the chunk lookup, so a call costs one
 // memory round trip plus its bytes, and the partials never leave the chip: half the launches of the two-kernel
-// path, no workspace, no wait between grids. Where staging Bt would leave fewer than four blocks per multiprocessor
-// (wide outputs: Llama-3-8B's gate/up, 78 KB per block, two blocks and 30 clusters resident, two waves), Bt is
-// prefetched into L2 instead and read from there by the expand.
+// path, no workspace, no wait between grids. Where staging Bt would leave fewer blocks per multiprocessor than the
+// registers allow (wide outputs: Llama-3-8B's gate/up, 78 KB per block, two blocks and 30 clusters resident, two
+// waves), Bt is prefetched into L2 instead and read from there by the expand.
 //   grid (T * Cluster, 1, G), clusters (Cluster, 1, 1): block (position p, part i, output g).
 //   Dynamic shared memory: A [max_rank][K slice], Bt [max_rank][N slice] (staged only), x [kChunk][K slice],
 //   y [kChunk][N slice] (adding only), then partials and v [kChunk][max_rank] fp32.
@@ -38,9 +38,13 @@ constexpr int kFusedWarps = kFusedThreads / 32;
 // shared memory (rank 64: 141 KB, one block per multiprocessor).
 constexpr int kFusedMaxTokens = 64;
 constexpr size_t kFusedMaxSmem = 100 * 1024;  // two blocks per multiprocessor
-constexpr int kFusedMinBlocks = 4;           // registers for four blocks per multiprocessor (smem permitting)
-// Most shared memory per block with Bt staged: four blocks (and their 1 KB of driver reserve) per multiprocessor.
-constexpr size_t kStagedBtMaxSmem = 56 * 1024;
+// Blocks per multiprocessor the registers are capped for (shared memory permitting): five in clusters of 8 (48
+// registers, no spills; with four, 62 clusters were resident, so 64 distinct tokens or the gate/up group at 32 took a
+// second wave), four in clusters of 16 (at 48 registers those spill, and their slices allow four anyway).
+constexpr int fused_min_blocks(int cluster) { return cluster == kCluster ? 5 : 4; }
+// Most shared memory per block with Bt staged: that many blocks per multiprocessor (228 KB), each with its 1 KB of
+// driver reserve and the static chunk.
+constexpr size_t staged_bt_max_smem(int cluster) { return 228 * 1024 / fused_min_blocks(cluster) - 1024 - 64; }
 static_assert(kChunk == 4, "the shrink reduces 2 rows x kChunk tokens with one warp_sum_8");
 
 // Elements of one of `parts` slices of `size`, rounded up to whole 16-byte vectors.
@@ -59,7 +63,7 @@ size_t fused_smem_bytes(int hidden_in, int widest_out, int max_rank, bool accumu
 }
 
 template <typename T, int Cluster, bool kStagedBt>
-__global__ void __launch_bounds__(kFusedThreads, kFusedMinBlocks)
+__global__ void __launch_bounds__(kFusedThreads, fused_min_blocks(Cluster))
 fused_chunk_kernel(T* __restrict__ y, const T* __restrict__ x, const T* __restrict__ pool,
                    const int64_t* __restrict__ a_offsets, const int64_t* __restrict__ b_offsets,
                    const int32_t* __restrict__ lora_ranks, const int32_t* __restrict__ sorted_token_ids,
@@ -219,7 +223,7 @@ FusedShape fused_shape(const PunicaLoraProblem& p) {
   const auto bytes = [&](bool staged_bt) {
     return fused_smem_bytes<T>(p.hidden_in, widest_output(p), p.max_rank, p.accumulate != 0, cluster, staged_bt);
   };
-  const bool staged_bt = bytes(true) <= kStagedBtMaxSmem;
+  const bool staged_bt = bytes(true) <= staged_bt_max_smem(cluster);
   return {cluster, staged_bt, bytes(staged_bt)};
 }
 
@@ -256,7 +260,8 @@ cudaError_t launch(const PunicaLoraProblem& p, cudaStream_t stream) {
 bool punica_fused_fits(const PunicaLoraProblem& p) {
   if (!p.fused || p.num_tokens > punica::kFusedMaxTokens) return false;
   // Measured with Bt staged and the slices of clusters of 8, whatever runs (so the path choice is that of the tests
-  // and measurements): rank 64 (141 KB at 4096) stays on two launches.
+  // and measurements): rank 64 (141 KB at 4096) stays on two launches. Fused, it would read Bt from L2 in 16
+  // dependent rounds per thread: slower than two launches at 1, 16 and 64 distinct tokens (KERNEL_NOTES version 10).
   const int widest = punica::widest_output(p);
   const auto bytes = p.dtype == PUNICA_FLOAT32 ? punica::fused_smem_bytes<float> : punica::fused_smem_bytes<__half>;
   return bytes(p.hidden_in, widest, p.max_rank, p.accumulate != 0, punica::kCluster, true) <= punica::kFusedMaxSmem;

@@ -149,6 +149,8 @@ CASES = [
     (2, 4096, 4096, 16, 1000, "random", "mixed"),  # more slots than tokens
     (5, 8, 16, 2, 2, "random", "full"),  # smallest hidden sizes
     (16, 4096, 14336, 16, 32, "distinct", "mixed"),
+    (32, 4096, 14336, 16, 3, "random", "full"),  # fused, Bt from L2, chunks of tokens sharing an adapter
+    (16, 4096, 4096, 64, 6, "random", "mixed"),  # rank 64, tokens sharing adapters
     (17, 1024, 2048, 8, 3, "one", "full"),  # full chunks and a one-token chunk
     (64, 1000, 1008, 64, 64, "distinct", "mixed"),  # non-power-of-2 hidden sizes
     (64, 4096, 4096, 16, 8, "random", "mixed_rank0"),
@@ -505,8 +507,8 @@ def test_decode_call_takes_the_fused_path_where_it_fits(setting, num_tokens, hid
                                                         kernel, monkeypatch):
     """Llama-3-8B projections at decode run one cluster kernel at rank 16 up to 64 tokens (their slices fit shared
     memory): clusters of 16 for the down projection (its A and x slices would take 72 KB per block in clusters of
-    8), of 8 for q and gate, Bt staged in shared memory except for gate's wide output (read from L2: four blocks
-    per multiprocessor rather than one); the shrink and expand kernels at rank 128, above 64 tokens or with
+    8), of 8 for q and gate, Bt staged in shared memory except for gate's wide output (read from L2: five blocks
+    per multiprocessor rather than two); the shrink and expand kernels at rank 128, above 64 tokens or with
     ``PUNICA_HF_FUSED=0``; each computes the right thing."""
     monkeypatch.setenv("PUNICA_HF_FUSED", setting)
     seed = secrets.randbits(31)
