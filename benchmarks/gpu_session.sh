@@ -11,6 +11,7 @@
 #                                              whenever another part does, so no part pays for it in its timeout)
 #   SKIP_TESTS=1                               leave out the GPU tests
 #   PYTEST_ARGS="-k compile"                   extra pytest arguments
+#   OPS_FLAGS="--profile"                      extra bench_ops.py flags (--profile: each kernel's device time)
 #   GEN_FLAGS="..."                            bench_generate.py flags (default below: every system, ~4 minutes)
 #   ADAPTER_FLAGS="..."                        bench_adapters.py flags (default: the issue-8 setup, ~2 minutes)
 #   BUDGET_S=530                               seconds for the whole call
@@ -61,7 +62,7 @@ if wanted tests; then
 fi
 # The benchmarks use the CUDA kernels or fail: a silent fallback to the PyTorch ops would time the wrong code.
 export PUNICA_HF_BACKEND=${PUNICA_HF_BACKEND:-cuda}
-wanted ops && part ops 150 python3 benchmarks/bench_ops.py --out-dir "$OUT"
+wanted ops && part ops 150 python3 benchmarks/bench_ops.py --out-dir "$OUT" $OPS_FLAGS
 wanted adapters && part adapters 200 \
     python3 benchmarks/bench_adapters.py --output "$OUT/bench_adapters_h200.json" $ADAPTER_FLAGS
 wanted generate && part generate 330 \

@@ -8,7 +8,8 @@
 //           token; one fp32 partial per (slice, position, row).
 //   expand: grid (T, column chunks / kGroup); the chunk's Bt columns and y rows go to shared memory by
 //           cp.async, v = sum of the slice partials; warps then own (token, column chunk) items, each lane a
-//           16-byte run of outputs, looping over the rank rows.
+//           16-byte run of outputs, looping over the rank rows (from rank 32, a chunk with few items shares each
+//           one's rows among several warps).
 // The expand is launched as a programmatic dependent of the shrink: its chunk lookup, Bt and y loads overlap
 // the shrink, and it waits for the shrink grid only before reading the partials.
 // A grouped call (G outputs sharing x) adds a grid dimension: block z works on output z, with row z of the tables
@@ -27,7 +28,9 @@ constexpr int kPieces = kWarps * kRowsPerWarp;  // shrink: (row, K slice) pieces
 constexpr int kTileRanks = 64;       // expand: rank rows of Bt staged in shared memory at a time
 constexpr int kItemsPerWarp = 2;     // expand: (token, column chunk) items a warp owns per pass
 constexpr int kMaxGroup = 4;         // most K slices / column chunks one block takes
+static_assert(kChunk * kMaxGroup <= kWarps * kItemsPerWarp, "the expand serves a chunk's items in one pass");
 constexpr int kSumBatch = 16;        // expand: slice partials a thread loads at once
+constexpr int kSplitMinRank = 32;    // expand: smallest rank whose rows several warps share (below)
 
 // A 16-byte shared-memory load ptxas may not hoist out of a loop (a volatile PTX load; an asm volatile plain load
 // was still hoisted): re-reading the A pieces for every pair of tokens keeps 8 x 8 widened floats out of the
@@ -141,12 +144,21 @@ shrink_chunk_kernel(const T* __restrict__ x, const T* __restrict__ pool, const i
   }
 }
 
+// The expand's Bt tiles in 16-byte vectors: one buffer of up to kTileRanks rank rows (two when the rank needs more),
+// and at least room for the warps' fp32 sums (up to 8 per lane), which reuse it at the end.
+__host__ __device__ constexpr int expand_tile_vectors(int max_rank, int group) {
+  const int tile_rows = max_rank < kTileRanks ? max_rank : kTileRanks;
+  const int tiles = (max_rank > kTileRanks ? 2 : 1) * tile_rows * group * 32;
+  return tiles > kWarps * 32 * 2 ? tiles : kWarps * 32 * 2;
+}
+
 // y[token(p), n] += sum_{r < rank} Bt_s[r, n] * v[p, r] for the chunk's positions p, v[p, r] = sum over slices of
 // v_partial; n runs over output blockIdx.z's columns of y. The block takes kGroup consecutive column chunks of
-// 32 x 16 bytes. Work items are (token, column chunk) pairs: warp w owns items w + 8 u (u < 2) of each pass of 16,
-// each lane a 16-byte run of outputs.
-// Dynamic shared memory: Bt tiles [buffers][tile_rows][kGroup * 32], y [kChunk][kGroup * 32] (16-byte vectors),
-// then v [kChunk][max_rank] fp32. Several passes only when the rank fits one tile (kGroup > 1 needs rank <= 32).
+// 32 x 16 bytes. Work items are (token, column chunk) pairs, each lane a 16-byte run of outputs: with 8 items or
+// more, warp w owns items w and w + 8; with fewer, each item has several warps, each taking every split-th rank row.
+// Dynamic shared memory: Bt tiles [buffers][tile_rows][kGroup * 32] (expand_tile_vectors), y [kChunk][kGroup * 32]
+// (16-byte vectors), then v [kChunk][max_rank] fp32. Two buffers only when the rank needs more than one tile (kGroup
+// > 1 needs rank <= 32).
 template <typename T, int kGroup>
 __global__ void __launch_bounds__(kThreads, 4)
 expand_chunk_kernel(T* __restrict__ y, const T* __restrict__ pool, const int64_t* __restrict__ b_offsets,
@@ -179,7 +191,7 @@ expand_chunk_kernel(T* __restrict__ y, const T* __restrict__ pool, const int64_t
   constexpr int row_vectors = kGroup * 32;
   const int tile_rows = min(max_rank, kTileRanks);
   uint4* tiles = smem_vectors;
-  uint4* y_tile = tiles + (max_rank > kTileRanks ? 2 : 1) * tile_rows * row_vectors;
+  uint4* y_tile = tiles + expand_tile_vectors(max_rank, kGroup);
   float* v_shared = reinterpret_cast<float*>(y_tile + kChunk * row_vectors);
 
   // Rank rows [tile * kTileRanks, +kTileRanks) of Bt, this block's columns, into buffer `buffer`.
@@ -232,7 +244,26 @@ expand_chunk_kernel(T* __restrict__ y, const T* __restrict__ pool, const int64_t
     if (entry < entries && part == 0) v_shared[j * max_rank + r] = sum;
   }
 
+  // Items: (token, column chunk) pairs, at most kWarps * kItemsPerWarp. From rank kSplitMinRank, a chunk with fewer
+  // items than warps has each item's rank rows split over `split` warps (at least 8 rows each), their sums then
+  // added in warp order: deterministic. A lone token at rank 64 is one item, which one warp ran through 64 rows
+  // while seven waited (H200: rank-64 distinct rows 14-24 % faster split; at rank 16, 4 items of 16 rows, the
+  // added reduction cost what it saved).
   const int items = size * kGroup;
+  int split = 1;
+  while (rank >= kSplitMinRank && split < kWarps && 2 * split * items <= kWarps && rank >= 16 * split) split *= 2;
+  const int part = warp % split;  // this warp's rank rows: part, part + split, ...
+  bool valid[kItemsPerWarp];
+  int item_of[kItemsPerWarp];
+  const uint4* b_columns[kItemsPerWarp];  // the item's column chunk in a tile's row 0, this lane's vector
+  const float* v_rows[kItemsPerWarp];
+#pragma unroll
+  for (int u = 0; u < kItemsPerWarp; ++u) {
+    item_of[u] = warp / split + u * (kWarps / split);  // token item / kGroup, column chunk item % kGroup
+    valid[u] = item_of[u] < items;
+    b_columns[u] = tiles + item_of[u] % kGroup * 32 + lane;
+    v_rows[u] = v_shared + item_of[u] / kGroup * max_rank;
+  }
   float acc[kItemsPerWarp][kVec] = {};
   const int num_tiles = (rank + kTileRanks - 1) / kTileRanks;
   for (int tile = 0; tile < num_tiles; ++tile) {
@@ -240,52 +271,46 @@ expand_chunk_kernel(T* __restrict__ y, const T* __restrict__ pool, const int64_t
     cp_async_commit();
     cp_async_wait<1>();  // tile `tile` (and the y rows) have landed; the next tile may still be in flight
     __syncthreads();     // ... for every thread's copies; v_shared complete
-    const uint4* rows = tiles + (tile % 2) * tile_rows * row_vectors + lane;
-    const float* v_tile = v_shared + tile * kTileRanks;
-    const int num_rows = min(kTileRanks, rank - tile * kTileRanks);
-    for (int first_item = 0; first_item < items; first_item += kWarps * kItemsPerWarp) {
-      // This warp's items: token j = item / kGroup, column chunk item % kGroup (shifts: kGroup is 1, 2 or 4).
-      bool valid[kItemsPerWarp];
-      const uint4* b_rows[kItemsPerWarp];
-      const float* v_rows[kItemsPerWarp];
+    const int buffer_offset = (tile % 2) * tile_rows * row_vectors;
+    const int first_row = tile * kTileRanks;
+    const int num_rows = min(kTileRanks, rank - first_row);
+#pragma unroll 4
+    for (int r = part; r < num_rows; r += split) {
 #pragma unroll
       for (int u = 0; u < kItemsPerWarp; ++u) {
-        const int item = first_item + warp + u * kWarps;
-        valid[u] = item < items;
-        b_rows[u] = rows + item % kGroup * 32;
-        v_rows[u] = v_tile + item / kGroup * max_rank;
-      }
-#pragma unroll 4
-      for (int r = 0; r < num_rows; ++r) {
+        if (valid[u]) {
+          float b[kVec];
+          widen<T>(b_columns[u][buffer_offset + r * row_vectors], b);
+          const float v = v_rows[u][first_row + r];
 #pragma unroll
-        for (int u = 0; u < kItemsPerWarp; ++u) {
-          if (valid[u]) {
-            float b[kVec];
-            widen<T>(b_rows[u][r * row_vectors], b);
-            const float v = v_rows[u][r];
-#pragma unroll
-            for (int e = 0; e < kVec; ++e) acc[u][e] = fmaf(b[e], v, acc[u][e]);
-          }
-        }
-      }
-      if (tile + 1 == num_tiles) {  // the item is complete: y += acc, stored straight from registers
-#pragma unroll
-        for (int u = 0; u < kItemsPerWarp; ++u) {
-          const int item = first_item + warp + u * kWarps;
-          const int col = col0 + item % kGroup * slice_elems<T>() + lane * kVec;
-          if (valid[u] && col < hidden_out) {
-            float values[kVec] = {};
-            if (accumulate) widen<T>(y_tile[item / kGroup * row_vectors + item % kGroup * 32 + lane], values);
-#pragma unroll
-            for (int e = 0; e < kVec; ++e) values[e] += acc[u][e];
-            *reinterpret_cast<uint4*>(y + chunk.tokens[item / kGroup] * row_width + col) = narrow<T>(values);
-          }
-#pragma unroll
-          for (int e = 0; e < kVec; ++e) acc[u][e] = 0.f;
+          for (int e = 0; e < kVec; ++e) acc[u][e] = fmaf(b[e], v, acc[u][e]);
         }
       }
     }
     __syncthreads();  // everyone is done with this buffer before the next iteration refills it
+  }
+  if (split > 1) {  // one item per warp (u = 0): its split warps' sums, in warp order, into the first one's acc
+    float* sums = reinterpret_cast<float*>(tiles);  // [kWarps][32][kVec]: the tiles are no longer read
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) sums[(warp * 32 + lane) * kVec + e] = acc[0][e];
+    __syncthreads();
+    for (int w = warp + 1; part == 0 && w < warp + split; ++w) {
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) acc[0][e] += sums[(w * 32 + lane) * kVec + e];
+    }
+  }
+  // y += acc, stored straight from registers, by the first warp of each item.
+#pragma unroll
+  for (int u = 0; u < kItemsPerWarp; ++u) {
+    const int item = item_of[u];
+    const int col = col0 + item % kGroup * slice_elems<T>() + lane * kVec;
+    if (valid[u] && part == 0 && col < hidden_out) {
+      float values[kVec] = {};
+      if (accumulate) widen<T>(y_tile[item / kGroup * row_vectors + item % kGroup * 32 + lane], values);
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) values[e] += acc[u][e];
+      *reinterpret_cast<uint4*>(y + chunk.tokens[item / kGroup] * row_width + col) = narrow<T>(values);
+    }
   }
 }
 
@@ -306,9 +331,7 @@ int group_for(int max_rank, int available) {
 }
 
 size_t expand_smem_bytes(int max_rank, int group) {
-  const int tile_rows = max_rank < kTileRanks ? max_rank : kTileRanks;
-  const int num_buffers = max_rank > kTileRanks ? 2 : 1;
-  return (static_cast<size_t>(num_buffers) * tile_rows + kChunk) * group * 32 * sizeof(uint4) +
+  return (static_cast<size_t>(expand_tile_vectors(max_rank, group)) + kChunk * group * 32) * sizeof(uint4) +
          static_cast<size_t>(kChunk) * max_rank * sizeof(float);
 }
 

@@ -151,6 +151,7 @@ CASES = [
     (16, 4096, 14336, 16, 32, "distinct", "mixed"),
     (32, 4096, 14336, 16, 3, "random", "full"),  # fused, Bt from L2, chunks of tokens sharing an adapter
     (16, 4096, 4096, 64, 6, "random", "mixed"),  # rank 64, tokens sharing adapters
+    (96, 4096, 4096, 64, 96, "distinct", "full"),  # two launches, each token's rank-64 rows over 8 warps
     (17, 1024, 2048, 8, 3, "one", "full"),  # full chunks and a one-token chunk
     (64, 1000, 1008, 64, 64, "distinct", "mixed"),  # non-power-of-2 hidden sizes
     (64, 4096, 4096, 16, 8, "random", "mixed_rank0"),
