@@ -349,6 +349,9 @@ class LoraHook:
     def _add(self, output: torch.Tensor, delta_tokens: torch.Tensor) -> torch.Tensor:
         """``output`` plus this module's ``[T, out]`` update (a column slice of its group's updates)."""
         if delta_tokens.dtype == output.dtype and delta_tokens.device == output.device and output.is_contiguous():
-            output.view(-1, self.out_features).add_(delta_tokens)  # a compiled graph fuses it into the next kernel
+            # Added in the output's own shape ([B, T, out]), which Inductor fuses into the next kernel. Added to the
+            # GEMM's 2-D result instead, it becomes addmm, which copies the update into the GEMM's output first: one
+            # copy kernel per member, 96 per Llama-3-8B decode step, ~0.26 ms on the H200.
+            output.add_(delta_tokens.view(output.shape))
             return output
         return output + delta_tokens.to(device=output.device, dtype=output.dtype).view(output.shape)

@@ -410,3 +410,29 @@ def test_compiled_forward_takes_the_tables_once_not_per_hook(base, tmp_path, mon
     layers = base.config.num_hidden_layers
     assert calls.count("punica_hf_test.lora_delta.default") == 2 * layers, calls
     assert calls.count("punica_hf_test.lora_add.default") == 2 * layers, calls
+
+
+def test_compiled_group_updates_are_added_after_the_gemm_not_folded_into_it(base, tmp_path, monkeypatch):
+    """Inductor rewrites ``mm(x, W) + update`` on the GEMM's 2-D result into ``addmm(update, x, W)``, which copies the
+    update into the GEMM's output first (one copy kernel per grouped member: 96 per Llama-3-8B decode step). The
+    members' updates must reach Inductor in the module output's own shape, as plain adds it fuses into the next
+    kernel. On the CPU Inductor folds every add of a GEMM result it can, so an ``addmm`` here means the fold."""
+    from torch._inductor.utils import run_and_get_code
+
+    wrapped = MultiLoraModel(copy.deepcopy(base), max_adapters=4, max_rank=8)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    wrapped.load_adapters({"a": save_peft_adapter(base, tmp_path / "a", r=4, target_modules=targets)})
+    route_to_opaque_kernels(wrapped, monkeypatch)
+    ids = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    slots = torch.tensor(wrapped.acquire(["a", None]).slots, dtype=torch.int32).unsqueeze(1).expand(2, 3)
+    compiled = torch.compile(wrapped.model, fullgraph=True, dynamic=False)
+    try:
+        with torch.no_grad():
+            logits, code = run_and_get_code(lambda: compiled(input_ids=ids, adapter_ids=slots).logits)
+            expected = wrapped.model(input_ids=ids, adapter_ids=slots).logits
+    finally:
+        torch._dynamo.reset()
+    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
+    source = "\n".join(code)
+    assert source.count("punica_hf_test.lora_delta") >= 2 * base.config.num_hidden_layers, source
+    assert "addmm" not in source, [line for line in source.splitlines() if "addmm" in line]
