@@ -10,7 +10,10 @@ Cases: ``decode`` (prompt 128, 64 new tokens) and ``prefill-heavy`` (prompt 1024
 (dynamic cache) and ``compiled`` (static cache: transformers compiles the decode step, CUDA graphs). Also measured:
 GPU memory (model weights, the LoRA pool's used/total bytes, each system's peak allocation) and, with ``--profile``,
 a per-step breakdown of a few decode steps under torch.profiler: CUDA time in punica_hf's LoRA kernels vs all other
-kernels, host time inside the compiled call, launches per step.
+kernels, host time inside the compiled call, launches per step (for the prefill-heavy case, the same over one whole
+call, with its prefill's time). Compiled decode steps of the base and the most
+distinct adapters are also timed without a profiler (``--step-timing``: step period, GPU time from the call's entry,
+host time in the call), since the profiler inflates every graph launch's host time.
 
     # the full set (~4 min on an H200, most of it two torch.compile warm-ups):
     python benchmarks/bench_generate.py --modes eager,compiled --prefill-heavy eager --profile compiled
@@ -171,6 +174,83 @@ def profile_decode(generate: Callable[..., object], steps: int, device: torch.de
             **step_breakdown(events, steps)}
 
 
+def profile_call(generate: Callable[..., object], device: torch.device) -> dict:
+    """One whole (warmed-up) ``generate()`` call under torch.profiler, for the prefill-heavy case, whose prefill and
+    few decode steps all count: wall and prefill time (a step clock), and the trace's breakdown for the whole call
+    (``step_breakdown``'s numbers, ``_per_call``). ``generate(streamer=...)`` must run at the timed shapes."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    clock = StepClock()
+    with tempfile.TemporaryDirectory() as tmp:
+        trace_path = Path(tmp) / "trace.json"
+        with torch.profiler.profile(activities=activities) as prof:
+            started = time.perf_counter()
+            generate(streamer=clock)
+            synchronize(device)
+            wall = time.perf_counter() - started
+        prof.export_chrome_trace(str(trace_path))
+        events = json.loads(trace_path.read_text())["traceEvents"]
+    breakdown = {key.replace("_per_step", "_per_call"): value for key, value in step_breakdown(events, 1).items()}
+    return {"wall_ms": 1e3 * wall, "prefill_ms": 1e3 * (clock.times[1] - clock.times[0]), **breakdown}
+
+
+class StepTimer:
+    """Times the model's compiled decode steps without a profiler, whichever system runs them.
+
+    Installed on the model for the whole run, before any system compiles: every compiled step, warm-ups included,
+    goes through the one wrapper it returns per compiled callable. (A wrapper made only for the timed call would be a
+    new callable to ``CompiledSteps``, which keeps per callable what it learned at compile time, and the timed steps
+    would check every guard.) While ``record`` runs a call, each step records the host time inside the call, the
+    GPU time from the call's entry to the end of the work it enqueued (CUDA events: kernels plus any wait for the host
+    inside the call, as generate() leaves the GPU idle between steps) and when it began (the step period). The
+    profiler is no use for these: CUPTI's per-kernel records add host time to every graph launch, ~1 us per node
+    (``bench_graph_launch.py``'s ``profiled_launch_us``).
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.own = model.get_compiled_call
+        self.wrappers: dict[object, Callable[..., object]] = {}
+        self.calls: list[tuple[float, float, torch.cuda.Event, torch.cuda.Event]] | None = None
+        model.get_compiled_call = self.get_compiled_call
+
+    def get_compiled_call(self, *args, **kwargs) -> Callable[..., object]:
+        compiled = self.own(*args, **kwargs)
+        if compiled not in self.wrappers:
+            self.wrappers[compiled] = lambda *a, **k: self._step(compiled, a, k)
+        return self.wrappers[compiled]
+
+    def _step(self, compiled: Callable[..., object], args: tuple, kwargs: dict):
+        if self.calls is None:
+            return compiled(*args, **kwargs)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        entered = time.perf_counter()
+        start.record()
+        outputs = compiled(*args, **kwargs)
+        end.record()
+        self.calls.append((entered, time.perf_counter(), start, end))
+        return outputs
+
+    def record(self, generate: Callable[[], object], skipped: int = 2) -> dict:
+        """Medians over the compiled decode steps of one (warmed-up) ``generate()`` call after ``skipped`` settling
+        steps: ``host_in_call_ms``, ``gpu_call_ms``, ``period_ms``."""
+        self.calls = []
+        try:
+            generate()
+            torch.cuda.synchronize()
+            calls = self.calls[skipped:]
+        finally:
+            self.calls = None
+        if len(calls) < 2:
+            raise RuntimeError(f"generate() made {len(calls) + skipped} compiled decode steps: too few to time")
+        return {
+            "steps": len(calls),
+            "host_in_call_ms": median([1e3 * (left - entered) for entered, left, _, _ in calls]),
+            "gpu_call_ms": median([start.elapsed_time(end) for _, _, start, end in calls]),
+            "period_ms": median([1e3 * (b[0] - a[0]) for a, b in zip(calls, calls[1:])]),
+        }
+
+
 def step_breakdown(events: list[dict], steps: int) -> dict:
     """Kernel time (LoRA / other), copies, host time in compiled code and launches, per step, from a chrome trace."""
     kernels = [e for e in events if e.get("cat") == "kernel"]
@@ -273,8 +353,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--modes", default="eager,compiled", help="decode modes: eager, compiled (static cache)")
     parser.add_argument("--prefill-heavy", default="eager", help="modes of the prefill-heavy case ('none' = skip)")
     parser.add_argument("--profile", default="compiled",
-                        help="modes whose decode steps are profiled, for base and the most distinct adapters ('none')")
+                        help="modes whose decode steps (and prefill-heavy calls) are profiled, for base and the most "
+                             "distinct adapters ('none')")
     parser.add_argument("--profile-steps", type=int, default=8, help="decode steps in each profile")
+    parser.add_argument("--step-timing", action=argparse.BooleanOptionalAction, default=True,
+                        help="compiled decode steps of base and the most distinct adapters timed without a profiler")
     parser.add_argument("--peft", action=argparse.BooleanOptionalAction, default=True,
                         help="PEFT systems (one adapter; mixed batch), eager, on a second copy of the model")
     parser.add_argument("--peft-mixed-new-tokens", type=int, default=4, help="new tokens for PEFT's slow mixed batch")
@@ -312,6 +395,7 @@ def main() -> None:
     config = llama_config(args.layers, args.tiny)
     model = build_llama(config, device)
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    step_timer = StepTimer(model) if args.step_timing and device.type == "cuda" else None
     cases = {
         "decode": (torch.randint(1, config.vocab_size, (args.batch, args.prompt), device=device), args.new_tokens),
         "prefill-heavy": (torch.randint(1, config.vocab_size, (args.batch, args.prefill_prompt), device=device),
@@ -344,10 +428,14 @@ def main() -> None:
         if device.type == "cuda":
             row["peak_allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
         profiled = ("base", f"{max(args.distinct, default=0)} distinct")
+        if mode in args.profile and case == "prefill-heavy" and adapters in profiled:
+            row["call_profile"] = profile_call(lambda **extra: generate(**kwargs, **extra), device)
         if mode in args.profile and case == "decode" and adapters in profiled:
             trace = args.trace_dir / f"{name.replace(', ', '_').replace(' ', '_')}.json.gz" if args.trace_dir else None
             row["profile"] = profile_decode(lambda **extra: generate(**kwargs, **extra), args.profile_steps, device,
                                             trace)
+        if step_timer is not None and mode == "compiled" and case == "decode" and adapters in profiled:
+            row["step_timing"] = step_timer.record(lambda: generate(**kwargs))
         report.add_system(row)
         print(f"{name:58s} {' '.join(f'{r:8.1f}' for r in rates)} tokens/s  ({row['seconds_with_warm_up']:.0f} s)",
               flush=True)
@@ -433,8 +521,8 @@ def pool_bytes_for(adapters: list[AdapterWeights]) -> int:
 def step_costs(report: Report, args, adapter_bytes: int) -> None:
     """Per decode step of each punica_hf system: the LoRA bytes floor (every distinct adapter's factors read once
     at the H200's copy bandwidth) beside the time a step takes over the base model's in the same mode, and beside
-    the LoRA kernels' own time where profiled. Step times come from the profiles when both systems have one (steady
-    decode steps), else from tokens/s (which spreads the prefill over the steps)."""
+    the LoRA kernels' own time where profiled. Step times are steady decode steps when both systems have them (the
+    unprofiled step timing, else the profiles), else from tokens/s (which spreads the prefill over the steps)."""
     costs = {}
     systems = report.data["systems"]
     for row in systems:
@@ -446,7 +534,9 @@ def step_costs(report: Report, args, adapter_bytes: int) -> None:
         same_setting = (row["mode"], "decode")
         base = next((s for s in systems if s["adapters"] == "base" and (s["mode"], s["case"]) == same_setting), None)
         if base is not None:
-            if "profile" in row and "profile" in base:
+            if "step_timing" in row and "step_timing" in base:
+                step_ms, base_ms = row["step_timing"]["period_ms"], base["step_timing"]["period_ms"]
+            elif "profile" in row and "profile" in base:
                 step_ms, base_ms = row["profile"]["wall_ms_per_step"], base["profile"]["wall_ms_per_step"]
             else:
                 step_ms = 1000 * args.batch / row["median_tokens_per_second"]
@@ -474,19 +564,35 @@ def print_table(data: dict) -> None:
         peak = row.get("peak_allocated_gib")
         print(f"| {row['name'].rsplit(', ', 2)[0]} | {row['mode']} | {row['case']} | {rates} | "
               f"{'-' if ratio is None else f'{ratio:.2f}'} | {'-' if peak is None else f'{peak:.1f}'} |")
-    profiled = [row for row in data["systems"] if "profile" in row]
-    if profiled:
-        print("\n| profiled decode step (ms) | wall | GPU busy | GPU kernels | LoRA kernels (count) | other kernels | "
-              "host in compiled code | graph launches | kernel launches |")
-        print("|---|---|---|---|---|---|---|---|---|")
-        for row in profiled:
-            p = row["profile"]
-            print(f"| {row['name']} | {p['wall_ms_per_step']:.2f} | {p['gpu_busy_ms_per_step']:.2f} | "
-                  f"{p['gpu_kernel_ms_per_step']:.2f} | "
-                  f"{p['lora_kernel_ms_per_step']:.2f} ({p['lora_kernels_per_step']:.0f}) | "
-                  f"{p['other_kernel_ms_per_step']:.2f} | {p['host_ms_in_compiled_code_per_step']:.2f} | "
-                  f"{p['graph_launches_per_step']:.1f} | {p['kernel_launches_per_step']:.0f} |")
+    systems = data["systems"]
+    print_section(systems, "call_profile", ["profiled generate() call (ms)", "wall", "prefill", "GPU busy",
+                                            "LoRA kernels (count)", "other kernels"],
+                  lambda p: [f"{p['wall_ms']:.1f}", f"{p['prefill_ms']:.1f}", f"{p['gpu_busy_ms_per_call']:.1f}",
+                             f"{p['lora_kernel_ms_per_call']:.1f} ({p['lora_kernels_per_call']:.0f})",
+                             f"{p['other_kernel_ms_per_call']:.1f}"])
+    print_section(systems, "step_timing", ["compiled decode step, no profiler (ms)", "period", "GPU from call entry",
+                                           "host in call"],
+                  lambda t: [f"{t['period_ms']:.2f}", f"{t['gpu_call_ms']:.2f}", f"{t['host_in_call_ms']:.2f}"])
+    print_section(systems, "profile", ["profiled decode step (ms)", "wall", "GPU busy", "GPU kernels",
+                                       "LoRA kernels (count)", "other kernels", "host in compiled code",
+                                       "graph launches", "kernel launches"],
+                  lambda p: [f"{p['wall_ms_per_step']:.2f}", f"{p['gpu_busy_ms_per_step']:.2f}",
+                             f"{p['gpu_kernel_ms_per_step']:.2f}",
+                             f"{p['lora_kernel_ms_per_step']:.2f} ({p['lora_kernels_per_step']:.0f})",
+                             f"{p['other_kernel_ms_per_step']:.2f}", f"{p['host_ms_in_compiled_code_per_step']:.2f}",
+                             f"{p['graph_launches_per_step']:.1f}", f"{p['kernel_launches_per_step']:.0f}"])
 
+
+def print_section(systems: list[dict], key: str, header: list[str], cells: Callable[[dict], list[str]]) -> None:
+    """A markdown table of the systems that have ``key``: ``header`` (the first column names the system), then
+    ``cells(system[key])``."""
+    rows = [row for row in systems if key in row]
+    if not rows:
+        return
+    print(f"\n| {' | '.join(header)} |")
+    print("|" + "---|" * len(header))
+    for row in rows:
+        print(f"| {row['name']} | {' | '.join(cells(row[key]))} |")
 
 if __name__ == "__main__":
     main()

@@ -6,15 +6,18 @@ graph with the LoRA calls of a step added, in each kernel configuration, and mea
 
 - ``launch_us``: host time of ``graph.replay()`` (CUDA's graph launch), after the GPU went idle;
 - ``gpu_us``: CUDA-event time of one replay (kernels plus the gaps between them);
-- ``kernel_us``: the sum of the kernels' own durations (profiler), so ``gpu_us - kernel_us`` is the gaps.
+- ``kernel_us``: the sum of the kernels' own durations (profiler), so ``gpu_us - kernel_us`` is the gaps;
+- ``profiled_launch_us``: ``launch_us`` with torch.profiler recording CUDA activity, as in a step profile. CUPTI
+  records every kernel node of a graph, which costs host time per node at each launch: the ``cudaGraphLaunch`` times
+  of ``bench_generate.py``'s profiles are this, not what a step pays without the profiler.
 
-Variants: the base graph; plus 128 plain elementwise kernels (a node with no launch attributes); plus the step's
+Variants: ``chain N``, N tiny elementwise kernels on one stream and nothing else (launch time against the node count
+alone); the base graph; plus 128 plain elementwise kernels (a node with no launch attributes); plus the step's
 LoRA calls (4 per layer: q/k/v and gate/up as grouped ``lora_delta`` calls, o and down as ``lora_add``) with the
-fused cluster kernel, and with two launches with and without PDL (the results of 14:43 also have the fused
-kernel with PDL, since removed); and the fused calls on a second stream,
-each forked before the GEMMs that read the same input and joined before their output is used ("overlapped": what
-running the LoRA kernels beside the base GEMMs would save; its joins add each update with one more elementwise
-kernel, 128 in all, which "base + 128 plain kernels" prices).
+fused cluster kernel, and with two launches with and without PDL; and the fused calls on a second stream, each
+forked before the GEMMs that read the same input and joined before their output is used ("overlapped": what running
+the LoRA kernels beside the base GEMMs would save; its joins add each update with one more elementwise kernel, 128
+in all, which "base + 128 plain kernels" prices).
 
     python benchmarks/bench_graph_launch.py --output benchmarks/results/bench_graph_launch_h200.json
 """
@@ -162,13 +165,17 @@ def measure(graph: torch.cuda.CUDAGraph, reps: int) -> dict:
         end.synchronize()
         launch.append((t1 - t0) * 1e6)
         gpu.append(start.elapsed_time(end) * 1e3)
+    profiled_launch = []
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(5):
+            t0 = time.perf_counter()
             graph.replay()
-        torch.cuda.synchronize()
+            profiled_launch.append((time.perf_counter() - t0) * 1e6)
+            torch.cuda.synchronize()
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     return {"launch_us": statistics.median(launch), "gpu_us": statistics.median(gpu),
-            "kernel_us": sum(e.device_time for e in kernels) / 5, "kernels": len(kernels) / 5}
+            "kernel_us": sum(e.device_time for e in kernels) / 5, "kernels": len(kernels) / 5,
+            "profiled_launch_us": statistics.median(profiled_launch)}
 
 
 def main() -> None:
@@ -178,8 +185,12 @@ def main() -> None:
     parser.add_argument("--output", type=Path, default=None)
     args = parser.parse_args()
     step = Step(args.distinct)
-    results = {"base": measure(capture(lambda: step.run(False, False)), args.reps),
-               "base + 128 plain kernels": measure(capture(lambda: step.run(False, True)), args.reps)}
+    results = {}
+    counter = torch.zeros(64, device="cuda", dtype=torch.bfloat16)
+    for nodes in (100, 672, 800, 2400):
+        results[f"chain {nodes}"] = measure(capture(lambda: [counter.add_(1) for _ in range(nodes)]), args.reps)
+    results["base"] = measure(capture(lambda: step.run(False, False)), args.reps)
+    results["base + 128 plain kernels"] = measure(capture(lambda: step.run(False, True)), args.reps)
     for name, env in LORA_VARIANTS.items():
         with mock.patch.dict(os.environ, env):  # read by the binding at every call, so at capture
             results[name] = measure(capture(lambda: step.run(True, False)), args.reps)
@@ -187,10 +198,12 @@ def main() -> None:
     base = results["base"]
     for name, r in results.items():
         extra = r["kernels"] - base["kernels"]
-        r["launch_us_per_added_kernel"] = (r["launch_us"] - base["launch_us"]) / extra if extra else None
+        added_to_base = extra and not name.startswith("chain")
+        r["launch_us_per_added_kernel"] = (r["launch_us"] - base["launch_us"]) / extra if added_to_base else None
         r["gaps_us"] = r["gpu_us"] - r["kernel_us"]
-        print(f"{name:28s} kernels {r['kernels']:5.0f}  launch {r['launch_us']:8.1f} us  gpu {r['gpu_us']:8.1f} us"
-              f"  kernels {r['kernel_us']:8.1f} us  gaps {r['gaps_us']:7.1f} us")
+        print(f"{name:28s} kernels {r['kernels']:5.0f}  launch {r['launch_us']:8.1f} us (profiled "
+              f"{r['profiled_launch_us']:7.1f})  gpu {r['gpu_us']:8.1f} us  kernels {r['kernel_us']:8.1f} us  "
+              f"gaps {r['gaps_us']:7.1f} us")
     if args.output:
         args.output.parent.mkdir(parents=True, exist_ok=True)
         meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "layers": LAYERS, "tokens": TOKENS,

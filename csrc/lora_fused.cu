@@ -233,8 +233,8 @@ cudaError_t launch_clusters(const PunicaLoraProblem& p, size_t smem, cudaStream_
   const auto kernel = fused_chunk_kernel<T, Cluster, StagedBt>;
   const cudaError_t err = smem_limit.ensure(reinterpret_cast<const void*>(kernel), p.device, smem, Cluster > 8);
   if (err != cudaSuccess) return err;
-  // A plain launch, not a dependent one (PDL): in a compiled decode step's CUDA graph, programmatic edges cost
-  // the graph launch ~6 us of host time per LoRA node and saved no GPU time (benchmarks/KERNEL_NOTES.md).
+  // A plain launch, not a dependent one (PDL): in a graph of a compiled decode step, programmatic edges made the
+  // graph launch ~1 us of host time longer per LoRA node and the replay no shorter (benchmarks/KERNEL_NOTES.md).
   LaunchOptions options;
   options.cluster = Cluster;
   return launch_kernel(kernel, dim3(p.num_tokens * Cluster, 1, p.num_outputs), dim3(kFusedThreads), smem, stream,
