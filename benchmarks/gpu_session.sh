@@ -1,24 +1,26 @@
 #!/bin/bash
 # One device call, everything measured on the H200: the GPU, the kernel build, the GPU tests, then the op, adapter
 # store and generate() benchmarks. Every part runs under `timeout`, cut to what is left of one overall budget, so a
-# hang costs its part only. Into $OUT go six files: session.log (every part's output), pytest.log,
-# bench_ops_h200.json/.md, bench_adapters_h200.json, bench_generate_h200.json. A short summary is printed last.
+# hang costs its part only. Into $OUT go seven files: session.log (every part's output), pytest.log,
+# bench_ops_h200.json/.md, bench_adapters_h200.json, bench_generate_h200.json, bench_step_lora_h200.json. A short
+# summary is printed last.
 #
 #   OUT=$OUT bash benchmarks/gpu_session.sh          # from the repository root on the GPU machine
 #
 # Environment:
-#   ONLY="build tests ops adapters generate"   the parts to run (default: all, in this order; the kernel build runs
-#                                              whenever another part does, so no part pays for it in its timeout)
-#   SKIP_TESTS=1                               leave out the GPU tests
-#   PYTEST_ARGS="-k compile"                   extra pytest arguments
-#   OPS_FLAGS="--profile"                      extra bench_ops.py flags (--profile: each kernel's device time)
-#   GEN_FLAGS="..."                            bench_generate.py flags (default below: every system, ~4 minutes)
-#   ADAPTER_FLAGS="..."                        bench_adapters.py flags (default: the issue-8 setup, ~2 minutes)
-#   BUDGET_S=530                               seconds for the whole call
+#   ONLY="build tests ops adapters generate step"   the parts to run (default: all, in this order; the kernel
+#                                                   build runs whenever another part does, so no part pays for it in
+#                                                   its timeout)
+#   SKIP_TESTS=1                                    leave out the GPU tests
+#   PYTEST_ARGS="-k compile"                        extra pytest arguments
+#   OPS_FLAGS="--profile"                           extra bench_ops.py flags (--profile: each kernel's time)
+#   GEN_FLAGS="..."                                 bench_generate.py flags (default below: every system, ~4 min)
+#   ADAPTER_FLAGS="..."                             bench_adapters.py flags (default: the issue-8 setup, ~2 min)
+#   BUDGET_S=530                                    seconds for the whole call
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD PUNICA_HF_CACHE=${PUNICA_HF_CACHE:-/tmp/punica_hf_cache}
 OUT=${OUT:-/tmp/punica_out}
-ONLY=${ONLY:-build tests ops adapters generate}
+ONLY=${ONLY:-build tests ops adapters generate step}
 [ -n "$SKIP_TESTS" ] && ONLY=${ONLY//tests/}
 GEN_FLAGS=${GEN_FLAGS:---modes eager,compiled --distinct 1,8,32 --prefill-heavy eager --profile eager,compiled --every-guard}
 BUDGET_S=${BUDGET_S:-530}
@@ -53,7 +55,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem,te
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'CUDA', torch.version.cuda,
 'transformers', transformers.__version__)" 2>&1 | tee -a "$LOG"
 
-if wanted build || wanted tests || wanted ops || wanted adapters || wanted generate; then
+if wanted build || wanted tests || wanted ops || wanted adapters || wanted generate || wanted step; then
     part build 180 python3 -m punica_hf.ops.build || { log "BUILD FAILED: nothing else runs"; ONLY=""; }
 fi
 if wanted tests; then
@@ -67,6 +69,7 @@ wanted adapters && part adapters 200 \
     python3 benchmarks/bench_adapters.py --output "$OUT/bench_adapters_h200.json" $ADAPTER_FLAGS
 wanted generate && part generate 330 \
     python3 benchmarks/bench_generate.py --output "$OUT/bench_generate_h200.json" $GEN_FLAGS
+wanted step && part step 90 python3 benchmarks/bench_step_lora.py --output "$OUT/bench_step_lora_h200.json"
 
 log "summary"
 {

@@ -15,7 +15,8 @@ from transformers import CompileConfig
 from punica_hf import MultiLoraModel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from bench_generate import StepTimer  # noqa: E402
+from bench_generate import StepTimer, build_llama, factor_bytes, llama_config, random_adapter  # noqa: E402
+from bench_step_lora import CALLS, lora_floor_bytes  # noqa: E402
 
 
 class HostClockEvent:
@@ -74,3 +75,15 @@ def test_step_timer_times_each_compiled_step_without_changing_how_it_runs(tmp_pa
     assert 0 < timing["host_in_call_ms"] <= timing["period_ms"]
     assert timing["gpu_call_ms"] > 0
     assert timer.calls is None  # recording ends with the call
+
+
+def test_step_benchmark_floor_counts_the_adapter_bytes_that_bench_generate_counts():
+    """``bench_step_lora.py`` rebuilds a Llama-3-8B step's LoRA calls by hand; its bytes floor must count one
+    adapter's factors as ``bench_generate.py`` counts them on the real model (every targeted projection of 32
+    layers), or the two benchmarks' "x its floor" figures, quoted side by side, would not compare."""
+    model = build_llama(llama_config(32), torch.device("meta"))
+    adapter = random_adapter(model, 16, torch.Generator().manual_seed(0))
+    activations = lora_floor_bytes(0, 16, list(CALLS))  # x read and updates written, no factors
+    assert activations > 0
+    for distinct in (1, 32):
+        assert lora_floor_bytes(distinct, 16, list(CALLS)) - activations == distinct * factor_bytes(adapter)
