@@ -233,21 +233,32 @@ class StepTimer:
 
     def record(self, generate: Callable[[], object], skipped: int = 2) -> dict:
         """Medians over the compiled decode steps of one (warmed-up) ``generate()`` call after ``skipped`` settling
-        steps: ``host_in_call_ms``, ``gpu_call_ms``, ``period_ms``."""
+        steps: ``host_in_call_ms``, ``gpu_call_ms``, ``period_ms``; and the whole call cut at the steps' entries
+        (``call_ms`` = ``before_steps_ms``: the prefill and all before the first compiled step, + ``settling_ms``:
+        the settling steps, the first of which checks every guard, + ``steady_ms`` + ``after_steps_ms``: the last
+        step and the rest), for what tokens/s counts beyond steady steps."""
         self.calls = []
         try:
+            started = time.perf_counter()
             generate()
             torch.cuda.synchronize()
-            calls = self.calls[skipped:]
+            ended = time.perf_counter()
+            every = self.calls
         finally:
             self.calls = None
+        calls = every[skipped:]
         if len(calls) < 2:
-            raise RuntimeError(f"generate() made {len(calls) + skipped} compiled decode steps: too few to time")
+            raise RuntimeError(f"generate() made {len(every)} compiled decode steps: too few to time")
         return {
             "steps": len(calls),
             "host_in_call_ms": median([1e3 * (left - entered) for entered, left, _, _ in calls]),
             "gpu_call_ms": median([start.elapsed_time(end) for _, _, start, end in calls]),
             "period_ms": median([1e3 * (b[0] - a[0]) for a, b in zip(calls, calls[1:])]),
+            "call_ms": 1e3 * (ended - started),
+            "before_steps_ms": 1e3 * (every[0][0] - started),
+            "settling_ms": 1e3 * (calls[0][0] - every[0][0]),
+            "steady_ms": 1e3 * (calls[-1][0] - calls[0][0]),
+            "after_steps_ms": 1e3 * (ended - calls[-1][0]),
         }
 
 
@@ -571,8 +582,11 @@ def print_table(data: dict) -> None:
                              f"{p['lora_kernel_ms_per_call']:.1f} ({p['lora_kernels_per_call']:.0f})",
                              f"{p['other_kernel_ms_per_call']:.1f}"])
     print_section(systems, "step_timing", ["compiled decode step, no profiler (ms)", "period", "GPU from call entry",
-                                           "host in call"],
-                  lambda t: [f"{t['period_ms']:.2f}", f"{t['gpu_call_ms']:.2f}", f"{t['host_in_call_ms']:.2f}"])
+                                           "host in call", "whole call", "before the steps", "settling steps",
+                                           "steady steps", "after"],
+                  lambda t: [f"{t[key]:.2f}" for key in ("period_ms", "gpu_call_ms", "host_in_call_ms", "call_ms",
+                                                           "before_steps_ms", "settling_ms", "steady_ms",
+                                                           "after_steps_ms")])
     print_section(systems, "profile", ["profiled decode step (ms)", "wall", "GPU busy", "GPU kernels",
                                        "LoRA kernels (count)", "other kernels", "host in compiled code",
                                        "graph launches", "kernel launches"],

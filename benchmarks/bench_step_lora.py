@@ -6,12 +6,13 @@ slot, so each call reads its factors from DRAM as in the model (one pool shared 
 them in L2). Three CUDA graphs are captured per adapter mix and replayed in turn:
 
 - ``lora_us``: the 128 LoRA calls alone;
-- ``gemm_us``: the base projections alone (``x @ W^T`` for the same four inputs per layer: 224 GEMMs' weights);
+- ``gemm_us``: the base projections alone (``x @ W^T``, one GEMM per call with the members' weights stacked: 128
+  GEMMs reading the 224 projections' weights);
 - ``both_us``: the two interleaved as in a step; ``added_us = both_us - gemm_us`` is what LoRA adds to it.
 
 ``floor_us`` is the bytes the LoRA calls must move (the factors of the adapters in the batch, x read, updates
-written) at the copy bandwidth measured here. With one adapter the bytes are ~1/32 of those at 32 distinct, so
-``lora_us`` at ``--distinct 1`` is close to the calls' fixed cost. ``benchmarks/fused_stages.sh`` runs this on copies
+written) at the copy bandwidth measured here. With one adapter the calls move 1/12 of the bytes they move at 32
+distinct adapters, so ``lora_us`` at ``--distinct 1`` is close to the calls' fixed cost. ``benchmarks/fused_stages.sh`` runs this on copies
 of the fused kernel that return early, to split that fixed cost into its parts.
 
     python benchmarks/bench_step_lora.py --output benchmarks/results/bench_step_lora_h200.json

@@ -7,6 +7,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from helpers import save_peft_adapter, tiny_llama
 from opaque_kernels import route_to_opaque_kernels
@@ -74,6 +75,8 @@ def test_step_timer_times_each_compiled_step_without_changing_how_it_runs(tmp_pa
     assert timing["steps"] == new_tokens - 1 - 2
     assert 0 < timing["host_in_call_ms"] <= timing["period_ms"]
     assert timing["gpu_call_ms"] > 0
+    parts = [timing[key] for key in ("before_steps_ms", "settling_ms", "steady_ms", "after_steps_ms")]
+    assert min(parts) > 0 and sum(parts) == pytest.approx(timing["call_ms"])
     assert timer.calls is None  # recording ends with the call
 
 
