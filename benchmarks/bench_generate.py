@@ -205,7 +205,7 @@ class StepTimer:
     GPU time from the call's entry to the end of the work it enqueued (CUDA events: kernels plus any wait for the host
     inside the call, as generate() leaves the GPU idle between steps) and when it began (the step period). The
     profiler is no use for these: CUPTI's per-kernel records add host time to every graph launch, ~1 us per node
-    (``bench_graph_launch.py``'s ``profiled_launch_us``).
+    (``explore/bench_graph_launch.py``'s ``profiled_launch_us``).
     """
 
     def __init__(self, model: torch.nn.Module) -> None:

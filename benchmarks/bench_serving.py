@@ -9,7 +9,13 @@ adapters made in memory (random factors on q, k, v, o, gate, up, down). Systems,
 - ``engine, N adapters``: ``punica_hf.serving.Engine`` (transformers' continuous batching, CUDA graphs);
 - ``engine, base model``: the same engine, every request on the base model;
 - ``static generate()``: batches of 32 in arrival order, left-padded, each generating to its longest output (the
-  first ``--static-requests`` requests; the engine is timed on exactly those too, for the ratio).
+  first ``--static-requests`` requests; the engine is timed on exactly those too, for the ratio);
+- ``transformers continuous batching``: transformers' own engine with its defaults (``init_continuous_batching``
+  with no settings) on the base model, every request at once (the model is the wrapped one, run without adapters).
+
+The engine's step time is recorded at every step; decode steps (one new token per request) are reported by batch
+size, next to the compiled static-cache ``generate()`` step (``--compiled-batches``, prompt of the median length,
+the first adapter system's adapters cycled over the rows), timed by ``bench_generate.StepTimer``.
 
 Each engine system is run with every request arriving at once (saturation), then with Poisson arrivals at
 fractions of the saturation rate of the first adapter system. Throughput = generated tokens / (last finish - first
@@ -26,6 +32,7 @@ import argparse
 import json
 import platform
 import random
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,9 +41,11 @@ import torch
 import transformers
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from bench_generate import build_llama, llama_config, random_adapter
+from bench_generate import MODES, StepTimer, build_llama, llama_config, random_adapter
+from transformers import GenerationConfig
+
 from punica_hf import MultiLoraModel
-from punica_hf.serving import Completion, Engine, EngineConfig, SamplingParams
+from punica_hf.serving import Completion, Engine, EngineConfig, SamplingParams, StepRecord
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -92,6 +101,69 @@ def run_engine(engine: Engine, requests: list[Request], adapters: list[str | Non
         params = SamplingParams(max_new_tokens=request.new_tokens, ignore_eos=True)
         handles.append(engine.submit(request.prompt, adapter, params))
     return summarize([handle.result() for handle in handles], rate)
+
+
+def run_transformers_cb(hf_model, requests: list[Request]) -> dict:
+    """transformers' continuous batching with its defaults, every request at once; tokens/s and TTFT."""
+    generation_config = GenerationConfig(do_sample=False, max_new_tokens=max(r.new_tokens for r in requests),
+                                         eos_token_id=None, pad_token_id=hf_model.config.pad_token_id)
+    manager = hf_model.init_continuous_batching(generation_config=generation_config)
+    manager.start()
+    try:
+        start = time.perf_counter()
+        submitted = {manager.add_request(r.prompt, max_new_tokens=r.new_tokens): start for r in requests}
+        first_token, finished, tokens = {}, 0, 0
+        while finished < len(requests):
+            output = manager.get_result(timeout=600)
+            if output is None:
+                raise RuntimeError("transformers' continuous batching stopped before finishing every request")
+            first_token.setdefault(output.request_id, time.perf_counter())
+            if output.is_finished():
+                finished += 1
+                tokens += len(output.generated_tokens)
+        seconds = time.perf_counter() - start
+    finally:
+        manager.stop(block=True)
+    ttft = sorted(first_token[rid] - at for rid, at in submitted.items())
+    return {"requests": len(requests), "tokens": tokens, "seconds": seconds, "tokens_per_second": tokens / seconds,
+            "ttft_p50": percentile(ttft, 50), "ttft_p99": percentile(ttft, 99)}
+
+
+def decode_steps_by_batch(steps: list[StepRecord]) -> dict[int, dict]:
+    """Median engine decode step (every request one new token) per batch size seen at least 3 times."""
+    by_batch: dict[int, list[StepRecord]] = {}
+    for step in steps:
+        if step.tokens == step.requests:
+            by_batch.setdefault(step.requests, []).append(step)
+    return {batch: {"steps": len(records), "median_ms": 1e3 * statistics.median(r.seconds for r in records),
+                    "median_prepare_ms": 1e3 * statistics.median(r.prepare_seconds for r in records)}
+            for batch, records in sorted(by_batch.items()) if len(records) >= 3}
+
+
+def mixed_steps(steps: list[StepRecord]) -> dict:
+    """Steps that prefill (some request brings more than one token): how many, and their medians."""
+    mixed = [step for step in steps if step.tokens > step.requests]
+    if not mixed:
+        return {"steps": 0}
+    return {"steps": len(mixed), "median_ms": 1e3 * statistics.median(r.seconds for r in mixed),
+            "median_tokens": statistics.median(r.tokens for r in mixed),
+            "total_seconds": sum(r.seconds for r in mixed), "all_steps_seconds": sum(r.seconds for r in steps)}
+
+
+def compiled_generate_steps(model: MultiLoraModel, timer: StepTimer, adapters: list[str | None], batches: list[int],
+                            prompt_length: int, new_tokens: int, vocab: int) -> dict[int, dict]:
+    """The compiled static-cache ``generate()`` decode step at each batch size (``StepTimer.record``'s medians)."""
+    results = {}
+    for batch in batches:
+        input_ids = torch.randint(1, vocab, (batch, prompt_length), device=model.device)
+        kwargs = dict(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=new_tokens,
+                      min_new_tokens=new_tokens, do_sample=False, adapter_ids=[adapters[i % len(adapters)]
+                                                                                for i in range(batch)],
+                      **MODES["compiled"])
+        model.generate(**kwargs)  # compiles at exactly the timed shapes
+        results[batch] = timer.record(lambda: model.generate(**kwargs))
+        print(f"compiled generate(), batch {batch}: step {results[batch]['period_ms']:.2f} ms", flush=True)
+    return results
 
 
 def summarize(completions: list[Completion], rate: float | None) -> dict:
@@ -166,25 +238,27 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="a tiny model on the CPU: a smoke test of this script")
     parser.add_argument("--layers", type=int, default=32, help="decoder layers (32 = Llama-3-8B)")
-    parser.add_argument("--requests", type=int, help="requests per run (default: 192; 24 with --tiny)")
+    parser.add_argument("--requests", type=int, help="requests per run (default: 160; 24 with --tiny)")
     parser.add_argument("--adapters", type=lambda s: [int(x) for x in s.split(",")],
                         help="adapter set sizes (default: 32,256; 4,8 with --tiny)")
     parser.add_argument("--rank", type=int, default=16, help="LoRA rank of every adapter")
     parser.add_argument("--max-adapters", type=int, help="GPU adapter slots (default: 128; 8 with --tiny)")
     parser.add_argument("--max-running", type=int, help="requests per batch at most (default: 128; 8 with --tiny)")
-    parser.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=[0.5, 0.8],
+    parser.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=[0.25, 0.5, 0.8],
                         help="Poisson arrival rates as fractions of the first adapter system's saturation rate")
     parser.add_argument("--static-requests", type=int, help="requests timed with static generate() (default: 64)")
     parser.add_argument("--static-batch", type=int, default=32, help="rows per static generate() batch")
+    parser.add_argument("--compiled-batches", type=lambda s: [int(x) for x in s.split(",") if x], default=[32, 128],
+                        help="batch sizes of the compiled static-cache generate() step (empty: none)")
+    parser.add_argument("--no-transformers-cb", action="store_true",
+                        help="skip transformers' own continuous batching (its defaults) on the base model")
     parser.add_argument("--no-cuda-graphs", action="store_true", help="run the engine without CUDA graphs")
-    parser.add_argument("--kv-blocks", type=int,
-                        help="paged KV blocks (default: transformers sizes the cache from free memory; on the H200 its "
-                             "graph warm-up then ran out of memory beside the adapter pool)")
+    parser.add_argument("--kv-blocks", type=int, help="paged KV blocks (default: sized from free memory)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", type=Path, help="JSON path (default: results/bench_serving[_tiny].json)")
     args = parser.parse_args()
     tiny = args.tiny
-    args.requests = args.requests or (24 if tiny else 192)
+    args.requests = args.requests or (24 if tiny else 160)
     args.adapters = args.adapters or ([4, 8] if tiny else [32, 256])
     args.max_adapters = args.max_adapters or (8 if tiny else 128)
     args.max_running = args.max_running or (8 if tiny else 128)
@@ -194,6 +268,7 @@ def main() -> None:
 
     setup_start = time.perf_counter()
     model, adapter_sets, config = build_model(args)
+    step_timer = StepTimer(model.model) if not tiny else None  # before anything compiles (its docstring says why)
     requests = make_requests(args.requests, config.vocab_size, TINY if tiny else FULL, args.seed)
     static_requests = requests[:args.static_requests]
     first_set = adapter_sets[min(adapter_sets)]
@@ -204,6 +279,9 @@ def main() -> None:
     run_static(model, static_requests[:args.static_batch][:4], first_set, args.static_batch, config.pad_token_id)
     static = run_static(model, static_requests, first_set, args.static_batch, config.pad_token_id)
     print(f"static generate(): {static['tokens_per_second']:.0f} tokens/s", flush=True)
+    median_prompt = sorted(len(r.prompt) for r in requests)[len(requests) // 2]
+    compiled_steps = {} if tiny else compiled_generate_steps(
+        model, step_timer, first_set, args.compiled_batches, median_prompt, 32, config.vocab_size)
 
     engine_config = EngineConfig(max_queue=args.requests, max_running=args.max_running, kv_blocks=args.kv_blocks,
                                  cuda_graphs=None if tiny else not args.no_cuda_graphs)
@@ -219,6 +297,10 @@ def main() -> None:
             "setup": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
             "systems": results,
             "static_generate": static,
+            "compiled_generate_steps": compiled_steps,
+            "engine_steps": {name: {"decode_by_batch": decode_steps_by_batch(records), "mixed": mixed_steps(records)}
+                             for name, records in step_records.items()},
+            "transformers_continuous_batching": transformers_cb,
             "wall_seconds": time.perf_counter() - setup_start,
             **more,
         }
@@ -226,11 +308,25 @@ def main() -> None:
         args.output.write_text(json.dumps(report, indent=2))
         return report
 
-    with Engine(model, config=engine_config) as engine:
+    step_records: dict[str, list[StepRecord]] = {}
+    transformers_cb: dict = {}
+    engine = Engine(model, config=engine_config)
+    started = time.perf_counter()
+    with engine:
+        print(f"engine started in {time.perf_counter() - started:.1f} s; attention: {engine.attention.path}",
+              flush=True)
+        recording: list[StepRecord] = []
+        engine.add_step_listener(recording.append)
         run_engine(engine, requests[:8], first_set, None, args.seed)  # warm-up: graph captures, first loads
         for name, adapters in systems.items():
+            recording.clear()
             results[name]["saturation"] = run_engine(engine, requests, adapters, None, args.seed)
-            print(f"{name:28s} saturation {results[name]['saturation']['tokens_per_second']:8.0f} tokens/s", flush=True)
+            step_records[name] = list(recording)
+            steps = decode_steps_by_batch(step_records[name])
+            print(f"{name:28s} saturation {results[name]['saturation']['tokens_per_second']:8.0f} tokens/s, "
+                  f"TTFT p50 {results[name]['saturation']['ttft_p50']:.2f} s; decode steps (batch: ms) "
+                  + ", ".join(f"{b}: {v['median_ms']:.1f}" for b, v in steps.items() if b % 16 == 0 or b == max(steps)),
+                  flush=True)
             write()
         results["engine, static subset"] = run_engine(engine, static_requests, first_set, None, args.seed)
         saturation_rate = results[f"engine, {min(adapter_sets)} adapters"]["saturation"]["requests_per_second"]
@@ -243,6 +339,13 @@ def main() -> None:
                       f"TTFT p99 {run['ttft_p99']:.3f} s, TPOT p99 {run['tpot_p99'] * 1e3:.1f} ms", flush=True)
                 write()
         adapter_stats = model.adapter_stats
+    del engine
+    if not args.no_transformers_cb:
+        if not tiny:
+            torch.cuda.empty_cache()  # the engine's KV cache, before transformers sizes its own from free memory
+        transformers_cb = run_transformers_cb(model.model, requests)
+        print(f"transformers continuous batching (defaults), base: {transformers_cb['tokens_per_second']:.0f} "
+              f"tokens/s", flush=True)
 
     first_name = f"engine, {min(adapter_sets)} adapters"
     half = min(results[first_name]["runs"], key=lambda run: abs(run["fraction_of_saturation"] - 0.5))
@@ -252,7 +355,19 @@ def main() -> None:
         "engine_vs_static_generate": results["engine, static subset"]["tokens_per_second"]
         / static["tokens_per_second"],
         "ttft_p99_at_half_saturation_seconds": half["ttft_p99"],
+        "ttft_p50_at_saturation_seconds": results[first_name]["saturation"]["ttft_p50"],
     }
+    if transformers_cb:
+        targets["adapters_vs_transformers_cb_base"] = (results[first_name]["saturation"]["tokens_per_second"]
+                                                       / transformers_cb["tokens_per_second"])
+    engine_steps = decode_steps_by_batch(step_records[first_name])
+    for batch, compiled in compiled_steps.items():
+        nearest = min(engine_steps, key=lambda b: abs(b - batch), default=None)
+        if nearest is not None:
+            targets[f"decode_step_vs_compiled_generate_at_{batch}"] = {
+                "engine_batch": nearest, "engine_ms": engine_steps[nearest]["median_ms"],
+                "compiled_generate_ms": compiled["period_ms"],
+                "ratio": engine_steps[nearest]["median_ms"] / compiled["period_ms"]}
     report = write(saturation_requests_per_second=saturation_rate, targets=targets, adapter_stats=adapter_stats)
     print(json.dumps(targets, indent=2))
     print(f"wrote {args.output} after {report['wall_seconds']:.0f} s")

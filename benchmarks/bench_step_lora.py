@@ -12,8 +12,9 @@ them in L2). Three CUDA graphs are captured per adapter mix and replayed in turn
 
 ``floor_us`` is the bytes the LoRA calls must move (the factors of the adapters in the batch, x read, updates
 written) at the copy bandwidth measured here. With one adapter the calls move 1/12 of the bytes they move at 32
-distinct adapters, so ``lora_us`` at ``--distinct 1`` is close to the calls' fixed cost. ``benchmarks/fused_stages.sh`` runs this on copies
-of the fused kernel that return early, to split that fixed cost into its parts.
+distinct adapters, so ``lora_us`` at ``--distinct 1`` is close to the calls' fixed cost.
+``benchmarks/explore/fused_stages.sh`` runs this on copies of the fused kernel that return early, to split that
+fixed cost into its parts.
 
     python benchmarks/bench_step_lora.py --output benchmarks/results/bench_step_lora_h200.json
 """
@@ -27,8 +28,8 @@ from pathlib import Path
 
 import torch
 
-from bench_graph_launch import capture
 from bench_ops import copy_bandwidth_bytes_per_us
+from cuda_graph import capture
 from punica_hf.ops import cuda as cuda_ops
 from punica_hf.ops import torch_ops
 from punica_hf.ops.segments import build_segments

@@ -1,6 +1,7 @@
-// Torch binding: registers punica_hf::lora_add and punica_hf::lora_delta as torch.library ops (CUDA kernels here;
-// the fake implementations are registered from Python in punica_hf/ops/cuda.py). Argument checks with user-facing
-// messages live in Python; the checks here guard memory safety only (shapes, dtypes, devices, alignment).
+// Torch binding: registers punica_hf::lora_add, punica_hf::lora_delta and punica_hf::paged_attention as
+// torch.library ops (CUDA kernels here; the fake implementations are registered from Python in
+// punica_hf/ops/cuda.py). Argument checks with user-facing messages live in Python; the checks here guard memory
+// safety only (shapes, dtypes, devices, alignment).
 // The factor offsets are trusted (the adapter store writes them); the kernels never read a slot of rank 0.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -12,6 +13,7 @@
 #include <mutex>
 #include <string>
 
+#include "punica_attention.h"
 #include "punica_lora.h"
 
 namespace {
@@ -19,6 +21,7 @@ namespace {
 constexpr int64_t kMaxRank = 1024;
 constexpr const char* kAdd = "punica_hf::lora_add";  // the op named in its error messages
 constexpr const char* kDelta = "punica_hf::lora_delta";
+constexpr const char* kAttention = "punica_hf::paged_attention";
 
 PunicaDtype to_punica_dtype(at::ScalarType dtype) {
   switch (dtype) {
@@ -216,6 +219,104 @@ at::Tensor lora_delta(const at::Tensor& x, const at::Tensor& pool, const at::Ten
   return y;
 }
 
+// A paged KV cache: [N, Hkv, D] with each slot's [Hkv, D] block dense and slots a multiple of 8 elements apart (a
+// view of transformers' [pages, page_size, Hkv, D] storage may have any such slot stride), 16-byte aligned.
+void check_cache(const at::Tensor& cache, const char* name, const at::Tensor& query) {
+  TORCH_CHECK_VALUE(cache.is_cuda() && cache.device() == query.device(), kAttention, ": ", name, " must be on ",
+                    query.device());
+  const bool dense_slots = (cache.size(1) <= 1 || cache.stride(1) == cache.size(2)) && cache.stride(2) == 1;
+  TORCH_CHECK_VALUE(dense_slots, kAttention, ": ", name, "'s [Hkv, D] slots must be contiguous");
+  TORCH_CHECK_VALUE(cache.size(0) <= 1 || cache.stride(0) % 8 == 0, kAttention, ": ", name,
+                    "'s slot stride must be a multiple of 8 elements");
+  check_aligned(kAttention, cache, name);
+}
+
+// The slot stride of a checked cache (any value for a single slot: only slot 0 is ever read).
+int64_t slot_stride(const at::Tensor& cache) { return cache.size(0) <= 1 ? 0 : cache.stride(0); }
+
+// PUNICA_HF_ATTENTION_SPLITS: unset or 0 = the launcher's choice; else the split count to force (tests, triage).
+int forced_splits() {
+  const char* setting = std::getenv("PUNICA_HF_ATTENTION_SPLITS");
+  if (setting == nullptr || *setting == '\0') return 0;
+  char* end = nullptr;
+  const long value = std::strtol(setting, &end, 10);
+  TORCH_CHECK_VALUE(*end == '\0' && value >= 0 && value <= PUNICA_ATTENTION_MAX_SPLITS,
+                    "PUNICA_HF_ATTENTION_SPLITS must be an integer in [0, ", text(PUNICA_ATTENTION_MAX_SPLITS), "]");
+  return static_cast<int>(value);
+}
+
+// out [Tq, Hq, D] = causal attention of the packed query rows over the paged cache; see punica_attention.h.
+at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                           const at::Tensor& key_slots, const at::Tensor& cu_seq_lens_q,
+                           const at::Tensor& cu_seq_lens_k, double scale) {
+  const char* op = kAttention;
+  TORCH_CHECK_VALUE(query.dim() == 3 && key_cache.dim() == 3 && value_cache.dim() == 3, op,
+                    ": expected query [Tq, Hq, D], key_cache and value_cache [N, Hkv, D]");
+  TORCH_CHECK_VALUE(query.is_cuda(), op, ": query must be on a CUDA device");
+  const c10::cuda::CUDAGuard device_guard(query.device());
+  const int64_t num_rows = query.size(0), num_q_heads = query.size(1), head_dim = query.size(2);
+  const int64_t num_cache_slots = key_cache.size(0), num_kv_heads = key_cache.size(1);
+  TORCH_CHECK_VALUE(key_cache.sizes() == value_cache.sizes(), op, ": key_cache and value_cache must have one shape");
+  TORCH_CHECK_VALUE(key_cache.size(2) == head_dim, op, ": the caches' head size must be query's");
+  TORCH_CHECK_VALUE(head_dim == 64 || head_dim == 128 || head_dim == 256, op, ": head size must be 64, 128 or 256");
+  TORCH_CHECK_VALUE(num_kv_heads >= 1 && num_q_heads >= num_kv_heads && num_q_heads % num_kv_heads == 0, op,
+                    ": query heads must be a positive multiple of kv heads");
+  const at::ScalarType dtype = query.scalar_type();
+  TORCH_CHECK_VALUE(dtype == at::kHalf || dtype == at::kBFloat16, op, ": dtype must be float16 or bfloat16");
+  TORCH_CHECK_VALUE(key_cache.scalar_type() == dtype && value_cache.scalar_type() == dtype, op,
+                    ": query, key_cache and value_cache must share one dtype");
+  check_on_device(op, query, "query", query);
+  check_aligned(op, query, "query");
+  check_cache(key_cache, "key_cache", query);
+  check_cache(value_cache, "value_cache", query);
+  const bool slot_dtype = key_slots.scalar_type() == at::kInt || key_slots.scalar_type() == at::kLong;
+  TORCH_CHECK_VALUE(key_slots.dim() == 1 && slot_dtype, op, ": key_slots must be 1-D int32 or int64");
+  check_on_device(op, key_slots, "key_slots", query);
+  TORCH_CHECK_VALUE(cu_seq_lens_q.dim() == 1 && cu_seq_lens_q.size(0) >= 1, op,
+                    ": cu_seq_lens_q must be 1-D with B + 1 >= 1 entries");
+  const int64_t num_seqs = cu_seq_lens_q.size(0) - 1;
+  check_table(op, cu_seq_lens_q, "cu_seq_lens_q", at::kInt, {num_seqs + 1}, query);
+  check_table(op, cu_seq_lens_k, "cu_seq_lens_k", at::kInt, {num_seqs + 1}, query);
+  constexpr int64_t kIntLimit = int64_t{1} << 30;  // row / key / slot arithmetic in the kernel stays in int
+  TORCH_CHECK_VALUE(num_rows < kIntLimit && key_slots.size(0) < kIntLimit && num_cache_slots < kIntLimit &&
+                        num_seqs < kIntLimit && num_q_heads < kIntLimit,
+                    op, ": tensors too large");
+
+  const at::Tensor out = at::empty({num_rows, num_q_heads, head_dim}, query.options());  // written whole
+  PunicaAttentionProblem problem{};
+  problem.out = out.data_ptr();
+  problem.query = query.data_ptr();
+  problem.key_cache = key_cache.data_ptr();
+  problem.value_cache = value_cache.data_ptr();
+  problem.key_slots = key_slots.data_ptr();
+  problem.cu_seq_lens_q = cu_seq_lens_q.data_ptr<int32_t>();
+  problem.cu_seq_lens_k = cu_seq_lens_k.data_ptr<int32_t>();
+  problem.key_slot_stride = slot_stride(key_cache);
+  problem.value_slot_stride = slot_stride(value_cache);
+  problem.num_cache_slots = num_cache_slots;
+  problem.num_query_rows = static_cast<int>(num_rows);
+  problem.num_key_slots = static_cast<int>(key_slots.size(0));
+  problem.num_seqs = static_cast<int>(num_seqs);
+  problem.num_q_heads = static_cast<int>(num_q_heads);
+  problem.num_kv_heads = static_cast<int>(num_kv_heads);
+  problem.head_dim = static_cast<int>(head_dim);
+  problem.slot_index_bytes = key_slots.scalar_type() == at::kLong ? 8 : 4;
+  problem.scale = static_cast<float>(scale);
+  problem.num_splits = forced_splits();
+  const int device = query.get_device();
+  problem.device = device;
+  problem.num_sms = device_info(device).num_sms;
+  problem.dtype = to_punica_dtype(dtype);
+  // Partials of the key splits (none with one split): from the caching allocator, so graph capture and reuse are free.
+  const int64_t floats = static_cast<int64_t>(punica_paged_attention_workspace_floats(&problem));
+  const at::Tensor workspace = floats > 0 ? at::empty({floats}, query.options().dtype(at::kFloat)) : at::Tensor();
+  const cudaError_t err =
+      punica_paged_attention(&problem, floats > 0 ? workspace.data_ptr<float>() : nullptr,
+                             c10::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, "punica_hf: CUDA error: ", cudaGetErrorString(err));
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(punica_hf, m) {
@@ -225,9 +326,13 @@ TORCH_LIBRARY(punica_hf, m) {
   m.def(
       "lora_delta(Tensor x, Tensor pool, Tensor a_offsets, Tensor b_offsets, Tensor lora_ranks, "
       "Tensor sorted_token_ids, Tensor sorted_slots, int[] out_features, int max_rank) -> Tensor");
+  m.def(
+      "paged_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor key_slots, Tensor cu_seq_lens_q, "
+      "Tensor cu_seq_lens_k, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(punica_hf, CUDA, m) {
   m.impl("lora_add", &lora_add);
   m.impl("lora_delta", &lora_delta);
+  m.impl("paged_attention", &paged_attention);
 }

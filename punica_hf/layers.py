@@ -123,6 +123,18 @@ class DeviceTables:
             self._blocks[key] = (self.a_offsets[first:end], self.b_offsets[first:end], self.ranks[first:end])
         return self._blocks[key]
 
+    def __getstate__(self) -> dict:
+        # The pool is mostly free space (up to gigabytes): its contents travel with the DevicePool that owns it,
+        # which knows the parts in use and writes them into the empty pool made here. The row views are made again.
+        state = {key: value for key, value in self.__dict__.items() if key not in ("pool", "_rows", "_blocks")}
+        return {**state, "empty_pool": (self.pool.numel(), self.pool.dtype, self.pool.device)}
+
+    def __setstate__(self, state: dict) -> None:
+        numel, dtype, device = state.pop("empty_pool")
+        self.__dict__.update(state)
+        self.pool = torch.empty(numel, dtype=dtype, device=device)
+        self._make_row_views()
+
     def apply(self, fn) -> None:
         """Apply an ``nn.Module._apply`` function (``.to()``, ``.cuda()``, ...) to the tensors and remake views."""
         self.pool = fn(self.pool)

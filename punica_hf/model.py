@@ -27,6 +27,7 @@ from torch._dynamo.utils import counters as _dynamo_counters
 from .formats import AdapterWeights, load_adapter_weights
 from .layers import LoraContext
 from .store import AdapterLease, AdapterStore
+from .store.store import CAPACITY_WAIT_S, check_wait
 
 AdapterIds = torch.Tensor | Sequence[str | int | None]
 
@@ -44,6 +45,12 @@ class MultiLoraModel(nn.Module):
             device memory free when the first adapter is loaded (at most 1 GiB on the CPU).
         host_pool_bytes: budget of the host tier (pinned memory) holding adapters off the device; past it, adapters
             are read again from their files when needed. Default 16 GiB.
+        capacity_wait_s: how long a call (``forward``, ``generate``, ``acquire``) waits for device room that other
+            calls hold (slots or pool bytes) before it raises ``AdapterCapacityError``. Default 60 s. A call whose
+            adapters could not fit even alone fails at once.
+
+    ``state_dict()`` and ``load_state_dict()`` are the wrapped model's: its keys, no LoRA state. Copies
+    (``copy.deepcopy``, pickle, ``torch.save``) carry the registered adapters, not the memory set aside for more.
     """
 
     def __init__(
@@ -54,6 +61,7 @@ class MultiLoraModel(nn.Module):
         *,
         gpu_pool_bytes: int | None = None,
         host_pool_bytes: int | None = None,
+        capacity_wait_s: float = CAPACITY_WAIT_S,
     ) -> None:
         super().__init__()
         for arg, value in (("max_adapters", max_adapters), ("max_rank", max_rank)):
@@ -62,12 +70,17 @@ class MultiLoraModel(nn.Module):
         for arg, value in (("gpu_pool_bytes", gpu_pool_bytes), ("host_pool_bytes", host_pool_bytes)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
                 raise ValueError(f"{arg} must be a number of bytes (int >= 0) or None, got {value!r}")
+        capacity_wait_s = check_wait("capacity_wait_s", capacity_wait_s)
         if isinstance(model, MultiLoraModel) or isinstance(getattr(model, "forward", None), AdapterForward):
             raise ValueError("this model is already wrapped by a MultiLoraModel")
         self.model = model
         context = LoraContext()
-        self._store = AdapterStore(model, context, max_adapters, max_rank, gpu_pool_bytes, host_pool_bytes)
+        self._store = AdapterStore(
+            model, context, max_adapters, max_rank, gpu_pool_bytes, host_pool_bytes, capacity_wait_s
+        )
         model.forward = AdapterForward(model, context, self._store)
+        # Within a parent module's load_state_dict, this one's keys are the wrapped model's (see state_dict).
+        self._register_load_state_dict_pre_hook(_keys_of_the_wrapped_model)
 
     # ----------------------------------------------------------------------------------------------- adapters
     @property
@@ -105,6 +118,7 @@ class MultiLoraModel(nn.Module):
         """
         if not isinstance(sources, Mapping):
             raise ValueError("load_adapters takes a mapping {name: path or Hub repo id}")
+        self._store.check_wrapped()  # before reading any file (the store checks again under its lock)
         hub = dict(revision=revision, subfolder=subfolder, token=token, cache_dir=cache_dir)
         hub = {key: value for key, value in hub.items() if value is not None}
         loaded = {}
@@ -119,19 +133,32 @@ class MultiLoraModel(nn.Module):
         """Unregister an adapter. Calls already using it finish with it; its memory is freed after them."""
         self._store.remove(name)
 
-    def prefetch(self, adapters: Iterable[str | int]) -> None:
-        """Start bringing registered adapters onto the device in the background, ahead of a batch that needs them."""
+    def prefetch(self, adapters: Iterable[str | int] | str) -> None:
+        """Start bringing registered adapters (a name, or a list of names or indices) onto the device in the
+        background, ahead of a batch that needs them."""
         self._store.prefetch(adapters)
 
-    def acquire(self, adapters: Sequence[str | int | None], *, block: bool = True) -> AdapterLease:
-        """Hold adapters resident and registered until ``lease.release()``; ``lease.slots`` are their device slots
-        for the inner model's ``adapter_ids`` (for schedulers that call ``model.model`` themselves)."""
-        return self._store.acquire(adapters, block=block)
+    def acquire(
+        self, adapters: Sequence[str | int | None] | str, *, block: bool = True, timeout: float | None = None
+    ) -> AdapterLease:
+        """Hold adapters (a name, or a list of names, indices or None) resident and registered until
+        ``lease.release()``, the end of a ``with lease:`` block, or the lease's garbage collection; ``lease.slots``
+        are their device slots for the inner model's ``adapter_ids`` (for schedulers that call ``model.model``
+        themselves).
+
+        Waits up to ``timeout`` seconds (default ``capacity_wait_s``) for device room that other leases hold;
+        ``block=False`` never waits: it raises ``AdapterCapacityError`` at once, and ``AdapterNotReady`` while an
+        adapter is still being read (its read has started).
+        """
+        return self._store.acquire(adapters, block=block, timeout=timeout)
 
     def unwrap(self) -> nn.Module:
-        """Remove every LoRA hook and the ``adapter_ids`` forward; returns the base model, exactly as it was."""
+        """Remove every LoRA hook and the ``adapter_ids`` forward; returns the base model, exactly as it was.
+
+        From then on this wrapper only passes calls without ``adapter_ids`` through: every call that would use
+        adapters (``adapter_ids``, ``load_adapters``, ``acquire``, ...) raises ``RuntimeError``."""
         with self._store.lock:
-            self._store.remove_hooks()
+            self._store.unwrap()
             installed = self.model.__dict__.get("forward")
             if isinstance(installed, AdapterForward):
                 if installed.original is None:
@@ -142,7 +169,9 @@ class MultiLoraModel(nn.Module):
 
     # ----------------------------------------------------------------------------------------------- running
     def forward(self, *args: Any, adapter_ids: AdapterIds | None = None, **kwargs: Any):
-        """The wrapped model's forward; ``adapter_ids`` per row ``[B]`` or per token ``[B, T]`` (-1/None = base)."""
+        """The wrapped model's forward; ``adapter_ids`` per row ``[B]`` or per token ``[B, T]`` (-1/None = base).
+
+        Waits for device room that other calls hold (see ``capacity_wait_s``)."""
         entries, shape = self._adapter_entries(adapter_ids, _batch_shape(args, kwargs))
         if entries is None:
             return self.model(*args, **kwargs)
@@ -165,11 +194,13 @@ class MultiLoraModel(nn.Module):
         cache_lock = self._store.cache_generate_lock if keeps_cache else nullcontext()
         # Static caches compile the decode step; its later steps in this call check fewer guards (CompiledSteps).
         decode_steps = _steps_check_changed_guards_only(self.model) if keeps_cache else nullcontext()
-        with cache_lock, decode_steps:
+        # The adapters first, then the cache: a call holding the cache lock never waits for device room that a
+        # call queued behind that lock holds.
+        lease = nullcontext() if entries is None else self._store.acquire(entries)
+        with lease, cache_lock, decode_steps:
             if entries is None:
                 return self.model.generate(*args, **kwargs)
-            with self._store.acquire(entries) as lease:
-                return self.model.generate(*args, adapter_ids=self._slot_tensor(lease, shape), **kwargs)
+            return self.model.generate(*args, adapter_ids=self._slot_tensor(lease, shape), **kwargs)
 
     def _adapter_entries(
         self, adapter_ids: AdapterIds | None, batch_shape: tuple[int, ...] | None
@@ -177,6 +208,7 @@ class MultiLoraModel(nn.Module):
         """Validate ``adapter_ids`` on the host: ``(flat entries: names / indices / None, shape)``."""
         if adapter_ids is None:
             return None, ()
+        self._store.check_wrapped()
         if isinstance(adapter_ids, torch.Tensor):
             if adapter_ids.is_floating_point() or adapter_ids.is_complex() or adapter_ids.dtype == torch.bool:
                 raise ValueError(f"adapter_ids must be an integer tensor, got {adapter_ids.dtype}")
@@ -205,6 +237,14 @@ class MultiLoraModel(nn.Module):
         super()._apply(fn, recurse)
         self._store.apply(fn)
         return self
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """The wrapped model's state dict: its keys (no ``model.`` prefix), no LoRA state."""
+        return self.model.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False):
+        """Load a state dict of the wrapped model (as ``state_dict()`` gives it) into it; adapters stay as they are."""
+        return self.model.load_state_dict(state_dict, strict=strict, assign=assign)
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -267,6 +307,14 @@ class AdapterForward:
             return self._forward(*args, **kwargs)
         finally:
             self.context.end()
+
+
+def _keys_of_the_wrapped_model(state_dict: dict, prefix: str, *args: Any) -> None:
+    """A load_state_dict pre-hook for a wrapper inside another module: the parent's state dict holds the wrapper's
+    entries under the wrapped model's keys, as ``state_dict()`` gives them; the wrapper's submodule ``model`` looks
+    for them under ``model.``, so they are renamed so."""
+    for key in [key for key in state_dict if key.startswith(prefix)]:
+        state_dict[f"{prefix}model.{key[len(prefix):]}"] = state_dict.pop(key)
 
 
 @contextmanager

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import copy
+import importlib.util
+import json
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -90,3 +93,47 @@ def test_step_benchmark_floor_counts_the_adapter_bytes_that_bench_generate_count
     assert activations > 0
     for distinct in (1, 32):
         assert lora_floor_bytes(distinct, 16, list(CALLS)) - activations == distinct * factor_bytes(adapter)
+
+
+IMPORT_EACH_SCRIPT = r"""
+import importlib.util, json, sys
+from pathlib import Path
+
+results, clean_path = {}, list(sys.path)
+for script in map(Path, sys.argv[1:]):
+    # as `python benchmarks/.../script.py` would: the script's own folder first on the path, nothing else of ours
+    sys.path[:] = [str(script.parent), *clean_path]
+    for name in [n for n, m in sys.modules.items() if "benchmarks" in str(getattr(m, "__file__", "") or "")]:
+        del sys.modules[name]
+    spec = importlib.util.spec_from_file_location(f"script_{script.stem}", script)
+    try:
+        module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # dataclasses look it up
+        spec.loader.exec_module(module)
+        results[str(script)] = "ok"
+    except ModuleNotFoundError as error:
+        results[str(script)] = f"missing {error.name}"
+    except Exception as error:
+        results[str(script)] = f"error {type(error).__name__}: {error}"
+print(json.dumps(results))
+"""
+
+
+def test_every_benchmark_script_imports_from_where_it_lives():
+    """The exploratory scripts moved to ``benchmarks/explore/`` and the shared CUDA-graph helper to
+    ``benchmarks/cuda_graph.py``: each script must still find what it imports when run from its own folder (nothing
+    runs on import, so this holds on the CPU). A third-party module that is not installed here (matplotlib for the
+    plot) is allowed; a module of this repository that is not found is not."""
+    folder = Path(__file__).resolve().parents[1] / "benchmarks"
+    scripts = sorted(folder.glob("*.py")) + sorted((folder / "explore").glob("*.py"))
+    assert any(script.parent.name == "explore" for script in scripts)
+    result = subprocess.run([sys.executable, "-c", IMPORT_EACH_SCRIPT, *map(str, scripts)], capture_output=True,
+                            text=True, timeout=600, cwd=folder.parent / "tests")
+    assert result.returncode == 0, result.stderr[-3000:]
+    outcomes = json.loads(result.stdout.strip().splitlines()[-1])
+    ours = {path.stem for path in folder.rglob("*.py")} | {"punica_hf"}
+    bad = {script: outcome for script, outcome in outcomes.items()
+           if outcome != "ok" and not (outcome.startswith("missing ") and
+                                       outcome.split()[1].split(".")[0] not in ours and
+                                       importlib.util.find_spec(outcome.split()[1].split(".")[0]) is None)}
+    assert not bad, bad
+    assert sum(outcome == "ok" for outcome in outcomes.values()) >= len(scripts) - 1

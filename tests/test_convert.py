@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import shutil
+import stat
 from pathlib import Path
 
 import pytest
@@ -166,6 +168,20 @@ def test_many_sources_into_a_folder(peft_adapters, tmp_path, capsys):
         assert_same_factors(load_converted(destination / f"{name}.safetensors"), load_adapter_weights(path))
     output = capsys.readouterr().out
     assert f"{len(paths)}/{len(paths)}" in output  # the progress bar's final state
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077, 0o002])
+def test_converted_files_get_the_mode_open_gives_new_files(peft_adapters, tmp_path, umask):
+    _, _, paths = peft_adapters
+    name, path = next(iter(paths.items()))
+    previous = os.umask(umask)
+    try:
+        assert main(["convert", str(path), str(tmp_path / "out")]) == 0
+        (tmp_path / "by-open").open("w").close()
+    finally:
+        os.umask(previous)
+    mode = stat.S_IMODE((tmp_path / "out" / f"{name}.safetensors").stat().st_mode)
+    assert mode == stat.S_IMODE((tmp_path / "by-open").stat().st_mode) == 0o666 & ~umask
 
 
 # ------------------------------------------------------------------------------------------------ refusals

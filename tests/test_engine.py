@@ -4,14 +4,19 @@ Greedy outputs are compared with ``generate()`` of the same prompt and adapter, 
 the model (transformers' continuous batching may switch the model's attention implementation while it runs).
 """
 
+import shutil
 import threading
+import time
+from collections.abc import Callable
 
 import pytest
 import torch
 from helpers import save_peft_adapter, tiny_llama
+from safetensors.torch import load_file, save_file
 
 from punica_hf import MultiLoraModel, demo
 from punica_hf.serving import (
+    Completion,
     DemoTokenizer,
     Engine,
     EngineClosedError,
@@ -20,6 +25,7 @@ from punica_hf.serving import (
     SamplingParams,
     TextStream,
 )
+from punica_hf.serving.engine import ADAPTER_NOT_FOUND, GENERATION_FAILED
 
 WORDS = demo.sample_words(6, seed=7, held_out=True)
 DEMO_ADAPTERS = [*demo.TASKS, None]
@@ -178,6 +184,22 @@ def test_text_stream_holds_back_a_possible_stop_string():
     assert stream.stopped and stream.text == "xabd" and stream.finish() == ""
 
 
+def test_text_stream_cost_does_not_grow_with_the_stop_strings():
+    """Each new character costs the same however long the stop strings are (a 2 MB one stalled every client)."""
+    stream = TextStream(lambda ids: "".join(map(chr, ids)), stop=["x" * 20_000 + "!", "yz"])
+    started = time.perf_counter()
+    pieces = [stream.add([ord("x")]) for _ in range(50)]
+    assert time.perf_counter() - started < 0.25
+    assert pieces == [""] * 50  # all of it could be the beginning of the long stop string
+    assert stream.add([ord("y")]) == "x" * 50 and stream.add([ord("z")]) == "" and stream.stopped
+
+
+def test_text_stream_ends_at_the_stop_string_complete_first():
+    stream = TextStream(lambda ids: "".join(map(chr, ids)), stop=["abcd", "bc"])
+    assert stream.add([ord(c) for c in "abcd"]) == "a"
+    assert stream.stopped and stream.text == "a"
+
+
 def test_seeded_sampling_is_repeatable_whatever_runs_beside_it(tiny_model):
     prompt = tiny_prompt(10, 6)
     sampled = SamplingParams(max_new_tokens=24, temperature=1.5, seed=1234)
@@ -225,6 +247,82 @@ def test_more_adapters_than_gpu_slots_wait_for_a_slot_without_holding_the_batch(
     assert b.first_token_at > a.finished_at  # one slot: b waited for a's requests to give it back
     assert base.first_token_at < a.finished_at  # the base request did not wait
     assert model.adapter_stats["evictions"] > evictions_before
+
+
+def submit_beside_a_running_request(engine: Engine, submit: Callable[[], list]) -> tuple[list, Completion, Completion]:
+    """``submit()``'s handles while a long greedy request decodes (so they share its steps), and that request's
+    completion beside them and alone."""
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    alone = engine.submit(demo.make_prompt("batch"), None, params).result(timeout=60)
+    anchor = engine.submit(demo.make_prompt("batch"), None, params)
+    next(iter(anchor))
+    handles = submit()
+    return handles, anchor.result(timeout=60), alone
+
+
+def test_a_request_whose_probabilities_turn_nan_fails_alone(demo_model):
+    model, answers = demo_model
+    overflowing = SamplingParams(max_new_tokens=12, temperature=1.0, seed=0)
+    object.__setattr__(overflowing, "temperature", 1e-300)  # past validation: the engine's own check must hold
+    with Engine(model, DemoTokenizer(), EngineConfig(max_running=8)) as engine:
+        handles, anchor, alone = submit_beside_a_running_request(engine, lambda: [
+            engine.submit(demo.make_prompt(WORDS[0]), "upper", overflowing),
+            *(engine.submit(demo.make_prompt(word), "upper", SamplingParams(max_new_tokens=12)) for word in WORDS),
+        ])
+        failed, *completions = [handle.result(timeout=60) for handle in handles]
+        engine.shutdown()
+        stats = engine.stats()
+    assert anchor.token_ids == alone.token_ids
+    assert [c.text for c in completions] == [answers["upper"][word] for word in WORDS]
+    assert (failed.finish_reason, failed.error_code) == ("error", GENERATION_FAILED)
+    assert "sampling settings turn the scores into NaN or infinite probabilities" in failed.error
+    assert stats.dropped_and_freed == 1 and stats.running == 0 and stats.kv_free_fraction == 1.0
+
+
+def test_an_adapter_with_nan_scores_fails_its_own_requests_only(demo_model, tmp_path):
+    _, answers = demo_model
+    poison = shutil.copytree(demo.adapter_paths()["upper"], tmp_path / "poison")
+    weights = load_file(poison / "adapter_model.safetensors")
+    save_file({name: tensor * 1e30 for name, tensor in weights.items()}, poison / "adapter_model.safetensors")
+    model = MultiLoraModel(demo.load_base_model(), max_adapters=4)
+    model.load_adapters({**demo.adapter_paths(), "poison": poison})
+    with Engine(model, DemoTokenizer(), EngineConfig(max_running=8)) as engine:
+        attention = engine.hf_model.config._attn_implementation
+        if "sdpa" in attention or "eager" in attention:
+            pytest.skip(f"{attention} attends over every request of a step behind a mask: 0 * NaN keys poison all")
+        handles, anchor, alone = submit_beside_a_running_request(engine, lambda: [
+            *(engine.submit(demo.make_prompt(WORDS[0]), "poison", SamplingParams(max_new_tokens=12, **fields))
+              for fields in ({}, {"temperature": 1.0})),
+            *(engine.submit(demo.make_prompt(word), "reverse", SamplingParams(max_new_tokens=12)) for word in WORDS),
+        ])
+        failures = [handle.result(timeout=60) for handle in handles[:2]]
+        completions = [handle.result(timeout=60) for handle in handles[2:]]
+    assert anchor.token_ids == alone.token_ids
+    assert [c.text for c in completions] == [answers["reverse"][word] for word in WORDS]
+    for failure in failures:
+        assert (failure.finish_reason, failure.error_code) == ("error", GENERATION_FAILED)
+        assert "NaN or infinite (adapter 'poison')" in failure.error
+
+
+def test_requests_queued_for_an_unloaded_adapter_fail_naming_it_alone(tiny_adapters):
+    model = MultiLoraModel(tiny_base(), max_adapters=len(tiny_adapters))
+    model.load_adapters(tiny_adapters)
+    with Engine(model, config=EngineConfig(max_running=1)) as engine:
+        running = engine.submit(tiny_prompt(90, 5), "a", SamplingParams(max_new_tokens=60))
+        next(iter(running))
+        started_before = engine.submit(tiny_prompt(91, 5), "b", SamplingParams(max_new_tokens=5))  # holds "b"
+        queued = engine.submit(tiny_prompt(92, 5), "b", SamplingParams(max_new_tokens=5))
+        deadline = time.monotonic() + 30
+        while engine.stats().waiting < 1:  # the first is handed to transformers' scheduler, pinning "b"
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert engine.stats().queued == 1  # no room for the second: still in the engine's own queue
+        model.unload_adapter("b")
+        results = [handle.result(timeout=60) for handle in (running, started_before, queued)]
+    assert [r.finish_reason for r in results[:2]] == ["length", "length"]
+    failed = results[2]
+    assert (failed.finish_reason, failed.error_code) == ("error", ADAPTER_NOT_FOUND)
+    assert failed.error == "the adapter 'b' was unloaded before the request started"
 
 
 def test_the_queue_is_bounded(tiny_model):
@@ -277,9 +375,11 @@ def test_bad_requests_are_refused_by_name(demo_model, tiny_model):
             engine.submit("text")
         with pytest.raises(ValueError, match="stop strings need a tokenizer"):
             engine.submit([1, 2], None, SamplingParams(stop=("x",)))
-    for bad in (dict(max_new_tokens=0), dict(temperature=-1.0), dict(top_p=0.0), dict(top_k=-1), dict(stop=("",))):
+    for bad in (dict(max_new_tokens=0), dict(temperature=-1.0), dict(top_p=0.0), dict(top_k=-1), dict(stop=("",)),
+                dict(temperature=1e-300), dict(temperature=5e-5), dict(seed=2**64)):
         with pytest.raises(ValueError):
             SamplingParams(**bad)
+    SamplingParams(temperature=1e-4, seed=-(2**63))  # the smallest accepted
 
 
 def test_submit_from_many_threads(demo_model):
@@ -318,4 +418,35 @@ def test_cuda_graph_replays_follow_each_steps_adapters(tiny_adapters, tmp_path):
         model.load_adapters({"late": late})
         handles = [engine.submit(prompt, adapter, SamplingParams(max_new_tokens=n)) for adapter, prompt, n in plan]
         completions = [handle.result(timeout=120) for handle in handles]
+    assert [list(c.token_ids) for c in completions] == expected
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_paged_attention_kernel_serves_what_generate_gives(tmp_path):
+    """A bf16 model with 64-wide heads runs on punica_hf's paged attention kernel inside CUDA graphs: prefills,
+    decodes and mixed steps of requests with different adapters and lengths give ``generate()``'s tokens. The
+    output layer is scaled up so that bf16 rounding (the two paths attend with different kernels) cannot flip an
+    argmax."""
+    from punica_hf.serving import attention
+
+    base = tiny_llama(seed=3, hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                      intermediate_size=512, max_position_embeddings=512)
+    base.generation_config.eos_token_id = None
+    with torch.no_grad():
+        base.lm_head.weight.mul_(40)
+    adapters = {name: save_peft_adapter(base, tmp_path / name, seed=i, r=8, lora_alpha=16,
+                                        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "down_proj"])
+                for i, name in enumerate(["a", "b"])}
+    model = MultiLoraModel(base.to("cuda", torch.bfloat16), max_adapters=2)
+    model.load_adapters(adapters)
+    plan = [(adapter, tiny_prompt(120 + i, 2 + 37 * i), 12 + 3 * i) for i, adapter in enumerate(["a", None, "b"] * 3)]
+    expected = [reference_tokens(model, prompt, adapter, n) for adapter, prompt, n in plan]
+    config = EngineConfig(max_running=8, max_batch_tokens=256, kv_blocks=64)
+    with Engine(model, config=config) as engine:
+        assert engine.attention.implementation == attention.NAME
+        handles = [engine.submit(prompt, adapter, SamplingParams(max_new_tokens=n)) for adapter, prompt, n in plan]
+        completions = [handle.result(timeout=120) for handle in handles]
+        graphs = engine._processor.model_runner.pad_inputs  # the steps ran padded for their graphs
+    assert graphs
     assert [list(c.token_ids) for c in completions] == expected

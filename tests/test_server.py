@@ -8,13 +8,9 @@ lets a running request finish before the process exits.
 
 import asyncio
 import json
-import os
 import shutil
 import signal
 import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -22,7 +18,7 @@ import openai
 import pytest
 import torch
 from helpers import save_peft_adapter, tiny_llama
-from prometheus_client.parser import text_string_to_metric_families
+from server_process import Server, wait_until
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
@@ -31,69 +27,7 @@ from punica_hf import MultiLoraModel, demo
 API_KEY = "test-key"
 WORDS = demo.sample_words(2, seed=11, held_out=True)
 DEMO_ADAPTERS = [*demo.TASKS, None]
-STARTUP_TIMEOUT_SECONDS = 120
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} {% endfor %}assistant :"
-
-
-class Server:
-    """A ``punica-hf serve`` process; ``url`` ends with ``/v1``."""
-
-    def __init__(self, args: list[str], log_path: Path) -> None:
-        self.port = _free_port()
-        self.log_path = log_path
-        self.log = open(log_path, "w")
-        command = [sys.executable, "-m", "punica_hf", "serve", *args, "--port", str(self.port), "--device", "cpu"]
-        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, env=_child_env())
-        self.base = f"http://127.0.0.1:{self.port}"
-        self.url = f"{self.base}/v1"
-        deadline = time.monotonic() + STARTUP_TIMEOUT_SECONDS
-        while True:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"the server exited: {log_path.read_text()}")
-            try:
-                if httpx.get(f"{self.base}/health", timeout=1).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the server did not start: {log_path.read_text()}")
-            time.sleep(0.2)
-
-    def metrics(self, headers: dict | None = None) -> dict[str, float]:
-        """Every sample of ``/metrics``: ``name{label="value"}`` (or ``name``) -> value."""
-        text = httpx.get(f"{self.base}/metrics", headers=headers or {}).raise_for_status().text
-        samples = {}
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
-                samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
-        return samples
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-            self.process.wait()
-        self.log.close()
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def _child_env() -> dict[str, str]:
-    """The test's environment, with this checkout first on the path (the tests may run from another folder)."""
-    root = str(Path(__file__).absolute().parents[1])
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
-
-
-def wait_until(condition, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise TimeoutError("condition not met in time")
-        time.sleep(0.05)
 
 
 # ---------------------------------------------------------------------- fixtures
@@ -242,11 +176,14 @@ def test_seeded_sampling_repeats(client):
     assert len({sample(seed) for seed in range(6)}) > 1
 
 
-def test_models_lists_the_base_and_every_adapter(client):
+def test_models_lists_the_base_and_every_adapter_without_paths(demo_server, client):
     models = {card.id: card for card in client.models.list().data}
     assert set(models) == {"demo", *demo.TASKS}
     assert models["demo"].parent is None
     assert all(models[name].parent == "demo" for name in demo.TASKS)
+    raw = httpx.get(f"{demo_server.url}/models", headers={"Authorization": f"Bearer {API_KEY}"}).text
+    adapter_folder = str(demo.adapter_paths()["upper"].parent)
+    assert adapter_folder not in raw and "root" not in raw  # where the weights lie is the operator's business
 
 
 # ---------------------------------------------------------------------- runtime adapters
@@ -296,18 +233,38 @@ def test_runtime_loading_is_off_unless_enabled(tiny_server):
 
 # ---------------------------------------------------------------------- auth and errors
 @pytest.mark.parametrize(
-    ("args", "message"),
+    ("args", "exit_code", "message"),
     [
-        (["--allow-runtime-lora"], "needs at least one --lora-dir"),
-        (["--lora-dir", "."], "only used with --allow-runtime-lora"),
-        (["--allow-runtime-lora", "--lora-dir", "/no/such/dir"], "not a directory"),
+        (["--allow-runtime-lora"], 1, "needs at least one --lora-dir"),
+        (["--lora-dir", "."], 1, "only used with --allow-runtime-lora"),
+        (["--allow-runtime-lora", "--lora-dir", "/no/such/dir"], 1, "not a directory"),
+        (["--adapter", "demo=./a"], 1, "the adapter name 'demo' is the base model's served name"),
+        (["--served-model-name", "upper"], 1, "the adapter name 'upper' is the base model's served name"),
+        (["--adapter", "a=./a", "--adapter", "a=./b"], 2, "the name 'a' is given twice"),
     ],
 )
-def test_serve_refuses_bad_runtime_lora_options(capsys, args, message):
-    from punica_hf.cli import main
+def test_serve_refuses_bad_options_before_loading_anything(capsys, monkeypatch, args, exit_code, message):
+    from punica_hf.cli import main, serve
 
-    assert main(["serve", "--model", "demo", *args]) == 1
+    monkeypatch.setattr(serve, "load_model", _must_not_load)
+    assert main(["serve", "--model", "demo", "--port", "0", *args]) == exit_code
     assert message in capsys.readouterr().err
+
+
+def test_serve_refuses_a_busy_address_before_loading_the_model(capsys, monkeypatch):
+    from punica_hf.cli import main, serve
+
+    monkeypatch.setattr(serve, "load_model", _must_not_load)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", "--model", "demo", "--port", str(port), "--device", "cpu"]) == 1
+    assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in capsys.readouterr().err
+
+
+def _must_not_load(*args, **kwargs):
+    raise AssertionError("the model was loaded before the options and the address were checked")
 
 
 def test_api_key_is_required_everywhere_but_health(demo_server):
@@ -318,6 +275,7 @@ def test_api_key_is_required_everywhere_but_health(demo_server):
         ("POST", "/v1/chat/completions", {"model": "demo", "messages": [{"role": "user", "content": "hi"}]}),
         ("POST", "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/tmp"}),
         ("POST", "/v1/unload_lora_adapter", {"lora_name": "upper"}),
+        ("GET", "/openapi.json", None),
     ]
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
         for method, path, body in calls:
@@ -325,6 +283,10 @@ def test_api_key_is_required_everywhere_but_health(demo_server):
             assert response.status_code == 401, (method, path, headers)
             assert response.json()["error"]["code"] == "invalid_api_key"
     assert httpx.get(f"{demo_server.base}/health").status_code == 200
+    for docs_page in ("/docs", "/redoc"):  # a browser page cannot send the key: off when there is one
+        assert httpx.get(demo_server.base + docs_page).status_code == 404
+    schema = httpx.get(f"{demo_server.base}/openapi.json", headers={"Authorization": f"Bearer {API_KEY}"})
+    assert "/v1/completions" in schema.json()["paths"]
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=demo_server.url, api_key="wrong", max_retries=0).models.list()
     assert "upper" in {c["id"] for c in httpx.get(f"{demo_server.url}/models",
@@ -339,6 +301,8 @@ def test_api_key_is_required_everywhere_but_health(demo_server):
         ({"model": "upper"}, 400, "prompt"),
         ({"model": "upper", "prompt": "lora=", "n": 2}, 400, "not supported by this server: n"),
         ({"model": "upper", "prompt": "lora=", "temperature": -1}, 400, "temperature"),
+        ({"model": "upper", "prompt": "lora=", "temperature": 1e-300}, 400, "temperature must be 0 (greedy) or"),
+        ({"model": "upper", "prompt": "lora=", "seed": 2**70}, 400, "seed must be an integer from"),
         ({"model": "upper", "prompt": "lora=", "max_tokens": 0}, 400, "max_tokens"),
         ({"model": "upper", "prompt": [1, 999]}, 400, "integers in [0, 259)"),
         ({"model": "upper", "prompt": []}, 400, "empty"),
@@ -401,25 +365,33 @@ def test_chat_completions_equal_offline_generate(tiny_server, tiny_model_dirs):
 
 
 # ---------------------------------------------------------------------- disconnects, metrics, SIGTERM
-def test_client_disconnect_cancels_and_frees_kv(tiny_server):
+def test_client_disconnects_cancel_quietly_and_free_kv(tiny_server):
+    """Streaming and non-streaming clients, of one prompt and of two, that go away mid-answer: their requests are
+    cancelled and freed, and the server logs no traceback."""
     before = tiny_server.metrics()
-    body = {"model": "tiny", "prompt": [1, 9, 4, 12], "max_tokens": 3000, "ignore_eos": True, "temperature": 0}
-    with httpx.stream("POST", f"{tiny_server.url}/completions", json={**body, "stream": True}, timeout=60) as stream:
-        lines = stream.iter_lines()
-        assert next(line for line in lines if line.startswith("data:"))
-    with pytest.raises(httpx.ReadTimeout):  # a non-streaming request whose client gives up
-        httpx.post(f"{tiny_server.url}/completions", json=body, timeout=1.0)
+    one_prompt = {"model": "tiny", "prompt": [1, 9, 4, 12], "max_tokens": 3000, "ignore_eos": True, "temperature": 0}
+    two_prompts = {**one_prompt, "prompt": [[1, 9, 4, 12], [1, 5, 6]]}
+    for body in (one_prompt, two_prompts):
+        streamed = {**body, "stream": True}
+        with httpx.stream("POST", f"{tiny_server.url}/completions", json=streamed, timeout=60) as stream:
+            lines = stream.iter_lines()
+            assert next(line for line in lines if line.startswith("data:"))
+        with pytest.raises(httpx.ReadTimeout):  # a non-streaming request whose client gives up
+            httpx.post(f"{tiny_server.url}/completions", json=body, timeout=1.0)
+    dropped = 2 * (1 + 2)
 
-    def both_dropped():
-        now = tiny_server.metrics()
-        return now["punica_requests_dropped_and_freed_total"] - before["punica_requests_dropped_and_freed_total"] == 2
+    def all_dropped():
+        name = "punica_requests_dropped_and_freed_total"
+        return tiny_server.metrics()[name] - before[name] == dropped
 
-    wait_until(both_dropped)
+    wait_until(all_dropped)
     after = tiny_server.metrics()
     cancelled = 'punica_requests_total{finish_reason="cancelled"}'
-    assert after[cancelled] - before[cancelled] == 2
+    assert after[cancelled] - before[cancelled] == dropped
     assert after["punica_running_requests"] == 0 and after["punica_kv_cache_free_fraction"] == 1.0
-    assert after["punica_generation_tokens_total"] - before["punica_generation_tokens_total"] < 2 * 3000
+    assert after["punica_generation_tokens_total"] - before["punica_generation_tokens_total"] < dropped * 3000
+    log = tiny_server.log_text()
+    assert "Traceback" not in log and "never retrieved" not in log, log
 
 
 def test_metrics_count_requests_tokens_and_latencies(demo_server, client):

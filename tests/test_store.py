@@ -83,7 +83,7 @@ def test_lru_evicts_the_least_recently_used_unheld_adapter(base, paths):
             model(IDS[:1], adapter_ids=["r4"])
         assert resident() == {"r2", "r4"}
         with pytest.raises(AdapterCapacityError, match="held by running calls"):
-            model.acquire(["r8", "r4b"])
+            model.acquire(["r8", "r4b"], block=False)  # a blocking call would wait for the lease to end
     assert resident() == {"r2", "r4"}
 
 

@@ -76,6 +76,30 @@ MALFORMED_CONFIGS = {
     "target-parameters": ({"target_parameters": ["mlp.experts"]}, "target_parameters (LoRA on nn.Parameter)"),
     "alora": ({"alora_invocation_tokens": [1, 2]}, "aLoRA (alora_invocation_tokens) is not supported"),
     "megatron": ({"megatron_config": {"tensor_model_parallel_size": 2}}, "Megatron layers (megatron_config)"),
+    # finite but absurd: factors scaled by them overflow the model's dtype
+    "huge-alpha": ({"lora_alpha": 1e39}, "lora_alpha must be at most 1e+06 in magnitude, got 1e+39"),
+    "huge-negative-alpha": ({"lora_alpha": -1e7}, "lora_alpha must be at most 1e+06 in magnitude, got -10000000.0"),
+    "huge-alpha-in-pattern": (
+        {"alpha_pattern": {"v_proj": 1e39}}, "alpha_pattern['v_proj'] must be at most 1e+06 in magnitude, got 1e+39"
+    ),
+    "huge-r": ({"r": 10**40}, f"r must be at most 65536, got {10**40}"),
+    "huge-rank-in-pattern": ({"rank_pattern": {"q_proj": 1 << 20}}, "rank_pattern['q_proj'] must be at most 65536"),
+    # the settings PEFT chose the modules with: not read, but malformed they mark a broken config
+    "int-target-modules": (
+        {"target_modules": 5}, "target_modules must be a string (a regular expression) or a list of strings, got 5"
+    ),
+    "mixed-target-modules": ({"target_modules": ["q_proj", 5]}, "target_modules must be a string (a regular"),
+    "dict-exclude-modules": ({"exclude_modules": {"q_proj": 1}}, "exclude_modules must be a string (a regular"),
+    "int-layers-pattern": ({"layers_pattern": 3}, "layers_pattern must be a string or a list of strings, got 3"),
+    "string-layers-to-transform": (
+        {"layers_to_transform": "0"}, "layers_to_transform must be a layer index (an integer >= 0) or a list of them"
+    ),
+    "negative-layer-to-transform": ({"layers_to_transform": [0, -1]}, "layers_to_transform must be a layer index"),
+    "bool-layer-to-transform": ({"layers_to_transform": [True]}, "layers_to_transform must be a layer index"),
+    "string-dropout": ({"lora_dropout": "0.1"}, "lora_dropout must be a number from 0 to 1, got '0.1'"),
+    "dropout-above-one": ({"lora_dropout": 1.5}, "lora_dropout must be a number from 0 to 1, got 1.5"),
+    "nan-dropout": ({"lora_dropout": NAN}, "lora_dropout must be a number from 0 to 1, got nan"),
+    "string-fan-in-fan-out": ({"fan_in_fan_out": "false"}, "fan_in_fan_out must be true or false, got 'false'"),
 }
 
 
@@ -154,7 +178,9 @@ def test_the_error_names_the_config_file(served, adapters, tmp_path):
         served.load_adapters({"bad": bad})
 
 
-@pytest.mark.parametrize("case", ["null-r", "string-alpha", "bad-regex-rank-pattern", "nan-alpha"])
+@pytest.mark.parametrize(
+    "case", ["null-r", "string-alpha", "bad-regex-rank-pattern", "nan-alpha", "huge-alpha", "int-target-modules"]
+)
 def test_a_converted_file_with_a_malformed_config_is_refused(served, adapters, tmp_path, case):
     changes, problem = MALFORMED_CONFIGS[case]
     file = convert_adapter(adapters["template"], tmp_path / "good.safetensors")
@@ -171,6 +197,8 @@ def test_a_converted_file_with_a_malformed_config_is_refused(served, adapters, t
         pytest.param(dict(r=True, lora_alpha=8), "r must be a positive integer, got True", id="bool-r"),
         pytest.param(dict(r=4, lora_alpha=NAN), "lora_alpha must be a finite number, got nan", id="nan-alpha"),
         pytest.param(dict(r=4, lora_alpha=8, rank_pattern={"a[": 2}), "rank_pattern key 'a['", id="bad-regex"),
+        pytest.param(dict(r=4, lora_alpha=1e39), "lora_alpha must be at most 1e+06 in magnitude", id="huge-alpha"),
+        pytest.param(dict(r=1 << 17, lora_alpha=8), "r must be at most 65536, got 131072", id="huge-r"),
     ],
 )
 def test_a_config_made_in_code_is_checked_too(kwargs, problem):
@@ -179,11 +207,14 @@ def test_a_config_made_in_code_is_checked_too(kwargs, problem):
 
 
 def test_the_configs_peft_writes_still_load(adapters):
-    """Nulls for optional settings, integer alphas, an empty modules_to_save, bias "none", lowercase peft_type."""
+    """Nulls for optional settings, integer alphas, an empty modules_to_save, bias "none", lowercase peft_type, a
+    regex for target_modules, one layer index for layers_to_transform, a dropout, alphas at the limit."""
     raw = {
         **good_config(adapters), "peft_type": "lora", "r": 4, "lora_alpha": 6, "use_rslora": None,
-        "rank_pattern": None, "alpha_pattern": {r"layers\.1\..*q_proj": 3.0}, "modules_to_save": [],
+        "rank_pattern": None, "alpha_pattern": {r"layers\.1\..*q_proj": 3.0, "k_proj": -1e6}, "modules_to_save": [],
         "use_dora": False, "bias": "none", "layer_replication": None, "base_model_name_or_path": None,
+        "target_modules": r".*\.(q|v)_proj", "exclude_modules": None, "layers_to_transform": 1, "layers_pattern": None,
+        "lora_dropout": 0.05, "fan_in_fan_out": None,
     }
     config = LoraAdapterConfig.from_dict(raw)
     assert config.scaling_for("model.layers.0.self_attn.q_proj") == 6 / 4
@@ -224,15 +255,30 @@ def test_non_finite_factors_in_a_converted_file_are_refused(served, adapters, tm
 @pytest.mark.parametrize(
     "changes, module",
     [
-        pytest.param({"lora_alpha": 1e300}, "model.layers.0.self_attn.q_proj", id="lora_alpha"),
-        pytest.param({"alpha_pattern": {"v_proj": 1e300}}, "model.layers.0.self_attn.v_proj", id="alpha_pattern"),
+        pytest.param({"lora_alpha": 1e6}, "model.layers.0.self_attn.q_proj", id="lora_alpha"),
+        pytest.param({"alpha_pattern": {"v_proj": 1e6}}, "model.layers.0.self_attn.v_proj", id="alpha_pattern"),
     ],
 )
 def test_a_scaling_beyond_float32_is_refused(served, adapters, tmp_path, changes, module):
-    """A finite alpha whose scaling overflows the float32 factors it is folded into."""
-    bad = broken_copy(adapters, tmp_path / "huge", config_changes=changes)
+    """An alpha within the limit whose scaling overflows the (large) float32 factor it is folded into."""
+    bad = broken_copy(
+        adapters, tmp_path / "huge", config_changes=changes,
+        tensor_changes={f"base_model.model.{module}.lora_B.weight": 1e38},
+    )
     assert math.isfinite(LoraAdapterConfig.from_file(bad / "adapter_config.json").scaling_for(module))
     assert_refused_and_nothing_changed(served, adapters, bad, f"module {module} has NaN or Inf values in its lora_b")
+
+
+def test_factors_beyond_the_model_dtype_are_refused(base, adapters, tmp_path):
+    """Finite float32 factors that a float16 model cannot hold (65504 at most): they would turn into inf."""
+    model = MultiLoraModel(copy.deepcopy(base).half(), max_adapters=3, max_rank=8)
+    model.load_adapters({"loaded": adapters["loaded"]})
+    key = f"base_model.model.{V_PROJ}.lora_B.weight"
+    bad = broken_copy(adapters, tmp_path / "big", tensor_changes={key: 4e4})  # scaling 8 / 4: 8e4 in the adapter
+    problem = f"module {V_PROJ} has values of magnitude up to 8e+04 in its lora_b, beyond the range of torch.float16"
+    assert_refused_and_nothing_changed(model, adapters, bad, problem)
+    just_fits = broken_copy(adapters, tmp_path / "fits", tensor_changes={key: 3e4})  # 6e4 in the adapter
+    assert model.load_adapters({"fits": just_fits}) == {"fits": 1}
 
 
 def test_non_finite_factors_made_in_code_are_refused():

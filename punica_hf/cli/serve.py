@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import socket
 from collections.abc import Callable
 from pathlib import Path
 
@@ -45,7 +46,10 @@ def register(command: Callable[..., argparse.ArgumentParser]) -> None:
         "--served-model-name", metavar="NAME",
         help="the base model's id in the API (default: the --model value)",
     )
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    parser.add_argument(
+        "--host", default="127.0.0.1",
+        help="address to listen on, checked before the model loads (default: 127.0.0.1)",
+    )
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
     parser.add_argument(
         "--api-key", metavar="KEY",
@@ -79,19 +83,19 @@ def register(command: Callable[..., argparse.ArgumentParser]) -> None:
                         help="prompt + generated tokens of a request at most (default: the model's limit)")
     sizing.add_argument("--cuda-graphs", choices=["auto", "on", "off"], default="auto",
                         help="capture decoding steps in CUDA graphs (default: auto, transformers decides)")
+    limits = parser.add_argument_group("request limits (a request beyond is refused before it reaches the engine)")
+    limits.add_argument("--max-request-bytes", type=positive_int, default=4 * 1024 * 1024, metavar="N",
+                        help="request body size; beyond, 413 (default: 4194304, 4 MiB)")
+    limits.add_argument("--max-prompts-per-request", type=positive_int, default=32, metavar="N",
+                        help="prompts in one /v1/completions request (default: 32)")
+    limits.add_argument("--max-stop-sequences", type=positive_int, default=16, metavar="N",
+                        help="stop strings, and stop token ids, of one request (default: 16 of each)")
+    limits.add_argument("--max-stop-length", type=positive_int, default=512, metavar="N",
+                        help="characters of one stop string (default: 512)")
     add_device_arguments(parser)
 
 
 def run(args: argparse.Namespace, console: Console) -> None:
-    try:
-        import uvicorn
-
-        from ..serving.app import create_app
-    except ImportError as error:
-        raise ImportError(f"punica-hf serve needs the serve extra: pip install 'punica-hf[serve]' ({error})") from error
-    from ..model import MultiLoraModel
-    from ..serving import DemoTokenizer, Engine, EngineConfig
-
     if args.allow_runtime_lora and not args.lora_dir:
         raise ValueError("--allow-runtime-lora needs at least one --lora-dir to load adapters from")
     if args.lora_dir and not args.allow_runtime_lora:
@@ -102,6 +106,27 @@ def run(args: argparse.Namespace, console: Console) -> None:
     adapters = dict(args.adapter)
     if args.model == DEMO_MODEL and not adapters:
         adapters = {name: str(path) for name, path in demo_adapter_sources().items()}
+    name = args.served_model_name or args.model
+    if name in adapters:  # requests naming it would always reach the base model
+        raise ValueError(
+            f"the adapter name {name!r} is the base model's served name: rename the adapter (--adapter OTHER=...) or "
+            "the base model (--served-model-name)"
+        )
+    listener = bind_listener(args.host, args.port)  # a busy address fails now, not after the model has loaded
+
+    try:
+        import uvicorn
+
+        from ..serving.app import RequestLimits, create_app
+    except ImportError as error:
+        raise ImportError(f"punica-hf serve needs the serve extra: pip install 'punica-hf[serve]' ({error})") from error
+    from ..model import MultiLoraModel
+    from ..serving import DemoTokenizer, Engine, EngineConfig
+
+    limits = RequestLimits(
+        max_body_bytes=args.max_request_bytes, max_prompts=args.max_prompts_per_request,
+        max_stop_sequences=args.max_stop_sequences, max_stop_length=args.max_stop_length,
+    )
 
     device = resolve_device(args.device)
     with console.status(f"loading {args.model} and {len(adapters)} adapter(s) on {device}"):
@@ -118,17 +143,36 @@ def run(args: argparse.Namespace, console: Console) -> None:
             cuda_graphs={"auto": None, "on": True, "off": False}[args.cuda_graphs],
         ),
     )
-    name = args.served_model_name or args.model
     app = create_app(
-        engine, name, model_source=args.model, adapter_sources=adapters, api_key=args.api_key,
-        lora_dirs=args.lora_dir if args.allow_runtime_lora else None,
+        engine, name, api_key=args.api_key, lora_dirs=args.lora_dir if args.allow_runtime_lora else None,
+        limits=limits,
     )
     console.print(
         f"serving [bold]{name}[/bold] with adapters {', '.join(sorted(adapters)) or '(none)'} on "
         f"http://{args.host}:{args.port}/v1" + (" (API key required)" if args.api_key else ""),
         highlight=False,
     )
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=None)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=None)
+    uvicorn.Server(config).run(sockets=[listener])
+
+
+def bind_listener(host: str, port: int) -> socket.socket:
+    """A socket listening on ``host:port``, set up as uvicorn would, for uvicorn to serve on once the model has
+    loaded (connections made meanwhile wait); ``OSError`` naming the address if it is in use or not this machine's.
+
+    It listens at once: two sockets with SO_REUSEADDR may both be bound to one port, only one can listen.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listener.bind((host, port))
+        listener.listen()
+    except (OSError, OverflowError) as error:  # OverflowError: a port outside 0-65535
+        listener.close()
+        address = f"[{host}]:{port}" if family == socket.AF_INET6 else f"{host}:{port}"
+        raise OSError(f"cannot listen on {address}: {getattr(error, 'strerror', None) or error}") from error
+    return listener
 
 
 def _hf_tokenizer(model_id: str):

@@ -2,8 +2,10 @@
 
 Which modules an adapter changes is read off its weights (that is what PEFT loads too); the config decides
 each module's rank and alpha (``rank_pattern`` / ``alpha_pattern``) and thus its scaling. Every field read here
-is type-checked (a ``ValueError`` names the field and the value it got), and features that would change the math
-and are not implemented are refused by name rather than silently ignored.
+is type-checked (a ``ValueError`` names the field and the value it got), as are the settings PEFT used to pick the
+modules (``target_modules``, ``layers_to_transform``, ...), which serving does not need but a malformed one marks a
+broken config; features that would change the math and are not implemented are refused by name rather than
+silently ignored.
 """
 
 from __future__ import annotations
@@ -31,6 +33,12 @@ _REFUSED_SETTINGS = {
     "megatron_config": "Megatron layers (megatron_config)",
 }
 
+# Far beyond any trained adapter (ranks up to a few thousand, alphas up to a few thousand): a larger value is a
+# corrupt or mistyped config, and an alpha near the float range gives factors that overflow the model's dtype.
+LARGEST_RANK = 1 << 16
+LARGEST_ABS_ALPHA = 1e6
+_ALPHA_RANGE = f"at most {LARGEST_ABS_ALPHA:g} in magnitude"
+
 
 @dataclass(frozen=True)
 class LoraAdapterConfig:
@@ -49,14 +57,18 @@ class LoraAdapterConfig:
 
     def __post_init__(self) -> None:
         _require(_is_rank(self.r), "r", "a positive integer", self.r)
+        _require(_in_rank_range(self.r), "r", f"at most {LARGEST_RANK}", self.r)
         _require(_is_finite_number(self.lora_alpha), "lora_alpha", "a finite number", self.lora_alpha)
+        _require(_in_alpha_range(self.lora_alpha), "lora_alpha", _ALPHA_RANGE, self.lora_alpha)
         _require(isinstance(self.use_rslora, bool), "use_rslora", "true or false", self.use_rslora)
         _require(
             self.base_model_name_or_path is None or isinstance(self.base_model_name_or_path, str),
             "base_model_name_or_path", "a string or null", self.base_model_name_or_path,
         )
-        rank_rules = _compile_patterns("rank_pattern", self.rank_pattern, _is_rank, "a positive integer")
-        alpha_rules = _compile_patterns("alpha_pattern", self.alpha_pattern, _is_finite_number, "a finite number")
+        rank_checks = ((_is_rank, "a positive integer"), (_in_rank_range, f"at most {LARGEST_RANK}"))
+        alpha_checks = ((_is_finite_number, "a finite number"), (_in_alpha_range, _ALPHA_RANGE))
+        rank_rules = _compile_patterns("rank_pattern", self.rank_pattern, rank_checks)
+        alpha_rules = _compile_patterns("alpha_pattern", self.alpha_pattern, alpha_checks)
         object.__setattr__(self, "_rank_rules", rank_rules)
         object.__setattr__(self, "_alpha_rules", alpha_rules)
 
@@ -69,6 +81,7 @@ class LoraAdapterConfig:
         if not (isinstance(peft_type, str) and peft_type.upper() == "LORA"):
             raise ValueError(f"only LoRA adapters are supported, this config has peft_type={peft_type!r}")
         _refuse_unsupported_features(raw)
+        _check_selection_settings(raw)
         return cls(
             r=raw.get("r", 8),  # PEFT's defaults for keys that are absent; null stays null and is refused
             lora_alpha=raw.get("lora_alpha", 8),
@@ -115,18 +128,63 @@ def _is_finite_number(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
+def _in_rank_range(rank: int) -> bool:
+    return rank <= LARGEST_RANK
+
+
+def _in_alpha_range(alpha: float) -> bool:
+    return abs(alpha) <= LARGEST_ABS_ALPHA
+
+
+def _is_names(value: Any) -> bool:
+    return isinstance(value, str) or (isinstance(value, list) and all(isinstance(item, str) for item in value))
+
+
+def _is_layer(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 0
+
+
+def _is_layers(value: Any) -> bool:
+    return _is_layer(value) or (isinstance(value, list) and all(map(_is_layer, value)))
+
+
+def _is_dropout(value: Any) -> bool:
+    return _is_finite_number(value) and 0 <= value <= 1
+
+
+# Settings PEFT used to choose the targeted modules, and its training-only dropout: {key: (what a valid value is,
+# its check)}. Serving reads the modules off the weights; a malformed value marks a broken config. Null is unset.
+_SELECTION_SETTINGS = {
+    "target_modules": ("a string (a regular expression) or a list of strings", _is_names),
+    "exclude_modules": ("a string (a regular expression) or a list of strings", _is_names),
+    "layers_pattern": ("a string or a list of strings", _is_names),
+    "layers_to_transform": ("a layer index (an integer >= 0) or a list of them", _is_layers),
+    "fan_in_fan_out": ("true or false", lambda value: isinstance(value, bool)),
+    "lora_dropout": ("a number from 0 to 1", _is_dropout),
+}
+
+
+def _check_selection_settings(raw: dict[str, Any]) -> None:
+    for key, (expected, is_valid) in _SELECTION_SETTINGS.items():
+        value = raw.get(key)
+        _require(value is None or is_valid(value), key, expected, value)
+
+
 def _unless_null(raw: dict[str, Any], key: str, default: Any) -> Any:
     value = raw.get(key)
     return default if value is None else value
 
 
-def _compile_patterns(name: str, patterns: Any, is_valid, expected: str) -> tuple[tuple[re.Pattern, Any], ...]:
-    """``patterns`` ({regex: value}) checked and compiled the way PEFT matches them against module names."""
+def _compile_patterns(name: str, patterns: Any, checks) -> tuple[tuple[re.Pattern, Any], ...]:
+    """``patterns`` ({regex: value}) checked and compiled the way PEFT matches them against module names.
+
+    ``checks``: ``(is_valid, what a valid value is)`` pairs, in order, each value passing the ones before it."""
     _require(isinstance(patterns, dict), name, "a JSON object {pattern: value}", patterns)
     rules = []
     for pattern, value in patterns.items():
         _require(isinstance(pattern, str), f"{name} key", "a string", pattern)
-        _require(is_valid(value), f"{name}[{pattern!r}]", expected, value)
+        for is_valid, expected in checks:
+            _require(is_valid(value), f"{name}[{pattern!r}]", expected, value)
         try:
             # PEFT's rule: a pattern matches the end of the module name at a "." boundary
             rules.append((re.compile(rf"(.*\.)?({pattern})$"), value))

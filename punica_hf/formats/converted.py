@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import stat
 from pathlib import Path
 
 import torch
@@ -71,8 +72,18 @@ def save_converted(
     path.parent.mkdir(parents=True, exist_ok=True)
     # Written beside the target and renamed: an interrupted conversion never leaves a half file under the real name.
     partial = path.with_name(f".{path.name}.partial")
-    save_file(tensors, partial, metadata=metadata)
-    os.replace(partial, path)
+    # safetensors writes through a temporary file of its own, created with mode 0600; the converted file gets the
+    # mode open() gives a new file (0o666 less the umask), read off a file created here as open() creates it.
+    partial.unlink(missing_ok=True)
+    partial.touch()
+    try:
+        mode = stat.S_IMODE(partial.stat().st_mode)
+        save_file(tensors, partial, metadata=metadata)
+        os.chmod(partial, mode)
+        os.replace(partial, path)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
     return path
 
 

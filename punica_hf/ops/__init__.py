@@ -1,8 +1,9 @@
-"""LoRA ops over a batch whose tokens each use their own adapter slot.
+"""LoRA ops over a batch whose tokens each use their own adapter slot, and attention over a paged KV cache.
 
 ``lora_add`` picks the backend per call: the CUDA kernels of ``csrc/`` for CUDA tensors when they build,
 else the PyTorch reference (``torch_ops``). ``PUNICA_HF_BACKEND=torch|cuda`` forces one; ``cuda`` raises if
-the kernels cannot be built or the tensors are not on a GPU.
+the kernels cannot be built or the tensors are not on a GPU. ``paged_attention`` (``attention``) dispatches the
+same way.
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ from functools import lru_cache
 import torch
 
 from . import cuda, torch_ops  # importing cuda builds nothing: the kernels build on the first CUDA call
+from .attention import paged_attention
 from .segments import LoraSegments
 from .segments import build_segments as _build_segments
 
-__all__ = ["LoraSegments", "build_segments", "lora_add", "lora_delta", "backend_for"]
+__all__ = ["LoraSegments", "build_segments", "lora_add", "lora_delta", "backend_for", "paged_attention"]
 
 _BACKENDS = ("auto", "torch", "cuda")
 

@@ -1,10 +1,11 @@
 """The CUDA kernels of ``csrc/``: JIT build/load, and the ``lora_add`` entries the dispatcher and the hooks call.
 
-The extension registers the ops ``torch.ops.punica_hf.lora_add`` (mutates ``y``, returns nothing) and
-``lora_delta`` (a group of projections sharing their input, returns their updates); this module adds their fake
-implementations, so ``torch.compile(fullgraph=True)`` traces through it, and the op makes no
-host-device sync, so it can be captured in a CUDA graph. The build is cached in a directory keyed by the
-sources, the torch and CUDA versions and the target architectures: it recompiles only when one of them changes.
+The extension registers the ops ``torch.ops.punica_hf.lora_add`` (mutates ``y``, returns nothing),
+``lora_delta`` (a group of projections sharing their input, returns their updates) and ``paged_attention`` (see
+``ops.attention``); this module adds their fake implementations, so ``torch.compile(fullgraph=True)`` traces
+through them, and the ops make no host-device sync, so they can be captured in a CUDA graph. The build is cached
+in a directory keyed by the sources, the torch and CUDA versions and the target architectures: it recompiles only
+when one of them changes.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ MAX_OUTPUTS = 4  # most projections one lora_delta call computes (PUNICA_MAX_OUT
 
 _op = None  # torch.ops.punica_hf.lora_add.default once the extension is loaded
 _delta_op = None  # torch.ops.punica_hf.lora_delta.default
+_attention_op = None  # torch.ops.punica_hf.paged_attention.default
 
 
 def source_dir() -> Path:
@@ -80,7 +82,7 @@ def build_directory(name: str) -> Path:
 
 def load_extension(verbose: bool = False) -> None:
     """Build (first time, or after a source change) and load the kernels; raises on any failure."""
-    global _op, _delta_op
+    global _op, _delta_op, _attention_op
     if _op is not None:
         return
     if torch.version.cuda is None:
@@ -108,6 +110,7 @@ def load_extension(verbose: bool = False) -> None:
         )
     _register_fake()
     _delta_op = torch.ops.punica_hf.lora_delta.default
+    _attention_op = torch.ops.punica_hf.paged_attention.default
     _op = torch.ops.punica_hf.lora_add.default  # the overload itself: no overload resolution per call; set last
 
 
@@ -121,6 +124,10 @@ def _register_fake() -> None:
     def _lora_delta_fake(x, pool, a_offsets, b_offsets, lora_ranks, sorted_token_ids, sorted_slots, out_features,
                          max_rank):
         return x.new_empty(x.shape[0], sum(out_features))
+
+    @torch.library.register_fake("punica_hf::paged_attention")
+    def _paged_attention_fake(query, key_cache, value_cache, key_slots, cu_seq_lens_q, cu_seq_lens_k, scale):
+        return query.new_empty(query.shape)
 
 
 def _check(y: torch.Tensor, x: torch.Tensor, pool: torch.Tensor, a_offsets: torch.Tensor, b_offsets: torch.Tensor,

@@ -14,6 +14,7 @@ from .engine import (
     QueueFullError,
     RequestHandle,
     SamplingParams,
+    StepRecord,
 )
 from .text import DemoTokenizer, HFTokenizer, TextStream
 
@@ -29,5 +30,6 @@ __all__ = [
     "QueueFullError",
     "RequestHandle",
     "SamplingParams",
+    "StepRecord",
     "TextStream",
 ]

@@ -3,10 +3,13 @@
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream: true`` for server-sent events),
 ``GET /v1/models``, ``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (vLLM's bodies; only when
 runtime loading is on, and only from paths under the allowed directories), ``GET /health``, ``GET /metrics``.
-The request's ``model`` names an adapter, or the base model. Errors are OpenAI's error JSON: 400 bad body or
-too long, 401 wrong or missing API key (every route but ``/health``), 404 unknown model, 429 queue full, 503 the
-engine is not running. A client that disconnects has its requests cancelled (their KV blocks freed). The app
-starts the engine and, when the server shuts down (SIGTERM), lets it finish the requests in flight.
+The request's ``model`` names an adapter, or the base model. Errors are OpenAI's error JSON: 400 bad body, too
+long or beyond the ``RequestLimits``, 401 wrong or missing API key (every route but ``/health``), 404 unknown
+model (or an adapter unloaded while the request waited), 413 body too large, 429 queue full, 500 this request's
+generation failed (the others go on), 503 the engine is not running. A client that disconnects has its requests
+cancelled (their KV blocks freed). The app starts the engine and, when the server shuts down (SIGTERM), lets it
+finish the requests in flight. With an API key, ``/openapi.json`` needs it too and ``/docs`` and ``/redoc`` are
+off (a browser page cannot send the key). No response shows a file system path.
 """
 
 from __future__ import annotations
@@ -15,8 +18,9 @@ import asyncio
 import os
 import secrets
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing, asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -24,7 +28,16 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .engine import Completion, Delta, Engine, EngineClosedError, QueueFullError, RequestHandle, SamplingParams
+from .engine import (
+    ADAPTER_NOT_FOUND,
+    Completion,
+    Delta,
+    Engine,
+    EngineClosedError,
+    QueueFullError,
+    RequestHandle,
+    SamplingParams,
+)
 from .metrics import ServingMetrics
 from .protocol import (
     ChatChoice,
@@ -50,12 +63,54 @@ from .protocol import (
 DISCONNECT_POLL_SECONDS = 0.25  # how often a non-streaming request checks that its client is still there
 
 
-class APIError(Exception):
-    """An error answered with OpenAI's error JSON."""
+@dataclass(frozen=True)
+class RequestLimits:
+    """What one HTTP request may ask for; a request beyond is refused before it reaches the engine.
+
+    Args:
+        max_body_bytes: request body size (413 beyond, refused before the body is read).
+        max_prompts: prompts in one ``/v1/completions`` request (each is a request of the engine).
+        max_stop_sequences: stop strings, and stop token ids, of one request (at most this many of each).
+        max_stop_length: characters of one stop string.
+    """
+
+    max_body_bytes: int = 4 * 1024 * 1024
+    max_prompts: int = 32
+    max_stop_sequences: int = 16
+    max_stop_length: int = 512
+
+    def __post_init__(self) -> None:
+        for name in ("max_body_bytes", "max_prompts", "max_stop_sequences", "max_stop_length"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+    def check(self, body: CompletionRequest | ChatCompletionRequest, prompts: int = 1) -> None:
+        """Raise ``ValueError`` naming the first limit ``body`` is beyond."""
+        if prompts > self.max_prompts:
+            raise ValueError(f"prompt: {prompts} prompts in one request; this server takes at most {self.max_prompts}")
+        stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
+        if len(stop) > self.max_stop_sequences:
+            raise ValueError(f"stop: {len(stop)} stop strings; this server takes at most {self.max_stop_sequences}")
+        too_long = max(map(len, stop), default=0)
+        if too_long > self.max_stop_length:
+            raise ValueError(
+                f"stop: a stop string of {too_long} characters; this server takes at most {self.max_stop_length}"
+            )
+        stop_token_ids = body.stop_token_ids or []
+        if len(stop_token_ids) > self.max_stop_sequences:
+            raise ValueError(
+                f"stop_token_ids: {len(stop_token_ids)} ids; this server takes at most {self.max_stop_sequences}"
+            )
+
+
+class APIError(StarletteHTTPException):
+    """An error answered with OpenAI's error JSON (an HTTPException, so FastAPI also answers one raised while it
+    reads a request body)."""
 
     def __init__(self, status: int, message: str, type: str = "invalid_request_error", code: str | None = None,
                  param: str | None = None) -> None:
-        super().__init__(message)
+        super().__init__(status, message)
         self.status, self.message, self.type, self.code, self.param = status, message, type, code, param
 
     def response(self) -> JSONResponse:
@@ -67,18 +122,18 @@ def create_app(
     engine: Engine,
     model_name: str,
     *,
-    model_source: str | None = None,
-    adapter_sources: Mapping[str, str] | None = None,
     api_key: str | None = None,
     lora_dirs: Sequence[str | Path] | None = None,
+    limits: RequestLimits | None = None,
 ) -> FastAPI:
     """The server of ``engine`` (not started yet: the app starts it, and drains it on shutdown).
 
-    ``model_name`` is the base model's id in the API; ``model_source`` and ``adapter_sources`` are where the
-    weights came from (shown by ``/v1/models``). ``lora_dirs`` turns on runtime adapter loading, from paths under
-    those directories only (symlinks resolved); None keeps it off.
+    ``model_name`` is the base model's id in the API. ``lora_dirs`` turns on runtime adapter loading, from paths
+    under those directories only (symlinks resolved); None keeps it off. ``limits``: what one request may ask for
+    (default ``RequestLimits()``).
     """
-    server = _Server(engine, model_name, model_source, adapter_sources or {}, lora_dirs)
+    limits = limits or RequestLimits()
+    server = _Server(engine, model_name, lora_dirs)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -86,8 +141,15 @@ def create_app(
         yield
         await asyncio.to_thread(engine.shutdown, True)
 
-    app = FastAPI(title="punica-hf", summary="OpenAI-compatible multi-LoRA serving", lifespan=lifespan)
+    # With a key, the schema is served by the keyed router below; the docs pages are off (a browser sends no key).
+    documented = api_key is None
+    app = FastAPI(
+        title="punica-hf", summary="OpenAI-compatible multi-LoRA serving", lifespan=lifespan,
+        openapi_url="/openapi.json" if documented else None, docs_url="/docs" if documented else None,
+        redoc_url="/redoc" if documented else None,
+    )
     app.state.server = server
+    app.add_middleware(_BodySizeLimit, max_bytes=limits.max_body_bytes)
 
     def check_api_key(request: Request) -> None:
         if api_key is None:
@@ -101,8 +163,9 @@ def create_app(
     @api.post("/v1/completions", response_model=CompletionResponse)
     async def completions(body: CompletionRequest, request: Request):
         adapter = server.adapter_for(body.model)
-        params = _bad_request_on_value_error(lambda: body.sampling_params(body.max_new_tokens()))
         prompts = _bad_request_on_value_error(body.prompts)
+        _bad_request_on_value_error(lambda: limits.check(body, prompts=len(prompts)))
+        params = _bad_request_on_value_error(lambda: body.sampling_params(body.max_new_tokens()))
         handles = server.submit([(prompt, adapter, params) for prompt in prompts])
         response_id = new_id("cmpl")
         if body.stream:
@@ -116,6 +179,7 @@ def create_app(
     @api.post("/v1/chat/completions", response_model=ChatCompletionResponse)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         adapter = server.adapter_for(body.model)
+        _bad_request_on_value_error(lambda: limits.check(body))
         prompt_ids = _bad_request_on_value_error(lambda: server.chat_prompt(body.chat()))
         max_tokens = body.requested_max_tokens() or max(engine.max_model_len - len(prompt_ids), 1)
         params = _bad_request_on_value_error(lambda: body.sampling_params(max_tokens))
@@ -138,6 +202,12 @@ def create_app(
     async def metrics():
         content, content_type = server.metrics.render()
         return Response(content, media_type=content_type)
+
+    if not documented:
+
+        @api.get("/openapi.json", include_in_schema=False)
+        async def openapi_schema():
+            return JSONResponse(app.openapi())
 
     if lora_dirs is not None:
 
@@ -179,14 +249,11 @@ def create_app(
 
 
 class _Server:
-    """The state behind the routes: the engine, the model names and where their weights came from, metrics."""
+    """The state behind the routes: the engine, the base model's name, the allowed adapter directories, metrics."""
 
-    def __init__(self, engine: Engine, model_name: str, model_source: str | None, adapter_sources: Mapping[str, str],
-                 lora_dirs: Sequence[str | Path] | None) -> None:
+    def __init__(self, engine: Engine, model_name: str, lora_dirs: Sequence[str | Path] | None) -> None:
         self.engine = engine
         self.model_name = model_name
-        self.model_source = model_source
-        self.adapter_sources = dict(adapter_sources)
         self.lora_dirs = None if lora_dirs is None else [Path(os.path.realpath(d)) for d in lora_dirs]
         self.metrics = ServingMetrics(engine)
         self.created = int(time.time())
@@ -198,13 +265,13 @@ class _Server:
             return None
         if model in self.engine.model.adapters:
             return model
-        raise APIError(404, f"The model '{model}' does not exist", param="model", code="model_not_found")
+        raise _model_not_found(model)
 
     def model_list(self) -> ModelList:
-        base = ModelCard(id=self.model_name, created=self.created, root=self.model_source,
-                         max_model_len=self.engine.max_model_len)
+        """The base model and every adapter, by name only (where their weights came from is the operator's)."""
+        base = ModelCard(id=self.model_name, created=self.created, max_model_len=self.engine.max_model_len)
         adapters = [
-            ModelCard(id=name, created=self.created, root=self.adapter_sources.get(name), parent=self.model_name)
+            ModelCard(id=name, created=self.created, parent=self.model_name)
             for name in sorted(self.engine.model.adapters)
         ]
         return ModelList(data=[base, *adapters])
@@ -222,14 +289,12 @@ class _Server:
             self.engine.model.load_adapters({name: str(resolved)})
         except (ValueError, KeyError, OSError) as error:
             raise APIError(400, f"could not load '{path}': {error}", param="lora_path") from error
-        self.adapter_sources[name] = str(resolved)
 
     def unload_adapter(self, name: str) -> None:
         if name not in self.engine.model.adapters:
             raise APIError(404, f"The lora adapter '{name}' cannot be found.", param="lora_name",
                            code="model_not_found")
         self.engine.model.unload_adapter(name)  # requests using it finish first; its name is free at once
-        self.adapter_sources.pop(name, None)
 
     # -------------------------------------------------------------- requests
     def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
@@ -246,8 +311,8 @@ class _Server:
         except BaseException as error:
             for handle in handles:
                 handle.cancel()
-            if isinstance(error, KeyError):
-                raise APIError(404, str(error.args[0]), param="model", code="model_not_found") from error
+            if isinstance(error, KeyError):  # unloaded since adapter_for: name it alone, not every adapter loaded
+                raise _model_not_found(adapter) from error
             if isinstance(error, ValueError):
                 raise APIError(400, str(error)) from error
             if isinstance(error, QueueFullError):
@@ -295,26 +360,39 @@ def _bad_request_on_value_error(make):
         raise APIError(400, str(error)) from error
 
 
+def _model_not_found(model: str) -> APIError:
+    return APIError(404, f"The model '{model}' does not exist", param="model", code="model_not_found")
+
+
 async def _results_unless_disconnected(request: Request, handles: list[RequestHandle]) -> list[Completion] | None:
     """The requests' completions; None (and the requests cancelled) if the client goes away first."""
-    results = asyncio.ensure_future(asyncio.gather(*(handle.aresult() for handle in handles)))
+
+    async def completions() -> list[Completion]:
+        return [await handle.aresult() for handle in handles]
+
+    # One task, not a gather: a cancelled task ends quietly, a cancelled gather logs its unretrieved CancelledError.
+    results = asyncio.create_task(completions())
     try:
-        while True:
-            done, _ = await asyncio.wait({results}, timeout=DISCONNECT_POLL_SECONDS)
-            if done:
-                break
-            if await request.is_disconnected():
+        while not results.done():
+            await asyncio.wait({results}, timeout=DISCONNECT_POLL_SECONDS)
+            if not results.done() and await request.is_disconnected():
                 return None
     finally:
         if not results.done():
             results.cancel()
             for handle in handles:
                 handle.cancel()
-    completions = results.result()
-    failed = [c for c in completions if c.finish_reason == "error"]
-    if failed:
-        raise APIError(500, f"generation failed: {failed[0].error}", type="server_error", code="generation_failed")
-    return completions
+    failed = next((c for c in results.result() if c.finish_reason == "error"), None)
+    if failed is not None:
+        raise _failure(failed)
+    return results.result()
+
+
+def _failure(completion: Completion) -> APIError:
+    """The error of a request that failed alone: 404 if its adapter was unloaded before it started, else 500."""
+    if completion.error_code == ADAPTER_NOT_FOUND:
+        return _model_not_found(completion.adapter)
+    return APIError(500, f"generation failed: {completion.error}", type="server_error", code="generation_failed")
 
 
 def _event_stream(events: AsyncIterator[str], handles: list[RequestHandle]) -> StreamingResponse:
@@ -362,6 +440,36 @@ def _event(body) -> str:
 
 
 def _error_event(handle: RequestHandle) -> str:
-    message = f"generation failed: {handle.result(timeout=0).error}"
-    error = ErrorResponse(error=ErrorDetail(message=message, type="server_error", code="generation_failed"))
-    return _event(error)
+    failure = _failure(handle.result(timeout=0))
+    error = ErrorDetail(message=failure.message, type=failure.type, param=failure.param, code=failure.code)
+    return _event(ErrorResponse(error=error))
+
+
+class _BodySizeLimit:
+    """ASGI middleware: a request body over ``max_bytes`` is refused with 413, by its Content-Length before any of
+    it is read, or (sent in chunks) as soon as what arrived passes the limit."""
+
+    def __init__(self, app, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    def _too_large(self) -> str:
+        return f"the request body is larger than this server's limit of {self.max_bytes} bytes"
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            return await APIError(413, self._too_large(), code="request_too_large").response()(scope, receive, send)
+        received = 0
+
+        async def receive_within_limit():
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.max_bytes:  # raised while FastAPI reads the body: answered by the APIError handler
+                raise APIError(413, self._too_large(), code="request_too_large")
+            return message
+
+        await self.app(scope, receive_within_limit, send)

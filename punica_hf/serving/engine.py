@@ -34,6 +34,7 @@ import logging
 import itertools
 import math
 import random
+import sys
 import threading
 import time
 from collections import Counter, deque
@@ -48,6 +49,7 @@ from transformers.generation.continuous_batching.model_runner import ModelRunner
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from ..store import AdapterCapacityError, AdapterLease, AdapterNotReady
+from . import attention
 from .text import TextStream, Tokenizer, as_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -56,6 +58,16 @@ FINISH_REASONS = ("stop", "length", "cancelled", "error")
 CPU_MAX_RUNNING = 16  # CPU defaults: transformers would size the cache from free RAM (gigabytes, tens of seconds)
 CPU_MAX_BATCH_TOKENS = 256
 IDLE_POLL_SECONDS = 0.002  # how often a request waiting for its adapter to load retries
+# Smaller temperatures (but 0, greedy) can overflow logits / temperature to infinity: sampling would be NaN.
+MIN_TEMPERATURE = 1e-4
+# Completion.error_code of a failed request (finish_reason "error"): its adapter was unloaded before it started;
+# or its scores were NaN or infinite, its step failed, or the engine stopped.
+ADAPTER_NOT_FOUND = "adapter_not_found"
+GENERATION_FAILED = "generation_failed"
+# Packed tokens per step on a GPU by default: prefill chunks of 2048 tokens keep an 8B model's mixed steps near
+# 0.1 s (requests already decoding wait that long for their next token), and bound the graphs' query sizes.
+GPU_MAX_BATCH_TOKENS = 2048
+ONE_KV_PADDING = 1 << 40  # a padding interval longer than any cache: every step's slot list padded to the cache
 
 
 class QueueFullError(RuntimeError):
@@ -70,6 +82,7 @@ class EngineClosedError(RuntimeError):
 class SamplingParams:
     """How one request generates. ``temperature=0`` is greedy decoding (the same tokens as ``generate()``).
 
+    A temperature between 0 and ``MIN_TEMPERATURE`` is refused (logits / temperature would overflow).
     ``top_k=0`` and ``top_p=1`` turn those filters off; ``seed`` makes sampling repeatable (a random seed
     otherwise). Generation stops after ``max_new_tokens``, at an end-of-sequence token (unless ``ignore_eos``),
     at any of ``stop_token_ids``, or at the first of the ``stop`` strings (left out of the text).
@@ -87,14 +100,22 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
-        if not (isinstance(self.temperature, (int, float)) and 0 <= self.temperature < math.inf):
-            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
+        if not (
+            isinstance(self.temperature, (int, float))
+            and (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature < math.inf)
+        ):
+            raise ValueError(
+                f"temperature must be 0 (greedy) or a number >= {MIN_TEMPERATURE} (smaller ones overflow the "
+                f"scores), got {self.temperature!r}"
+            )
         if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0, got {self.top_k!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None and (
+            isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**64
+        ):  # the range torch.Generator.manual_seed takes
+            raise ValueError(f"seed must be an integer from -2**63 to 2**64 - 1, got {self.seed!r}")
         object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         if not all(isinstance(s, str) and s for s in self.stop):
@@ -120,7 +141,8 @@ class EngineConfig:
         max_batch_tokens: packed tokens per step at most (longer prefills are split over steps).
         kv_blocks: blocks of the paged KV cache (each holds a page of tokens for every layer).
         max_model_len: prompt + new tokens of one request at most (default: the model's position limit).
-        cuda_graphs: capture each step shape in a CUDA graph (None: transformers decides).
+        cuda_graphs: capture each step shape in a CUDA graph (None: transformers decides on a GPU, on for the
+            punica_hf attention kernel and flash-attn; never on the CPU).
         warmup: capture the graphs at start instead of on first use.
     """
 
@@ -154,7 +176,8 @@ class Completion:
     end-of-sequence or stop token that stopped it.
 
     ``completion_tokens`` counts every token the model generated (a stopping token included); times are
-    ``time.perf_counter()`` values. ``finish_reason`` is one of ``FINISH_REASONS``.
+    ``time.perf_counter()`` values. ``finish_reason`` is one of ``FINISH_REASONS``; a failed request (``"error"``)
+    has its message in ``error`` and why in ``error_code``: ``ADAPTER_NOT_FOUND`` or ``GENERATION_FAILED``.
     """
 
     request_id: str
@@ -169,6 +192,7 @@ class Completion:
     finished_at: float
     token_times: tuple[float, ...] = field(repr=False, default=())
     error: str | None = None
+    error_code: str | None = None
 
     @property
     def prompt_tokens(self) -> int:
@@ -191,7 +215,8 @@ class EngineStats:
     """A snapshot of the engine. ``queued``: submitted, not yet handed to the scheduler (waiting for room or for
     its adapter); ``waiting``: in the scheduler, not yet started; ``running``: holding KV blocks;
     ``dropped_and_freed``: requests that ended while transformers still ran them (cancelled, client gone, stop
-    string) and were dropped with their KV blocks freed; ``rejected``: submissions refused, the queue full."""
+    string, NaN scores) and were dropped with their KV blocks freed; ``rejected``: submissions refused, the queue
+    full."""
 
     queued: int
     waiting: int
@@ -205,6 +230,18 @@ class EngineStats:
     dropped_and_freed: int
     rejected: int
     kv_free_fraction: float
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One engine step: the requests and packed tokens it ran (``tokens == requests``: a decode step), its
+    ``seconds`` from admitting requests to the new tokens handed out, and ``prepare_seconds`` of those spent before
+    the forward (admission, scheduling, building the batch's tensors on the host)."""
+
+    requests: int
+    tokens: int
+    seconds: float
+    prepare_seconds: float
 
 
 class RequestHandle:
@@ -353,7 +390,10 @@ class Engine:
         self._finished = Counter()
         self._last_batch = (0, 0)
         self._listeners: list[Callable[[Completion], None]] = []
+        self._step_listeners: list[Callable[[StepRecord], None]] = []
         self._manager = None  # transformers' ContinuousBatchingManager and batch processor, made by start()
+        self.attention: attention.AttentionChoice | None = None  # the attention path, chosen by start()
+        self._saved_attention = []  # the model configs' attention implementations before start()
         self._processor = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -362,6 +402,10 @@ class Engine:
         if self._thread is not None:
             raise RuntimeError("the engine was started already")
         device = self.hf_model.device
+        self.attention = attention.choose(self.hf_model)
+        logger.info("attention: %s (%s)", self.attention.path, self.attention.reason)
+        if self.attention.implementation is not None:
+            self._saved_attention = attention.install(self.hf_model, self.attention.implementation)
         with torch.inference_mode():
             self._manager = self.hf_model.init_continuous_batching(
                 generation_config=self._generation_config(), continuous_batching_config=self._cb_config(device)
@@ -374,7 +418,7 @@ class Engine:
                 processor.output_router = _OutputRouter(self)
                 self._manager.batch_processor = processor
                 if self.config.warmup:
-                    processor.warmup(self.hf_model)
+                    self._warm_up(processor)
             except BaseException:
                 self._restore_attention()
                 raise
@@ -385,6 +429,31 @@ class Engine:
         self._thread = threading.Thread(target=self._run, name="punica-hf-engine", daemon=True)
         self._thread.start()
         return self
+
+    def _warm_up(self, processor) -> None:
+        """Capture the CUDA graphs of the step shapes known in advance; a failed capture raises, naming the memory.
+
+        transformers' own warm-up runs one request as long as the whole KV cache: right for its attention paths,
+        whose graphs need room for a copy of the cache, but ours reads the cache in place and would attend over
+        every slot. Ours captures the largest step first (its memory pool then holds every smaller one), then the
+        decode steps of up to ``max_running`` requests, each over one page of cached tokens.
+        """
+        runner, cb_config = processor.model_runner, processor.cb_config
+        failures = _WarmupFailures()
+        runner_logger = sys.modules[ModelRunner.__module__].logger
+        runner_logger.addHandler(failures)
+        try:
+            if self.attention.implementation != attention.NAME:
+                processor.warmup(self.hf_model)
+            elif runner.pad_inputs:  # graphs on
+                interval = cb_config.q_padding_interval_size
+                decode_sizes = range(interval, cb_config.max_requests_per_batch + interval, interval)
+                for num_q_tokens in (processor.cache.max_batch_tokens, *decode_sizes):
+                    runner.run_one_warmup(self.hf_model, num_q_tokens=num_q_tokens, max_kv_read=_page_size(cb_config))
+        finally:
+            runner_logger.removeHandler(failures)
+        if failures.messages:
+            raise RuntimeError(f"CUDA graph warm-up failed: {failures.messages[0]} ({_memory_report(processor)})")
 
     def shutdown(self, drain: bool = True, timeout: float | None = None) -> None:
         """Stop taking requests; finish the ones in flight (``drain``) or cancel them; stop the engine thread."""
@@ -401,10 +470,12 @@ class Engine:
         self._restore_attention()
 
     def _restore_attention(self) -> None:
-        """Give the model back the attention implementation transformers switched from (if it did)."""
+        """Give the model back the attention implementation it had before ``start()``."""
         if self._manager is not None and self._manager._original_attn_impl is not None:
             self.hf_model.set_attn_implementation(self._manager._original_attn_impl)
             self._manager._original_attn_impl = None
+        attention.restore(self._saved_attention)
+        self._saved_attention = []
 
     def __enter__(self) -> Engine:
         return self.start() if self._thread is None else self
@@ -425,6 +496,17 @@ class Engine:
     def add_listener(self, listener: Callable[[Completion], None]) -> None:
         """Call ``listener(completion)`` in the engine thread whenever a request finishes (metrics, logs)."""
         self._listeners.append(listener)
+
+    def add_step_listener(self, listener: Callable[[StepRecord], None]) -> None:
+        """Call ``listener(record)`` in the engine thread after every step (metrics, benchmarks)."""
+        self._step_listeners.append(listener)
+
+    def _tell_step_listeners(self, started: float, prepared: float) -> None:
+        if self._step_listeners:
+            requests, tokens = self._last_batch
+            record = StepRecord(requests, tokens, time.perf_counter() - started, prepared - started)
+            for listener in self._step_listeners:
+                listener(record)
 
     # ------------------------------------------------------------------ requests
     def submit(
@@ -548,6 +630,7 @@ class Engine:
         try:
             with torch.inference_mode():
                 while True:
+                    started = time.perf_counter()
                     self._admit()
                     cancelled = self._send_cancellations()
                     has_batch = self._processor.prepare_next_batch()  # drops cancelled requests, frees their KV
@@ -557,7 +640,9 @@ class Engine:
                             self._complete(request, "cancelled")
                         self._release(request)
                     if has_batch:
+                        prepared = time.perf_counter()
                         self._step()
+                        self._tell_step_listeners(started, prepared)
                         continue
                     if self._stop and not self._requests:
                         return
@@ -568,7 +653,7 @@ class Engine:
             self._error = error
             for request in list(self._requests.values()):
                 if not request.handle.done:
-                    self._complete(request, "error", error=f"the engine stopped: {error}")
+                    self._complete(request, "error", error=f"the engine stopped: {error}", error_code=GENERATION_FAILED)
                 self._release(request)
 
     def _admit(self) -> None:
@@ -594,9 +679,14 @@ class Engine:
                 except AdapterCapacityError:
                     slots_full = True
                     continue
-                except Exception as error:  # e.g. KeyError: unloaded after submission
+                except Exception as error:
                     self._remove_from_queue(request)
-                    self._complete(request, "error", error=f"adapter {adapter!r}: {error}")
+                    if isinstance(error, KeyError):  # unloaded after submission: name it alone, not those loaded
+                        message = f"the adapter {adapter!r} was unloaded before the request started"
+                        code = ADAPTER_NOT_FOUND
+                    else:
+                        message, code = f"adapter {adapter!r}: {error}", GENERATION_FAILED
+                    self._complete(request, "error", error=message, error_code=code)
                     self._release(request)
                     continue
                 request.slot = request.lease.slots[0]
@@ -646,7 +736,7 @@ class Engine:
         try:
             batch_data = io.get_model_kwargs(use_padding=processor.model_runner.pad_inputs)
             processor.model_runner.compute_batch(self.hf_model, batch_data)
-            self._sample_requests_that_sample(io)
+            self._check_scores_and_sample(io)
             io.retrieve_device_outputs()
         except Exception as error:  # this batch's requests fail; the others and the engine go on
             logger.exception("a batch failed")
@@ -655,28 +745,53 @@ class Engine:
         self._counters["steps"] += 1
         processor.update_batch()
 
-    def _sample_requests_that_sample(self, io) -> None:
-        """Replace the greedy token of each sampling request by one drawn with its own settings and generator."""
-        rows = [future.state.request_id for future in io.requests_in_batch if future.has_new_token]
-        sampling = [(row, self._requests.get(rid)) for row, rid in enumerate(rows)]
-        sampling = [(row, r) for row, r in sampling if r is not None and not r.params.greedy]
-        if not sampling:
+    def _check_scores_and_sample(self, io) -> None:
+        """Fail each request whose scores (or, sampling, whose probabilities) are NaN or infinite, alone: the
+        others in the batch keep their tokens. Then replace the greedy token of each sampling request by one drawn
+        with its own settings and generator."""
+        row_requests = [self._requests.get(f.state.request_id) for f in io.requests_in_batch if f.has_new_token]
+        if not row_requests:
             return
-        scores = self._processor.model_runner.kept_scores
+        scores = self._processor.model_runner.kept_scores[: len(row_requests)]
+        sampling = [(row, r) for row, r in enumerate(row_requests) if r is not None and not r.params.greedy]
         stream = io.compute_stream
         with torch.cuda.stream(stream) if stream is not None else nullcontext():
-            for row, request in sampling:
-                row_scores = scores[row : row + 1]
-                for warper in request.warpers:
-                    row_scores = warper(None, row_scores)
-                token = torch.multinomial(row_scores.softmax(dim=-1), 1, generator=request.generator)
+            probabilities = [_probabilities(scores[row : row + 1], request.warpers) for row, request in sampling]
+            # amax is NaN if any score is, +inf if any is, -inf if all are: finite for usable scores only
+            checks = [torch.isfinite(scores.amax(dim=-1))]
+            checks += [torch.isfinite(p).all(dim=-1) for p in probabilities]
+            finite = torch.cat(checks).tolist()  # the step's one wait for the device
+            scores_finite, probabilities_finite = finite[: len(row_requests)], finite[len(row_requests) :]
+            for row, request in enumerate(row_requests):
+                if request is not None and not scores_finite[row]:
+                    self._fail_in_step(request, "the model's scores for it are NaN or infinite")
+            for (row, request), probs, usable in zip(sampling, probabilities, probabilities_finite):
+                if not scores_finite[row]:
+                    continue
+                if not usable:
+                    self._fail_in_step(request, "its sampling settings turn the scores into NaN or infinite "
+                                       "probabilities")
+                    continue
+                token = torch.multinomial(probs, 1, generator=request.generator)
                 io.output_ids[0, row] = token[0, 0]
+
+    def _fail_in_step(self, request: _Request, reason: str) -> None:
+        """End a request whose scores cannot give a token; transformers drops it (frees its KV) at the next step."""
+        adapter = request.handle.adapter
+        message = f"{reason} (adapter {adapter!r})" if adapter is not None else f"{reason} (the base model)"
+        logger.warning("request %s failed: %s", request.request_id, message)
+        self._complete(request, "error", error=message, error_code=GENERATION_FAILED)
+        self._cancel(request.request_id)
 
     def _on_output(self, request_id: str, generated: list[int], finished: bool) -> None:
         """A request's tokens so far (transformers' view), after a step."""
         request = self._requests.get(request_id)
-        if request is None or request.handle.done:
-            return  # ended here already (stop string): transformers drops it at the next step
+        if request is None:
+            return
+        if request.handle.done:  # ended here already (stop string, NaN scores): transformers drops it next step
+            if finished:  # unless this step finished it in transformers too
+                self._release(request)
+            return
         new_tokens = generated[request.seen_tokens :]
         request.seen_tokens = len(generated)
         now = time.perf_counter()
@@ -702,10 +817,12 @@ class Engine:
         request = self._requests.get(request_id)
         if request is not None:
             if not request.handle.done:
-                self._complete(request, "error", error=str(error))
+                self._complete(request, "error", error=str(error), error_code=GENERATION_FAILED)
             self._release(request)
 
-    def _complete(self, request: _Request, reason: str, error: str | None = None) -> None:
+    def _complete(
+        self, request: _Request, reason: str, error: str | None = None, error_code: str | None = None
+    ) -> None:
         """Hand out the request's last piece and its completion; tell the listeners."""
         tail = request.text.finish() if request.text is not None else ""
         completion = Completion(
@@ -721,6 +838,7 @@ class Engine:
             finished_at=time.perf_counter(),
             token_times=tuple(request.token_times),
             error=error,
+            error_code=error_code,
         )
         request.handle._publish(Delta((), tail, reason), completion)
         self._finished[reason] += 1
@@ -750,13 +868,20 @@ class Engine:
         if device.type == "cpu":
             max_running = max_running or CPU_MAX_RUNNING
             max_batch_tokens = max_batch_tokens or CPU_MAX_BATCH_TOKENS
+        else:
+            max_batch_tokens = max_batch_tokens or GPU_MAX_BATCH_TOKENS
         cb_config = ContinuousBatchingConfig(
             max_requests_per_batch=max_running,
             max_batch_tokens=max_batch_tokens,
             allow_block_sharing=False,
             use_async_batching=False,
-            use_cuda_graph=config.cuda_graphs,
+            # transformers would turn graphs on for a CPU model on a machine with a GPU (it asks the machine)
+            use_cuda_graph=config.cuda_graphs if device.type == "cuda" else False,
         )
+        if self.attention.implementation == attention.NAME and device.type == "cuda":
+            # The kernel reads only each step's real key slots: one padded length for every step's slot list keeps
+            # the key count out of the graphs' shapes (transformers pads it up to the whole cache, at most).
+            cb_config.kv_padding_interval_size = ONE_KV_PADDING
         if kv_blocks is None and device.type == "cpu":
             kv_blocks = math.ceil(max_running * self.max_model_len / _page_size(cb_config))
         cb_config.num_blocks = kv_blocks
@@ -831,6 +956,27 @@ class _OutputRouter:
 
 
 # ---------------------------------------------------------------------- helpers
+class _WarmupFailures(logging.Handler):
+    """Collects transformers' "Failed to warm up" warnings (it logs a failed capture and goes on without it)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if message.startswith("Failed to warm up"):
+            self.messages.append(message.splitlines()[0])
+
+
+def _memory_report(processor) -> str:
+    """The GPU's memory in words, for a failed warm-up."""
+    free, total = torch.cuda.mem_get_info(processor.inputs_and_outputs.device)
+    return (f"{free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB with a KV cache of "
+            f"{processor.cache.num_blocks} blocks and {processor.cache.max_batch_tokens} tokens per step; give "
+            f"EngineConfig fewer kv_blocks or max_batch_tokens")
+
+
 def _warpers(params: SamplingParams) -> tuple:
     """transformers' own warpers for a sampling request, in ``generate()``'s order."""
     warpers = [TemperatureLogitsWarper(params.temperature)] if params.temperature != 1 else []
@@ -839,6 +985,13 @@ def _warpers(params: SamplingParams) -> tuple:
     if params.top_p < 1:
         warpers.append(TopPLogitsWarper(params.top_p))
     return tuple(warpers)
+
+
+def _probabilities(row_scores: torch.Tensor, warpers: tuple) -> torch.Tensor:
+    """A sampling request's next-token probabilities ``[1, V]`` from its row of the step's scores."""
+    for warper in warpers:
+        row_scores = warper(None, row_scores)
+    return row_scores.softmax(dim=-1)
 
 
 def _eos_token_ids(hf_model, tokenizer) -> set[int]:

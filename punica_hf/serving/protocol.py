@@ -223,7 +223,6 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "punica-hf"
-    root: str | None = None  # where the weights came from
     parent: str | None = None  # adapters: the base model's id
     max_model_len: int | None = None
 

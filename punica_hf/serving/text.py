@@ -70,17 +70,27 @@ class TextStream:
     emitted piece are decoded together with the tokens before them, and the new text is the difference; a piece
     that ends in an incomplete UTF-8 sequence waits for the next token. Text that could be the beginning of a
     stop string is held back until the next tokens show it is not (so a stop string is never streamed in part).
+    The text ends before the stop string that is complete first (the longest, when two end at the same character).
+
+    Stop strings are searched for incrementally: each new character costs a constant time per stop string
+    (amortized), whatever the length of the text or of the stop strings, so a client's long stop string cannot slow
+    the engine down for everyone.
     """
 
     def __init__(self, decode: Callable[[Sequence[int]], str], stop: Sequence[str] = ()) -> None:
         self._decode = decode
-        self._stop = tuple(stop)
+        self._stop_matchers = [_StopMatcher(stop_string) for stop_string in stop]
         self._tokens: list[int] = []
         self._prefix_offset = 0  # tokens[prefix:read] were decoded already; they give the next piece its context
         self._read_offset = 0
-        self.text = ""  # the text so far (cut at the stop string once one appeared)
-        self._emitted = 0  # characters of ``text`` already handed out
+        self._handed_out: list[str] = []  # the pieces handed out, joined only when the whole text is asked for
+        self._held = ""  # text after them that could be the beginning of a stop string
         self.stopped = False  # a stop string appeared: nothing is added after it
+
+    @property
+    def text(self) -> str:
+        """The text so far (cut before the stop string once one appeared)."""
+        return "".join(self._handed_out) + self._held
 
     def add(self, token_ids: Sequence[int]) -> str:
         """Take the next tokens; return the text that can be handed out now (possibly "")."""
@@ -91,27 +101,68 @@ class TextStream:
         current = self._decode(self._tokens[self._prefix_offset :])
         if len(current) <= len(seen) or current.endswith(REPLACEMENT_CHARACTER):
             return ""
-        searched_from = max(0, len(self.text) - max(map(len, self._stop), default=0) + 1)
-        self.text += current[len(seen) :]
+        new_text = current[len(seen) :]
         self._prefix_offset, self._read_offset = self._read_offset, len(self._tokens)
-        stop_at = min((i for s in self._stop if (i := self.text.find(s, searched_from)) >= 0), default=-1)
-        if stop_at >= 0:
-            self.text = self.text[:stop_at]
+        pending = self._held + new_text
+        stop_start = self._stop_start(new_text, len(self._held))
+        if stop_start is not None:
             self.stopped = True
-            return self._take(len(self.text))
-        return self._take(len(self.text) - self._partial_stop_length())
+            return self._hand_out(pending[:stop_start], held="")
+        # a stop string's beginning at the end of the text is at most the held text and the new text: it fits
+        partial_stop = max((matcher.matched for matcher in self._stop_matchers), default=0)
+        return self._hand_out(pending[: len(pending) - partial_stop], held=pending[len(pending) - partial_stop :])
 
     def finish(self) -> str:
         """The text held back so far: call once the request has ended."""
-        return self._take(len(self.text))
+        return self._hand_out(self._held, held="")
 
-    def _partial_stop_length(self) -> int:
-        """Length of the longest end of ``text`` that is the beginning of a stop string."""
-        return max(
-            (n for stop in self._stop for n in range(1, len(stop)) if self.text.endswith(stop[:n])), default=0
-        )
+    def _stop_start(self, new_text: str, held_length: int) -> int | None:
+        """Feed ``new_text`` to the stop matchers: where the first complete stop string starts in the held text
+        followed by ``new_text`` (it cannot start earlier: its beginning would have been held), or None."""
+        if not self._stop_matchers:
+            return None
+        for index, char in enumerate(new_text):
+            complete = [len(matcher.stop) for matcher in self._stop_matchers if matcher.feed(char)]
+            if complete:
+                return held_length + index + 1 - max(complete)
+        return None
 
-    def _take(self, end: int) -> str:
-        piece = self.text[self._emitted : max(end, self._emitted)]
-        self._emitted += len(piece)
+    def _hand_out(self, piece: str, held: str) -> str:
+        if piece:
+            self._handed_out.append(piece)
+        self._held = held
         return piece
+
+
+class _StopMatcher:
+    """Finds one stop string in a text fed a character at a time (Knuth-Morris-Pratt).
+
+    ``matched`` is the length of the longest end of the text so far that is a beginning of the stop string. Its
+    fallback table (the longest proper border of each beginning of the stop string) is built only as far as
+    ``matched`` has reached, so the work is linear in the text fed, however long the stop string is.
+    """
+
+    def __init__(self, stop: str) -> None:
+        self.stop = stop
+        self.matched = 0
+        self._fallback = [0]  # _fallback[i]: length of the longest proper border of stop[: i + 1]
+
+    def feed(self, char: str) -> bool:
+        """Take the next character of the text; True when the text now ends with the whole stop string."""
+        matched = self.matched
+        while matched and self.stop[matched] != char:
+            matched = self._border(matched - 1)
+        if self.stop[matched] == char:
+            matched += 1
+        self.matched = matched
+        return matched == len(self.stop)
+
+    def _border(self, end: int) -> int:
+        """The longest proper border of ``stop[: end + 1]``, extending the table up to ``end`` if needed."""
+        stop, fallback = self.stop, self._fallback
+        while len(fallback) <= end:
+            index, border = len(fallback), fallback[-1]
+            while border and stop[index] != stop[border]:
+                border = fallback[border - 1]
+            fallback.append(border + 1 if stop[index] == stop[border] else border)
+        return fallback[end]

@@ -6,6 +6,9 @@ and layout), so bringing it onto the GPU is one asynchronous copy. Copies are ca
 milliseconds for an 8B adapter) and CUDA's pinned allocator rounds each block up to a power of two, so one call per
 segment, reused for every adapter after, keeps loads fast and the budget exact. Plain memory without CUDA. Past the
 budget the least recently used copies are dropped; their adapters are read again from their source when needed.
+
+A copy of the tier (``copy.deepcopy``, pickle) carries the kept copies' bytes only, not the segments' free space, and
+carves them into segments of its own.
 """
 
 from __future__ import annotations
@@ -49,6 +52,23 @@ class HostTier:
         self.budget = budget
         self._segments: list[tuple[torch.Tensor, ExtentAllocator]] = []  # uint8 [SEGMENT_BYTES] each
         self._copies: OrderedDict[int, HostCopy] = OrderedDict()
+
+    def __getstate__(self) -> dict:
+        copies = [
+            (index, {device: chunk.clone() for device, chunk in copy.chunks.items()})  # clones: not whole segments
+            for index, copy in self._copies.items()
+        ]
+        return {"budget": self.budget, "copies": copies}
+
+    def __setstate__(self, state: dict) -> None:
+        self.budget = state["budget"]
+        self._segments = []
+        self._copies = OrderedDict()
+        for index, chunks in state["copies"]:  # least recently used first, as they were kept
+            copy = self.allocate({device: (chunk.numel(), chunk.dtype) for device, chunk in chunks.items()})
+            for device, chunk in chunks.items():
+                copy.chunks[device].copy_(chunk)
+            self.put(index, copy)  # (a copy that no longer fits the budget is dropped, as past it anyway)
 
     @property
     def used(self) -> int:

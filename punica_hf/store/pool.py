@@ -43,6 +43,15 @@ class ExtentAllocator:
                 return start
         return None
 
+    def used_extents(self) -> list[tuple[int, int]]:
+        """``(start, size)`` of the extents in use, by start: what lies between the free ones."""
+        used, position = [], 0
+        for start, size in [*self._free, (self.capacity, 0)]:
+            if start > position:
+                used.append((position, start - position))
+            position = start + size
+        return used
+
     def free(self, start: int, size: int) -> None:
         self.used -= size
         i = bisect.bisect_left(self._free, (start, 0))
@@ -132,10 +141,16 @@ class DevicePool:
         return self.tables.device
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "copy_stream": None}
+        # Only the extents that hold adapters travel (the tables leave the pool out); the rest is free space.
+        pool = self.tables.pool
+        used = [(start, pool[start : start + size].clone()) for start, size in self.allocator.used_extents()]
+        return {**self.__dict__, "copy_stream": None, "used_extents": used}
 
     def __setstate__(self, state: dict) -> None:
+        used = state.pop("used_extents")
         self.__dict__.update(state)
+        for start, contents in used:  # into the empty pool the tables made when they were unpickled
+            self.tables.pool[start : start + contents.numel()].copy_(contents)
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
     @property

@@ -4,21 +4,30 @@
   checked against the base model first, all adapters of a call before any change (all or nothing).
 - Residency (``acquire``): a batch's adapters are brought into their devices' pools on demand, evicting the least
   recently used adapters that nothing holds. A lease holds its adapters: held adapters are neither evicted nor
-  unloaded (an unload waits for the last holder), so a running call keeps its adapters as they were.
+  unloaded (an unload waits for the last holder), so a running call keeps its adapters as they were. A call whose
+  adapters do not fit beside what other leases hold waits for them to end (``capacity_wait_s``), unless it asked
+  not to block; one whose adapters could not fit even alone fails at once.
 - Host tier: chunks in pinned host memory within a budget; past it, re-read from the source when needed.
 - Off the critical path: reading a source runs on a background thread; the host-to-device copy runs on a side
   stream that the forward waits for on the device, never on the host.
 
 Every public method takes the store's lock, the one the model's forwards take, so threads see whole states.
+
+Copies (``copy.deepcopy``, pickle, ``torch.save``) carry what is in use: the bytes of the pools and of the host tier
+that hold adapters, not the memory set aside for more; the copy makes its own buffers. Leases stay with the
+original.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import numbers
 import os
 import threading
-from collections import OrderedDict
+import time
+import weakref
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -38,6 +47,10 @@ from .pool import ChunkLayout, DevicePool
 GPU_POOL_FRACTION = 0.2
 CPU_POOL_BYTES = 1 << 30
 HOST_POOL_BYTES = 16 << 30  # default host tier budget
+CAPACITY_WAIT_S = 60.0  # default time a call waits for the device room that other calls hold
+# A waiting call looks again this often for leases the garbage collector ended: a finalizer cannot wake it (it may
+# run inside a store method of the waiter's own lock-holding thread, where it must not touch the store).
+_COLLECTED_LEASE_POLL_S = 0.05
 
 
 class AdapterCapacityError(ValueError):
@@ -80,17 +93,24 @@ class _Undo:
 
 
 class AdapterLease:
-    """Holds adapters resident and registered until ``release()``; ``slots`` = their device slots (-1 = base)."""
+    """Holds adapters resident and registered until ``release()`` (or the end of its ``with`` block); ``slots`` =
+    their device slots (-1 = base).
+
+    A lease dropped without ``release()`` is released once it is garbage collected. Releasing twice, from several
+    threads, or by hand and by the collector, counts once.
+    """
 
     def __init__(self, store: "AdapterStore", adapters: list[Adapter], slots: list[int]) -> None:
         self._store = store
         self._adapters = adapters
         self.slots = slots
-        self._released = False
+        # The finalizer is the lease's one release: whoever detaches or runs it first (release(), on any thread, or
+        # the garbage collector) releases the adapters, and nobody after.
+        self._release_once = weakref.finalize(self, store._release_collected, adapters)
+        self._release_once.atexit = False  # the process is ending: nothing to give back
 
     def release(self) -> None:
-        if not self._released:
-            self._released = True
+        if self._release_once.detach() is not None:
             self._store._release(self._adapters)
 
     def __enter__(self) -> "AdapterLease":
@@ -105,7 +125,7 @@ class AdapterStore:
 
     def __init__(
         self, model: nn.Module, context: LoraContext, max_adapters: int, max_rank: int,
-        gpu_pool_bytes: int | None, host_pool_bytes: int | None,
+        gpu_pool_bytes: int | None, host_pool_bytes: int | None, capacity_wait_s: float = CAPACITY_WAIT_S,
     ) -> None:
         self.model = model
         self.context = context
@@ -114,6 +134,10 @@ class AdapterStore:
         self.gpu_pool_bytes = gpu_pool_bytes
         self.lock = threading.RLock()
         self.cache_generate_lock = threading.Lock()  # generate() calls that keep a cache on the model: one at a time
+        self.capacity_wait_s = capacity_wait_s
+        self.room_freed = threading.Condition(self.lock)  # notified when a lease ends or an adapter is unloaded
+        self._collected_leases: deque[list[Adapter]] = deque()  # adapters of leases the garbage collector ended
+        self.unwrapped = False  # set by unwrap(): the hooks are gone, and with them every use of the adapters
         self.host = HostTier(HOST_POOL_BYTES if host_pool_bytes is None else host_pool_bytes)
         self.pools: dict[torch.device, DevicePool] = {}
         self.hooks: dict[str, LoraHook] = {}
@@ -137,18 +161,28 @@ class AdapterStore:
     def __getstate__(self) -> dict:
         """For ``copy.deepcopy`` and pickle: no lock, thread or reads in flight; device copies finished."""
         with self.lock:
+            self._release_collected_leases()
             for pool in self.pools.values():
                 if pool.copy_stream is not None:
                     pool.copy_stream.synchronize()
             state = dict(self.__dict__)
-        del state["lock"], state["cache_generate_lock"], state["_reader"]
+        for unpicklable in ("lock", "cache_generate_lock", "room_freed", "_collected_leases", "_reader"):
+            del state[unpicklable]
         return state
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self.lock = threading.RLock()
         self.cache_generate_lock = threading.Lock()
+        self.room_freed = threading.Condition(self.lock)
+        self._collected_leases = deque()
         self._reader = None
+        # The original's leases do not hold the copy's adapters: what they held is free here, and what was unloaded
+        # under them is gone.
+        for adapter in list(self._by_index.values()):
+            adapter.users = 0
+            if adapter.unloaded:
+                self._drop(adapter)
 
     # ------------------------------------------------------------------------------------------ registration
     @property
@@ -164,6 +198,7 @@ class AdapterStore:
         heavy part) does not, so running forwards go on meanwhile.
         """
         with self.changing():
+            self.check_wrapped()
             for name in adapters:
                 self._check_new_name(name)
             modules = self._base_modules()
@@ -181,6 +216,7 @@ class AdapterStore:
                 for name, plan in planned.items():
                     host_copies[name] = self._host_chunks(plan[4], plan[3])
             with self.changing():
+                self.check_wrapped()  # unwrap() may have run meanwhile
                 for name in adapters:  # another thread may have taken a name meanwhile
                     self._check_new_name(name)
                 return self._register(planned, host_copies, undo)
@@ -217,7 +253,7 @@ class AdapterStore:
         used_modules = {m for a in self._by_index.values() for layout in a.layouts.values() for m in layout.modules}
         used_devices = {d for a in self._by_index.values() for d in a.layouts}
         for module_name in undo.hooks:
-            if module_name not in used_modules:
+            if module_name not in used_modules and module_name in self.hooks:  # unwrap() removes them all
                 self.hooks.pop(module_name).remove()
         for device in undo.pools:
             if device not in used_devices:
@@ -243,13 +279,18 @@ class AdapterStore:
 
     def remove(self, name: str) -> None:
         """Unregister ``name``; its memory is freed now, or when the last lease holding it ends."""
+        if not isinstance(name, str):  # a list would otherwise fail as an unhashable key
+            raise ValueError(f"unload_adapter takes one adapter name, got {name!r}")
         with self.changing():
+            self.check_wrapped()
             if name not in self._by_name:
                 raise KeyError(f"unknown adapter {name!r}; loaded adapters: {sorted(self._by_name)}")
+            self._release_collected_leases()
             adapter = self._by_name.pop(name)
             adapter.unloaded = True
             if adapter.users == 0:
                 self._drop(adapter)
+                self.room_freed.notify_all()
 
     def _drop(self, adapter: Adapter) -> None:
         if adapter.slot is not None:
@@ -277,28 +318,38 @@ class AdapterStore:
             raise KeyError(f"no adapter is loaded at index {index}; loaded adapters: {self.indices}")
         return found
 
-    def acquire(self, adapters: Sequence[str | int | None], block: bool = True) -> AdapterLease:
-        """Hold ``adapters`` resident and registered; the lease's ``slots`` has one slot per entry (-1 = base)."""
+    def acquire(
+        self, adapters: Sequence[str | int | None] | str, block: bool = True, timeout: float | None = None
+    ) -> AdapterLease:
+        """Hold ``adapters`` resident and registered; the lease's ``slots`` has one slot per entry (-1 = base).
+
+        Where other leases hold the room these adapters need, wait up to ``timeout`` seconds (default
+        ``capacity_wait_s``) for them to end; with ``block=False``, raise ``AdapterCapacityError`` at once instead
+        (and ``AdapterNotReady`` for an adapter whose source is still being read).
+        """
+        adapters = _adapter_list(adapters)
+        wait_s = self.capacity_wait_s if timeout is None else check_wait("timeout", timeout)
+        self.check_wrapped()  # before any read (and again under the lock)
         if block:
             self._read_cold(adapters)
+        deadline = time.monotonic() + wait_s
         with self.changing():
-            entries = [self.lookup(adapter) for adapter in adapters]
-            needed = list({id(a): a for a in entries if a is not None}.values())
-            if len(needed) > self.max_adapters:
-                raise AdapterCapacityError(
-                    f"this batch uses {len(needed)} different adapters but at most max_adapters="
-                    f"{self.max_adapters} fit on the device at once"
-                )
-            protected = {a.index for a in needed}
-            self._check_room(needed)
-            for adapter in needed:
-                if adapter.slot is not None:
-                    self.counters["hits"] += 1
-                elif not block and adapter.index not in self.host and adapter.prefetched is None:
-                    self._read_in_background(adapter)
-                    raise AdapterNotReady(f"adapter {adapter.name!r} is being read from {adapter.source}")
-                else:
-                    self._place(adapter, protected)
+            while True:
+                self.check_wrapped()
+                self._release_collected_leases()
+                entries = [self.lookup(adapter) for adapter in adapters]  # again after a wait: unloads meanwhile
+                needed = list({id(a): a for a in entries if a is not None}.values())
+                self._check_fits_alone(needed)
+                try:
+                    self._make_resident(needed, block)
+                    break
+                except AdapterCapacityError as error:
+                    if not block:
+                        raise
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise AdapterCapacityError(f"waited {wait_s:g} s for room on the device: {error}") from None
+                    self.room_freed.wait(min(left, _COLLECTED_LEASE_POLL_S))
             for adapter in needed:
                 self._resident.move_to_end(adapter.index)
                 adapter.users += 1
@@ -306,6 +357,37 @@ class AdapterStore:
                     torch.cuda.current_stream(device).wait_event(done)
                 adapter.copies_done = {}
             return AdapterLease(self, needed, [-1 if a is None else a.slot for a in entries])
+
+    def _make_resident(self, needed: list[Adapter], block: bool) -> None:
+        """Place the adapters of ``needed`` that are not resident, or raise ``AdapterCapacityError`` where the room
+        is held by other leases (some of them may be placed by then: resident, not held)."""
+        protected = {a.index for a in needed}
+        self._check_room(needed)
+        hits = sum(1 for adapter in needed if adapter.slot is not None)
+        for adapter in needed:
+            if adapter.slot is not None:
+                continue
+            if not block and adapter.index not in self.host and adapter.prefetched is None:
+                self._read_in_background(adapter)
+                raise AdapterNotReady(f"adapter {adapter.name!r} is being read from {adapter.source}")
+            self._place(adapter, protected)
+        self.counters["hits"] += hits  # counted once, by the attempt that succeeds
+
+    def _check_fits_alone(self, needed: list[Adapter]) -> None:
+        """Refuse adapters that could not all be resident at once even with nothing else held: no wait helps."""
+        if len(needed) > self.max_adapters:
+            raise AdapterCapacityError(
+                f"this batch uses {len(needed)} different adapters but at most max_adapters="
+                f"{self.max_adapters} fit on the device at once"
+            )
+        for device, pool in self.pools.items():
+            size = sum(a.layouts[device].size for a in needed if device in a.layouts)
+            if size > pool.allocator.capacity:
+                raise AdapterCapacityError(
+                    f"this batch's adapters need {size * pool.element_size / 2**20:.2f} MiB on {device} together but "
+                    f"the whole pool there is {pool.allocator.capacity * pool.element_size / 2**20:.2f} MiB "
+                    "(raise gpu_pool_bytes)"
+                )
 
     def _check_room(self, needed: list[Adapter]) -> None:
         """Refuse, before evicting anything, a batch whose adapters cannot all be resident beside what is held."""
@@ -344,14 +426,34 @@ class AdapterStore:
 
     def _release(self, adapters: Iterable[Adapter]) -> None:
         with self.changing():
-            for adapter in adapters:
-                adapter.users -= 1
-                if adapter.unloaded and adapter.users == 0:
-                    self._drop(adapter)
+            self._end_hold(adapters)
+            self._release_collected_leases()
 
-    def prefetch(self, adapters: Iterable[str | int]) -> None:
+    def _end_hold(self, adapters: Iterable[Adapter]) -> None:
+        """One lease's hold on ``adapters`` ends (under the lock); calls waiting for room look again."""
+        for adapter in adapters:
+            adapter.users -= 1
+            if adapter.unloaded and adapter.users == 0:
+                self._drop(adapter)
+        self.room_freed.notify_all()
+
+    def _release_collected(self, adapters: list[Adapter]) -> None:
+        """A lease's finalizer: the garbage collector may run it anywhere, even inside a store method of a thread
+        that holds the lock, so it only queues the adapters (``deque.append`` is atomic); the next store call that
+        looks at what is held ends their hold (``_release_collected_leases``)."""
+        self._collected_leases.append(adapters)
+
+    def _release_collected_leases(self) -> None:
+        """End the holds of leases the garbage collector ended (under the lock, between whole changes)."""
+        while self._collected_leases:
+            self._end_hold(self._collected_leases.popleft())
+
+    def prefetch(self, adapters: Iterable[str | int] | str) -> None:
         """Start bringing ``adapters`` onto their devices without waiting (read in the background if needed)."""
+        adapters = _adapter_list(adapters)
         with self.changing():
+            self.check_wrapped()
+            self._release_collected_leases()
             for adapter in [self.lookup(a) for a in adapters]:
                 if adapter is None or adapter.slot is not None:
                     continue
@@ -534,6 +636,9 @@ class AdapterStore:
                 raise ValueError(
                     f"adapter {name!r}: module {module_name} has rank {factors.rank} > max_rank={self.max_rank}"
                 )
+            dtype = lora_dtype(module, getattr(self.model, "dtype", torch.get_default_dtype()))
+            for factor_name in ("lora_a", "lora_b"):
+                _check_in_range(name, module_name, factor_name, getattr(factors, factor_name), dtype)
 
     def _check_sizes(self, name: str, layouts: dict[torch.device, ChunkLayout], device_bytes: int) -> None:
         for device, layout in layouts.items():
@@ -617,11 +722,20 @@ class AdapterStore:
                     adapter.prefetched.chunks = {moved[d]: c for d, c in adapter.prefetched.chunks.items()}
             self.host.rekey(moved)
 
-    def remove_hooks(self) -> None:
+    def unwrap(self) -> None:
+        """Remove every hook for good: from now on the store refuses every call that would use its adapters."""
         with self.lock:
+            self.unwrapped = True
             for hook in self.hooks.values():
                 hook.remove()
             self.hooks.clear()
+
+    def check_wrapped(self) -> None:
+        if self.unwrapped:
+            raise RuntimeError(
+                "this MultiLoraModel was unwrapped: unwrap() removed its LoRA hooks and gave the base model back, so "
+                "it serves no adapters any more; wrap the model again with MultiLoraModel(model) to use adapters"
+            )
 
     # ------------------------------------------------------------------------------------------ stats
     def stats(self) -> dict[str, int]:
@@ -635,6 +749,37 @@ class AdapterStore:
                 host_bytes_used=self.host.used,
                 host_bytes_budget=self.host.budget,
             )
+
+
+def _check_in_range(adapter: str, module: str, factor_name: str, factor: torch.Tensor, dtype: torch.dtype) -> None:
+    """Refuse a factor with values that ``dtype``, the one its LoRA runs in, cannot hold: copied into the pool they
+    would turn into inf (float16 holds at most 65504)."""
+    largest = torch.finfo(dtype).max
+    if factor.numel() == 0 or torch.finfo(factor.dtype).max <= largest:  # every finite value fits
+        return
+    low, high = torch.aminmax(factor)  # one pass, no temporary (abs() would make one)
+    peak = max(-low.item(), high.item())
+    if peak > largest:
+        raise ValueError(
+            f"adapter {adapter!r}: module {module} has values of magnitude up to {peak:.3g} in its {factor_name}, "
+            f"beyond the range of {dtype}, the dtype its LoRA runs in (at most {largest:.5g})"
+        )
+
+
+def check_wait(name: str, seconds: Any) -> float:
+    """``seconds`` to wait for device room, checked: a finite number >= 0 (0: do not wait)."""
+    if isinstance(seconds, bool) or not isinstance(seconds, numbers.Real) or not math.isfinite(seconds) or seconds < 0:
+        raise ValueError(f"{name} must be a number of seconds >= 0, got {seconds!r}")
+    return float(seconds)
+
+
+def _adapter_list(adapters: Any) -> list:
+    """A call's adapters as a list; a single name is one adapter (not the characters it iterates over)."""
+    if isinstance(adapters, str):
+        return [adapters]
+    if not isinstance(adapters, Iterable):
+        raise ValueError(f"expected an adapter name or a list of adapter names or indices, got {adapters!r}")
+    return list(adapters)
 
 
 def _servable(module: nn.Module, name: str) -> bool:

@@ -5,17 +5,18 @@
 # of the kernel adds to a step (every stage still launches the same grid). Each copy builds into its own cache.
 # Every run's rows go into one file, $OUT/fused_stages_h200.json.
 #
-#   OUT=$OUT bash benchmarks/fused_stages.sh        # from the repository root on a GPU machine (~1 min per call set)
+#   OUT=$OUT bash benchmarks/explore/fused_stages.sh     # on a GPU machine (~1 min per call set)
 #
 # Environment: CALL_SETS="all qkv o gate_up down"  the step's four calls together, then each kind alone (default:
 #              all); STEP_ARGS="--distinct 32,1"      more bench_step_lora.py arguments.
 # The copies' kernels compute nothing useful past their return: timing only. A stage whose marker line is not
 # found in csrc/lora_fused.cu stops the script (the kernel changed: update the markers).
 set -euo pipefail
-OUT=${OUT:-/tmp/punica_out}
+OUT=$(realpath -m "${OUT:-/tmp/punica_out}")
 CALL_SETS=${CALL_SETS:-all}
 work=$(mktemp -d)
-repo=$PWD
+repo=$(cd "$(dirname "$0")/../.." && pwd)   # this script lives in benchmarks/explore/
+cd "$repo"                                  # the copies below take punica_hf/ and csrc/ from the repository root
 kernel=csrc/lora_fused.cu
 declare -A stages=(
     [entry]='s|^  const cg::cluster_group cluster = cg::this_cluster();$|&\n  if (num_slots >= 0) return;|'

@@ -5,19 +5,23 @@ tokens, 32 distinct rank-16 adapters). Each system runs one untimed call, two ca
 that timestamps every token push) and one call without a streamer, as bench_generate.py times it. Prints one line
 per call; a step median far below (total / steps) points at a cost outside the decode steps.
 
-    python benchmarks/generate_timeline.py          # on a GPU, ~1 minute
+    PYTHONPATH=. python benchmarks/explore/generate_timeline.py          # on a GPU, ~1 minute
 """
 
 from __future__ import annotations
 
 import gc
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
-from bench_generate import StepClock, build_llama, llama_config, pool_bytes_for, random_adapter
 
-from punica_hf import MultiLoraModel
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for bench_generate's helpers
+from bench_generate import StepClock, build_llama, llama_config, pool_bytes_for, random_adapter  # noqa: E402
+
+from punica_hf import MultiLoraModel  # noqa: E402
 
 
 def timeline(name: str, generate, kwargs: dict) -> None:

@@ -19,7 +19,7 @@ forked before the GEMMs that read the same input and joined before their output 
 the LoRA kernels beside the base GEMMs would save; its joins add each update with one more elementwise kernel, 128
 in all, which "base + 128 plain kernels" prices).
 
-    python benchmarks/bench_graph_launch.py --output benchmarks/results/bench_graph_launch_h200.json
+    PYTHONPATH=. python benchmarks/explore/bench_graph_launch.py --output benchmarks/results/bench_graph_launch_h200.json
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 from unittest import mock
@@ -35,9 +36,11 @@ from unittest import mock
 import torch
 import torch.nn.functional as F
 
-from punica_hf.ops import cuda as cuda_ops
-from punica_hf.ops import torch_ops
-from punica_hf.ops.segments import build_segments
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for the shared helpers
+from cuda_graph import capture  # noqa: E402
+from punica_hf.ops import cuda as cuda_ops  # noqa: E402
+from punica_hf.ops import torch_ops  # noqa: E402
+from punica_hf.ops.segments import build_segments  # noqa: E402
 
 LAYERS, TOKENS, HIDDEN, KV, INTERMEDIATE, RANK = 32, 32, 4096, 1024, 14336, 16
 # Environment of each LoRA variant (the switches the binding reads at every call, so at capture).
@@ -134,19 +137,6 @@ class Step:
     def _add(self, y: torch.Tensor, h: torch.Tensor, name: str) -> None:
         a, b, ranks, _ = self.tables[name]
         cuda_ops.lora_add_unchecked(y, h, self.pool, a[0], b[0], ranks[0], self.segments, RANK)
-
-
-def capture(fn) -> torch.cuda.CUDAGraph:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph
 
 
 def measure(graph: torch.cuda.CUDAGraph, reps: int) -> dict:

@@ -5,11 +5,11 @@ in-place ``lora_add``. Three calls of each named call; profile the third, e.g.
 
     for call in qkv o gate_up down; do
         ncu --clock-control none --kernel-name regex:fused_chunk --launch-skip 2 --launch-count 1 --set full \\
-            python3 benchmarks/ncu_step_calls.py $call > ncu_$call.txt
+            python3 benchmarks/explore/ncu_step_calls.py $call > ncu_$call.txt
     done
 
-(results/ncu/ holds the run of 2026-12-03 16:30 UTC, kernels before Bt was read from L2 for wide outputs, made by an
-earlier copy of this script that also printed event timings: under ncu those mean nothing.)
+(benchmarks/results/ncu/ holds the run of 2026-12-03 16:30 UTC, kernels before Bt was read from L2 for wide outputs,
+made by an earlier copy of this script that also printed event timings: under ncu those mean nothing.)
 """
 
 from __future__ import annotations

@@ -1,0 +1,134 @@
+"""The engine's attention: transformers' paged KV cache read in place by ``ops.paged_attention``.
+
+Without flash-attn, transformers' paged paths (``paged|sdpa``, ``paged|eager``) copy every running request's keys
+and values out of the cache at every layer of every step, attend with a ``[T, T + cache]`` mask built on the host,
+and leave CUDA graphs off (5.17: 35 ms decode steps at 32 requests, 86 ms at 128 on an H200, where the compiled
+static-cache step takes 10-12 ms). This path writes the step's new keys and values into the cache and attends
+through the step's slot lists: no copy, no mask, graphable.
+
+It is registered with transformers' ``AttentionInterface`` and chosen by setting the model config's attention
+implementation. transformers (5.17-5.24) decides "no 4D mask, CUDA graphs on" from the substring ``flash`` in
+that name, hence ``punica_flash``; its flash-only decode fast path (block tables) stays off, since the name names
+no flash-attn version. 5.17 looks paged implementations up as ``paged|<name>``; later versions drop the prefix
+(and warn about it). When flash-attn is installed the engine leaves the choice to transformers; models with
+sliding-window layers keep transformers' own paged sdpa path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import AttentionInterface
+from transformers.utils import is_flash_attn_2_available, is_flash_attn_3_available
+
+from .. import ops
+from ..ops import attention as ops_attention
+
+# transformers that still registers "paged|sdpa" (5.17) wants the "paged|" prefix on paged implementations
+_PREFIX = "paged|" if "paged|sdpa" in AttentionInterface._global_mapping else ""
+NAME = _PREFIX + "punica_flash"
+SDPA = _PREFIX + "sdpa"
+
+
+@dataclass(frozen=True)
+class AttentionChoice:
+    implementation: str  # the config's attention implementation while the engine runs; None: transformers picks
+    path: str  # in words, for logs and metrics
+    reason: str
+
+
+def choose(hf_model) -> AttentionChoice:
+    """The attention path the engine runs ``hf_model`` with."""
+    if _flash_attn_installed():
+        return AttentionChoice(None, "flash-attn (transformers)", "flash-attn is installed")
+    windows = _sliding_windows(hf_model)
+    if windows:
+        return AttentionChoice(SDPA, "transformers paged sdpa", f"the model has sliding-window layers {windows}")
+    if hf_model.device.type != "cuda":  # the PyTorch reference: no graphs on the CPU anyway
+        return AttentionChoice(NAME, "punica_hf paged attention (PyTorch ops)", "the model is on the CPU")
+    text_config = hf_model.config.get_text_config()
+    head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
+    if hf_model.dtype not in ops_attention.CUDA_DTYPES or head_dim not in ops_attention.CUDA_HEAD_DIMS:
+        # the reference would sync inside every step: no CUDA graphs
+        return AttentionChoice(SDPA, "transformers paged sdpa", f"the kernel takes float16 / bfloat16 and head sizes "
+                               f"{ops_attention.CUDA_HEAD_DIMS}, not {hf_model.dtype} and {head_dim}")
+    return AttentionChoice(NAME, "punica_hf paged kernel", "flash-attn is not installed")
+
+
+def install(hf_model, implementation: str) -> list[tuple[object, str | None]]:
+    """Point every config of ``hf_model`` at ``implementation``; returns what ``restore`` puts back.
+
+    The configs are set directly: ``set_attn_implementation`` would try to import flash-attn for any name that
+    contains ``flash``. Models read the name at every forward, so this takes effect at the next step.
+    """
+    AttentionInterface.register("punica_flash", paged_attention_forward)
+    AttentionInterface.register("paged|punica_flash", paged_attention_forward)
+    saved = []
+    for config in _configs(hf_model):
+        saved.append((config, config._attn_implementation))
+        config._attn_implementation = implementation
+    return saved
+
+
+def restore(saved: list[tuple[object, str | None]]) -> None:
+    for config, implementation in saved:
+        config._attn_implementation = implementation
+
+
+def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                            attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                            **kwargs) -> tuple[torch.Tensor, None]:
+    """Attention of one layer over transformers' paged cache, called by the model's attention modules.
+
+    ``query`` ``[1, Hq, T, D]``: the step's ``T`` packed tokens (padding included); ``cu_seq_lens_q`` /
+    ``cu_seq_lens_k`` ``[B + 1]`` in ``kwargs`` delimit each sequence's queries and keys. transformers 5.17 hands
+    the attention function the new ``key`` / ``value`` ``[1, Hkv, T, D]`` with the ``cache`` and the step's slot
+    lists (``write_index``: the new tokens' slots, ``read_index``: every sequence's key slots in order, both per
+    attention group); this writes the new tokens and reads the keys where they lie. Later versions update the cache
+    in the model and pass each sequence's keys gathered, ``[1, Hkv, Tk, D]``. Returns ``[1, T, Hq, D]``.
+    """
+    cache = kwargs.get("cache")
+    if cache is not None:
+        group, key_cache, value_cache = _layer_cache(cache, module.layer_idx)
+        write_index = kwargs["write_index"][group]
+        read_index = kwargs["read_index"][group]
+        key_cache.index_copy_(0, write_index, key[0].transpose(0, 1))
+        value_cache.index_copy_(0, write_index, value[0].transpose(0, 1))
+        # No cached keys (prefills only): the keys are the new tokens, in the slots just written, cu_k == cu_q.
+        key_slots = read_index if read_index.numel() else write_index
+    else:
+        key_cache, value_cache = key[0].transpose(0, 1).contiguous(), value[0].transpose(0, 1).contiguous()
+        key_slots = torch.arange(key_cache.shape[0], device=key_cache.device)
+    cu_seq_lens_k = kwargs["cu_seq_lens_k"]
+    if isinstance(cu_seq_lens_k, dict):  # one entry per layer type
+        cu_seq_lens_k = cu_seq_lens_k["full_attention"]
+    output = ops.paged_attention(
+        query[0].transpose(0, 1).contiguous(), key_cache, value_cache, key_slots,
+        kwargs["cu_seq_lens_q"].to(torch.int32), cu_seq_lens_k.to(torch.int32),
+        module.scaling if scaling is None else scaling,
+    )
+    return output.unsqueeze(0), None
+
+
+def _layer_cache(cache, layer_idx: int) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """(attention group, keys ``[N, Hkv, D]``, values ``[N, Hkv, D]``) of one layer in a 5.17 cache, by slot."""
+    group, index_in_group = cache.layer_index_to_group_indices[layer_idx]
+    return group, cache.key_cache[index_in_group], cache.value_cache[index_in_group]
+
+
+def _configs(hf_model) -> list:
+    configs = [hf_model.config]
+    text_config = hf_model.config.get_text_config()
+    if text_config is not hf_model.config:
+        configs.append(text_config)
+    return configs
+
+
+def _sliding_windows(hf_model) -> list[int]:
+    layer_types = getattr(hf_model.config.get_text_config(), "layer_types", None) or []
+    return sorted({i for i, kind in enumerate(layer_types) if kind != "full_attention"})
+
+
+def _flash_attn_installed() -> bool:
+    return is_flash_attn_2_available() or is_flash_attn_3_available()

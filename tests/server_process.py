@@ -1,0 +1,82 @@
+"""``punica-hf serve`` as a real server process on a free port, for the server tests (``from server_process import
+Server``)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+STARTUP_TIMEOUT_SECONDS = 120
+
+
+class Server:
+    """A ``punica-hf serve`` process; ``url`` ends with ``/v1``."""
+
+    def __init__(self, args: list[str], log_path: Path) -> None:
+        self.port = free_port()
+        self.log_path = log_path
+        self.log = open(log_path, "w")
+        command = [sys.executable, "-m", "punica_hf", "serve", *args, "--port", str(self.port), "--device", "cpu"]
+        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, env=child_env())
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.url = f"{self.base}/v1"
+        deadline = time.monotonic() + STARTUP_TIMEOUT_SECONDS
+        while True:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the server exited: {log_path.read_text()}")
+            try:
+                if httpx.get(f"{self.base}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the server did not start: {log_path.read_text()}")
+            time.sleep(0.2)
+
+    def metrics(self, headers: dict | None = None) -> dict[str, float]:
+        """Every sample of ``/metrics``: ``name{label="value"}`` (or ``name``) -> value."""
+        text = httpx.get(f"{self.base}/metrics", headers=headers or {}).raise_for_status().text
+        samples = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+                samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+        return samples
+
+    def log_text(self) -> str:
+        """What the server has logged so far (stdout and stderr)."""
+        self.log.flush()
+        return self.log_path.read_text()
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+        self.log.close()
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def child_env() -> dict[str, str]:
+    """The test's environment, with this checkout first on the path (the tests may run from another folder)."""
+    root = str(Path(__file__).absolute().parents[1])
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+
+
+def wait_until(condition, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError("condition not met in time")
+        time.sleep(0.05)
