@@ -424,29 +424,33 @@ def test_cuda_graph_replays_follow_each_steps_adapters(tiny_adapters, tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_the_paged_attention_kernel_serves_what_generate_gives(tmp_path):
-    """A bf16 model with 64-wide heads runs on punica_hf's paged attention kernel inside CUDA graphs: prefills,
-    decodes and mixed steps of requests with different adapters and lengths give ``generate()``'s tokens. The
-    output layer is scaled up so that bf16 rounding (the two paths attend with different kernels) cannot flip an
-    argmax."""
+    """A bf16 model with 64-wide heads runs on punica_hf's paged attention kernel inside CUDA graphs: prefills
+    (chunked), decodes and mixed steps of requests with different adapters and lengths. The two paths attend with
+    different kernels, so bf16 rounding may flip a near tie: every token the engine picks must be the greedy
+    choice of the model's own forward over the same tokens, up to a rounding margin of the scores' spread."""
     from punica_hf.serving import attention
 
     base = tiny_llama(seed=3, hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
                       intermediate_size=512, max_position_embeddings=512)
     base.generation_config.eos_token_id = None
-    with torch.no_grad():
-        base.lm_head.weight.mul_(40)
     adapters = {name: save_peft_adapter(base, tmp_path / name, seed=i, r=8, lora_alpha=16,
                                         target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "down_proj"])
                 for i, name in enumerate(["a", "b"])}
     model = MultiLoraModel(base.to("cuda", torch.bfloat16), max_adapters=2)
     model.load_adapters(adapters)
     plan = [(adapter, tiny_prompt(120 + i, 2 + 37 * i), 12 + 3 * i) for i, adapter in enumerate(["a", None, "b"] * 3)]
-    expected = [reference_tokens(model, prompt, adapter, n) for adapter, prompt, n in plan]
     config = EngineConfig(max_running=8, max_batch_tokens=256, kv_blocks=64)
     with Engine(model, config=config) as engine:
         assert engine.attention.implementation == attention.NAME
         handles = [engine.submit(prompt, adapter, SamplingParams(max_new_tokens=n)) for adapter, prompt, n in plan]
         completions = [handle.result(timeout=120) for handle in handles]
-        graphs = engine._processor.model_runner.pad_inputs  # the steps ran padded for their graphs
-    assert graphs
-    assert [list(c.token_ids) for c in completions] == expected
+        assert engine._processor.model_runner.pad_inputs  # the steps ran padded, replayed from graphs
+    for (adapter, prompt, n), completion in zip(plan, completions):
+        tokens = list(completion.token_ids)
+        assert len(tokens) == n
+        with torch.no_grad():
+            scores = model(torch.tensor([prompt + tokens], device="cuda"), adapter_ids=[adapter]).logits[0].float()
+        scores = scores[len(prompt) - 1 : -1]  # [n, V]: the scores each engine token was chosen from
+        chosen = scores.gather(1, torch.tensor(tokens, device="cuda")[:, None])[:, 0]
+        margin = scores.max(dim=1).values - chosen
+        assert (margin <= 0.05 * scores.std(dim=1)).all(), (adapter, len(prompt), margin.tolist())
