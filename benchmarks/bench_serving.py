@@ -22,7 +22,7 @@ fractions of the saturation rate of the first adapter system. Throughput = gener
 arrival); TTFT = first token - arrival; TPOT = mean gap between a request's later tokens. Writes JSON (and the
 throughput / p99-latency vs offered load picture, ``serving_plot.py``) under benchmarks/results/.
 
-    python benchmarks/bench_serving.py            # H200: about 4 minutes
+    python benchmarks/bench_serving.py            # H200: about 12 minutes (longer than one device call)
     python benchmarks/bench_serving.py --tiny     # CPU smoke test on a tiny model
 """
 
@@ -244,9 +244,10 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=16, help="LoRA rank of every adapter")
     parser.add_argument("--max-adapters", type=int, help="GPU adapter slots (default: 128; 8 with --tiny)")
     parser.add_argument("--max-running", type=int, help="requests per batch at most (default: 128; 8 with --tiny)")
-    parser.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=[0.25, 0.5, 0.8],
+    parser.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",") if x], default=[0.25, 0.5, 0.8],
                         help="Poisson arrival rates as fractions of the first adapter system's saturation rate")
-    parser.add_argument("--static-requests", type=int, help="requests timed with static generate() (default: 64)")
+    parser.add_argument("--static-requests", type=int,
+                        help="requests timed with static generate() (default: 64; 0: no static generate())")
     parser.add_argument("--static-batch", type=int, default=32, help="rows per static generate() batch")
     parser.add_argument("--compiled-batches", type=lambda s: [int(x) for x in s.split(",") if x], default=[32, 128],
                         help="batch sizes of the compiled static-cache generate() step (empty: none)")
@@ -262,7 +263,8 @@ def main() -> None:
     args.adapters = args.adapters or ([4, 8] if tiny else [32, 256])
     args.max_adapters = args.max_adapters or (8 if tiny else 128)
     args.max_running = args.max_running or (8 if tiny else 128)
-    args.static_requests = min(args.static_requests or (16 if tiny else 64), args.requests)
+    default_static = 16 if tiny else 64
+    args.static_requests = min(default_static if args.static_requests is None else args.static_requests, args.requests)
     args.static_batch = min(args.static_batch, 8) if tiny else args.static_batch
     args.output = args.output or RESULTS / ("bench_serving_tiny.json" if tiny else "bench_serving.json")
 
@@ -276,9 +278,11 @@ def main() -> None:
           f"{sum(r.new_tokens for r in requests)} output tokens", flush=True)
 
     # static generate() first: the engine may switch the model's attention implementation while it runs
-    run_static(model, static_requests[:args.static_batch][:4], first_set, args.static_batch, config.pad_token_id)
-    static = run_static(model, static_requests, first_set, args.static_batch, config.pad_token_id)
-    print(f"static generate(): {static['tokens_per_second']:.0f} tokens/s", flush=True)
+    static = {}
+    if static_requests:
+        run_static(model, static_requests[:args.static_batch][:4], first_set, args.static_batch, config.pad_token_id)
+        static = run_static(model, static_requests, first_set, args.static_batch, config.pad_token_id)
+        print(f"static generate(): {static['tokens_per_second']:.0f} tokens/s", flush=True)
     median_prompt = sorted(len(r.prompt) for r in requests)[len(requests) // 2]
     compiled_steps = {} if tiny else compiled_generate_steps(
         model, step_timer, first_set, args.compiled_batches, median_prompt, 32, config.vocab_size)
@@ -301,6 +305,7 @@ def main() -> None:
             "engine_steps": {name: {"decode_by_batch": decode_steps_by_batch(records), "mixed": mixed_steps(records)}
                              for name, records in step_records.items()},
             "transformers_continuous_batching": transformers_cb,
+            "engine_cuda_graphs": graphs,
             "wall_seconds": time.perf_counter() - setup_start,
             **more,
         }
@@ -309,6 +314,7 @@ def main() -> None:
         return report
 
     step_records: dict[str, list[StepRecord]] = {}
+    graphs: dict[str, int] = {}  # CUDA graphs of the engine after its start and at the end
     transformers_cb: dict = {}
     engine = Engine(model, config=engine_config)
     started = time.perf_counter()
@@ -317,7 +323,9 @@ def main() -> None:
               flush=True)
         recording: list[StepRecord] = []
         engine.add_step_listener(recording.append)
-        run_engine(engine, requests[:8], first_set, None, args.seed)  # warm-up: graph captures, first loads
+        graphs["at_start"] = engine.stats().cuda_graphs
+        print(f"{graphs['at_start']} CUDA graphs captured at start", flush=True)
+        run_engine(engine, requests[:8], first_set, None, args.seed)  # warm-up: first loads (and any capture)
         for name, adapters in systems.items():
             recording.clear()
             results[name]["saturation"] = run_engine(engine, requests, adapters, None, args.seed)
@@ -328,7 +336,8 @@ def main() -> None:
                   + ", ".join(f"{b}: {v['median_ms']:.1f}" for b, v in steps.items() if b % 16 == 0 or b == max(steps)),
                   flush=True)
             write()
-        results["engine, static subset"] = run_engine(engine, static_requests, first_set, None, args.seed)
+        if static_requests:
+            results["engine, static subset"] = run_engine(engine, static_requests, first_set, None, args.seed)
         saturation_rate = results[f"engine, {min(adapter_sets)} adapters"]["saturation"]["requests_per_second"]
         for fraction in args.rates:
             for name, adapters in systems.items():
@@ -339,6 +348,7 @@ def main() -> None:
                       f"TTFT p99 {run['ttft_p99']:.3f} s, TPOT p99 {run['tpot_p99'] * 1e3:.1f} ms", flush=True)
                 write()
         adapter_stats = model.adapter_stats
+        graphs["at_end"] = engine.stats().cuda_graphs
     del engine
     if not args.no_transformers_cb:
         if not tiny:
@@ -348,15 +358,17 @@ def main() -> None:
               f"tokens/s", flush=True)
 
     first_name = f"engine, {min(adapter_sets)} adapters"
-    half = min(results[first_name]["runs"], key=lambda run: abs(run["fraction_of_saturation"] - 0.5))
     targets = {
         "adapters_vs_base_at_saturation": results[first_name]["saturation"]["tokens_per_second"]
         / results["engine, base model"]["saturation"]["tokens_per_second"],
-        "engine_vs_static_generate": results["engine, static subset"]["tokens_per_second"]
-        / static["tokens_per_second"],
-        "ttft_p99_at_half_saturation_seconds": half["ttft_p99"],
         "ttft_p50_at_saturation_seconds": results[first_name]["saturation"]["ttft_p50"],
     }
+    if results[first_name]["runs"]:
+        half = min(results[first_name]["runs"], key=lambda run: abs(run["fraction_of_saturation"] - 0.5))
+        targets["ttft_p99_at_half_saturation_seconds"] = half["ttft_p99"]
+    if static:
+        targets["engine_vs_static_generate"] = (results["engine, static subset"]["tokens_per_second"]
+                                                / static["tokens_per_second"])
     if transformers_cb:
         targets["adapters_vs_transformers_cb_base"] = (results[first_name]["saturation"]["tokens_per_second"]
                                                        / transformers_cb["tokens_per_second"])

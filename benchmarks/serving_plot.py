@@ -31,8 +31,10 @@ def plot(json_path: Path) -> Path:
             (line,) = ax.plot(rates, [run[key] * scale for run in system["runs"]], marker="o", label=name)
             if key == "tokens_per_second":  # every request at once: the saturation throughput
                 ax.axhline(system["saturation"][key], color=line.get_color(), linestyle=":", linewidth=1)
-    axes[0].axhline(report["static_generate"]["tokens_per_second"], color="black", linestyle="--",
-                    label="static generate() (offline)")
+    for key, style, label in (("static_generate", "--", "static generate() (offline)"),
+                              ("transformers_continuous_batching", "-.", "transformers CB, base, defaults (offline)")):
+        if report.get(key):
+            axes[0].axhline(report[key]["tokens_per_second"], color="black", linestyle=style, label=label)
     for ax, (_, label, _) in zip(axes, PANELS):
         ax.set_xlabel("offered load (requests/s)")
         ax.set_ylabel(label)

@@ -1,5 +1,6 @@
 // Entry point of the C interface: picks the path from static shapes only (never from tensor values, so the
-// choice needs no host-device sync and is fixed for a captured graph or a compiled function).
+// choice needs no host-device sync and is fixed for a captured graph or a compiled function). Where the caller
+// split the positions by run length, a tiled call runs both paths, each on its own positions.
 #include "kernel_common.cuh"
 
 namespace {
@@ -14,11 +15,35 @@ bool use_tiled(const PunicaLoraProblem& p) {
          p.max_rank <= kTiledMaxRank;
 }
 
+bool split_by_runs(const PunicaLoraProblem& p) { return p.long_run_slots != nullptr && p.short_run_slots != nullptr; }
+
+// The two halves of a split tiled call: each the same problem over its own positions.
+PunicaLoraProblem long_runs(const PunicaLoraProblem& p) {
+  PunicaLoraProblem part = p;
+  part.sorted_slots = p.long_run_slots;
+  return part;
+}
+PunicaLoraProblem short_runs(const PunicaLoraProblem& p) {
+  PunicaLoraProblem part = p;
+  part.sorted_slots = p.short_run_slots;
+  return part;
+}
+
+size_t per_token_workspace_floats(const PunicaLoraProblem& p) {
+  return punica_fused_fits(p) ? 0 : punica_per_token_workspace_floats(p);
+}
+
+cudaError_t per_token_launch(const PunicaLoraProblem& p, float* workspace, cudaStream_t stream) {
+  return punica_fused_fits(p) ? punica_fused_launch(p, stream) : punica_per_token_launch(p, workspace, stream);
+}
+
 }  // namespace
 
 extern "C" size_t punica_lora_workspace_floats(const PunicaLoraProblem* problem) {
-  if (use_tiled(*problem)) return punica_tiled_workspace_floats(*problem);
-  return punica_fused_fits(*problem) ? 0 : punica_per_token_workspace_floats(*problem);
+  const PunicaLoraProblem& p = *problem;
+  if (!use_tiled(p)) return per_token_workspace_floats(p);
+  if (!split_by_runs(p)) return punica_tiled_workspace_floats(p);
+  return punica_tiled_workspace_floats(long_runs(p)) + per_token_workspace_floats(short_runs(p));
 }
 
 extern "C" cudaError_t punica_lora_add(const PunicaLoraProblem* problem, float* workspace, cudaStream_t stream) {
@@ -28,6 +53,11 @@ extern "C" cudaError_t punica_lora_add(const PunicaLoraProblem* problem, float* 
     const size_t bytes = static_cast<size_t>(p.num_tokens) * p.hidden_out * (p.dtype == PUNICA_FLOAT32 ? 4 : 2);
     return p.accumulate ? cudaSuccess : cudaMemsetAsync(p.y, 0, bytes, stream);
   }
-  if (use_tiled(p)) return punica_tiled_launch(p, workspace, stream);
-  return punica_fused_fits(p) ? punica_fused_launch(p, stream) : punica_per_token_launch(p, workspace, stream);
+  if (!use_tiled(p)) return per_token_launch(p, workspace, stream);
+  if (!split_by_runs(p)) return punica_tiled_launch(p, workspace, stream);
+  const PunicaLoraProblem tiled = long_runs(p);
+  const cudaError_t err = punica_tiled_launch(tiled, workspace, stream);
+  if (err != cudaSuccess) return err;
+  // Disjoint rows of y, one launch after the other: the per-token kernels start once the tiled ones are done.
+  return per_token_launch(short_runs(p), workspace + punica_tiled_workspace_floats(tiled), stream);
 }

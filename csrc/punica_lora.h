@@ -36,6 +36,11 @@ typedef struct {
   const int32_t* lora_ranks;        // [G, S], rank of each slot in this layer (0 = skip the slot), <= max_rank
   const int32_t* sorted_token_ids;  // [T], token ids grouped by slot in increasing slot order, no-adapter tokens last
   const int32_t* sorted_slots;      // [T], slot of each sorted position (of token sorted_token_ids[p]), -1 = none
+  // Optional (null: the tiled path serves every position): sorted_slots split in two by the caller, for calls on
+  // the tiled path. The tiled kernels serve long_run_slots (slots with many tokens), the per-token kernels
+  // short_run_slots (the others), -1 elsewhere in each: a tiled block would make one pass per short run.
+  const int32_t* long_run_slots;    // [T]
+  const int32_t* short_run_slots;   // [T]
   int num_tokens, hidden_in, hidden_out, max_rank, num_slots;
   int num_outputs;                                // G, 1..PUNICA_MAX_OUTPUTS; above 1 only on the per-token path
   int accumulate;  // 1: y += updates; 0 (per-token path only): y = updates, zero where a token has none

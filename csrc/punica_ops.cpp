@@ -184,18 +184,26 @@ void run(const PunicaLoraProblem& problem, const at::Tensor& y) {
 // y [..., H_out] += per-token LoRA of x [..., H_in] (T tokens in the leading dimensions); tables [S].
 // segment_starts / segment_slots belong to the op's schema (the PyTorch reference loops over them); the kernels
 // find the adapter runs from sorted_token_ids and sorted_slots directly and only check their shapes.
+// long_run_slots / short_run_slots [T] split the positions between the tiled and per-token kernels where the
+// tiled path runs (PUNICA_HF_SHORT_RUNS=0: the tiled kernels serve every position, as before the split).
 void lora_add(at::Tensor y, const at::Tensor& x, const at::Tensor& pool, const at::Tensor& a_offsets,
               const at::Tensor& b_offsets, const at::Tensor& lora_ranks, const at::Tensor& sorted_token_ids,
               const at::Tensor& sorted_slots, const at::Tensor& segment_starts, const at::Tensor& segment_slots,
-              int64_t max_rank) {
+              const at::Tensor& long_run_slots, const at::Tensor& short_run_slots, int64_t max_rank) {
   TORCH_CHECK_VALUE(y.dim() >= 2 && lora_ranks.dim() == 1 && segment_slots.dim() == 1,
                     "punica_hf::lora_add: expected y [..., H_out] and lora_ranks, segment_slots 1-D");
   const int64_t hidden_out = y.size(-1), num_segments = segment_slots.size(0);
-  const PunicaLoraProblem problem =
+  PunicaLoraProblem problem =
       make_problem(kAdd, y, x, pool, a_offsets, b_offsets, lora_ranks, sorted_token_ids, sorted_slots, {hidden_out},
                    max_rank);
   check_table(kAdd, segment_slots, "segment_slots", at::kInt, {num_segments}, y);
   check_table(kAdd, segment_starts, "segment_starts", at::kInt, {num_segments + 1}, y);
+  check_table(kAdd, long_run_slots, "long_run_slots", at::kInt, {problem.num_tokens}, y);
+  check_table(kAdd, short_run_slots, "short_run_slots", at::kInt, {problem.num_tokens}, y);
+  if (enabled("PUNICA_HF_SHORT_RUNS")) {
+    problem.long_run_slots = long_run_slots.data_ptr<int32_t>();
+    problem.short_run_slots = short_run_slots.data_ptr<int32_t>();
+  }
   const c10::cuda::CUDAGuard device_guard(y.device());
   run(problem, y);
 }
@@ -322,7 +330,8 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
 TORCH_LIBRARY(punica_hf, m) {
   m.def(
       "lora_add(Tensor(a!) y, Tensor x, Tensor pool, Tensor a_offsets, Tensor b_offsets, Tensor lora_ranks, "
-      "Tensor sorted_token_ids, Tensor sorted_slots, Tensor segment_starts, Tensor segment_slots, int max_rank) -> ()");
+      "Tensor sorted_token_ids, Tensor sorted_slots, Tensor segment_starts, Tensor segment_slots, "
+      "Tensor long_run_slots, Tensor short_run_slots, int max_rank) -> ()");
   m.def(
       "lora_delta(Tensor x, Tensor pool, Tensor a_offsets, Tensor b_offsets, Tensor lora_ranks, "
       "Tensor sorted_token_ids, Tensor sorted_slots, int[] out_features, int max_rank) -> Tensor");

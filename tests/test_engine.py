@@ -126,6 +126,47 @@ def test_requests_join_and_leave_a_running_batch_with_outputs_unchanged(tiny_mod
     assert any(c.finished_at < long_request.token_times[-2] for c in short_requests)  # left before it ended
 
 
+def test_key_slots_built_on_the_device_are_transformers_own(tiny_model, monkeypatch):
+    """The engine builds each step's key slots from the requests' pages; they must equal the slot lists
+    transformers builds itself (chunked prefills, decodes, requests of several pages, joining and leaving)."""
+    from punica_hf.serving.engine import _AdapterSlotIOs, _page_size
+
+    checked = []
+    prepare = _AdapterSlotIOs.prepare_batch_tensors
+
+    def checking_prepare(io, requests_in_batch, *args, **kwargs):
+        groups = len(io._page_groups)
+        expected_reads, writes = [[] for _ in range(groups)], [[] for _ in range(groups)]
+        for future_state in requests_in_batch:
+            state = future_state.state
+            io.cache.extend_read_and_write_indices(state.request_id, state.position_offset,
+                                                   future_state.query_length, expected_reads, writes)
+        prepare(io, requests_in_batch, *args, **kwargs)
+        if io.max_kv_read:  # steps with cached keys (prefill-only steps read the keys they write)
+            built = [io.read_index_storage[g, : io.true_read_sizes[g]].tolist() for g in range(groups)]
+            assert built == expected_reads
+            checked.append((len(requests_in_batch), sum(len(r) for r in expected_reads)))
+
+    monkeypatch.setattr(_AdapterSlotIOs, "prepare_batch_tensors", checking_prepare)
+    cb_config = Engine._cb_config
+
+    def small_pages(engine, device):  # requests of several pages
+        config = cb_config(engine, device)
+        setattr(config, "page_size" if hasattr(config, "page_size") else "block_size", 16)
+        return config
+
+    monkeypatch.setattr(Engine, "_cb_config", small_pages)
+    plan = [(adapter, tiny_prompt(40 + i, 3 + 23 * i), 9 + 5 * i) for i, adapter in enumerate(["a", None, "b", "c"] * 2)]
+    expected = [reference_tokens(tiny_model, prompt, adapter, n) for adapter, prompt, n in plan]
+    config = EngineConfig(max_running=6, max_batch_tokens=64, kv_blocks=64)
+    with Engine(tiny_model, config=config) as engine:
+        page = _page_size(engine._processor.cb_config)
+        handles = [engine.submit(prompt, adapter, SamplingParams(max_new_tokens=n)) for adapter, prompt, n in plan]
+        completions = [handle.result(timeout=60) for handle in handles]
+    assert [list(c.token_ids) for c in completions] == expected
+    assert page == 16 and max(requests for requests, _ in checked) == 6 and max(keys for _, keys in checked) > 30 * page
+
+
 def test_streamed_pieces_add_up_to_the_completion(demo_model):
     model, answers = demo_model
     with Engine(model, DemoTokenizer()) as engine:

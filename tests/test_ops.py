@@ -43,6 +43,23 @@ def test_segments_group_every_token_with_its_slot(num_tokens, num_slots):
     assert all(start == starts[len(present)] for start in starts[len(present) :])
 
 
+def test_segments_split_positions_by_the_size_of_their_run():
+    """A mixed step: one slot's long prefill, single decode tokens of many slots, a run of exactly the threshold,
+    base tokens. Positions of runs above ``SHORT_RUN_TOKENS`` keep their slot in ``long_run_slots`` only, the
+    others in ``short_run_slots`` only, base tokens in neither."""
+    from punica_hf.ops.segments import SHORT_RUN_TOKENS
+
+    slots = torch.tensor([5] * 300 + list(range(10, 30)) + [7] * SHORT_RUN_TOKENS + [-1] * 9 + [9] * (SHORT_RUN_TOKENS + 1))
+    slots = slots[torch.randperm(slots.numel(), generator=torch.Generator().manual_seed(0))]
+    segments = build_segments(slots, 32, backend="torch")
+    sorted_slots = segments.sorted_slots.tolist()
+    long_run, short_run = segments.long_run_slots.tolist(), segments.short_run_slots.tolist()
+    for slot, long_slot, short_slot in zip(sorted_slots, long_run, short_run):
+        is_long = slot in (5, 9)
+        assert long_slot == (slot if is_long else -1) and short_slot == (-1 if is_long else slot)
+    assert segments.long_run_slots.dtype == segments.short_run_slots.dtype == torch.int32
+
+
 def test_segments_to_moves_every_tensor_and_sets_the_backend():
     segments = build_segments(torch.tensor([2, -1, 0, 2]), 3, backend="cuda")
     moved = segments.to(torch.device("cpu"), backend="torch")

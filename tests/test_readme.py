@@ -269,15 +269,18 @@ def test_performance_table_matches_the_results_files():
     assert f"PEFT: {ratios['PEFT, one adapter active, eager, decode']:.2f} with one adapter" in peft
     assert f"{ratios['PEFT mixed batch (adapter_names), 32 distinct, eager, decode']:.2f} with 32" in peft
 
-    serving = json.loads((RESULTS / "bench_serving_h200.json").read_text())
-    saturation = serving["saturation_tokens_per_second"]
-    ours, base, static = saturation["engine, 32 adapters"], saturation["engine, base model"], \
-        serving["static_generate_tokens_per_second"]
-    assert (f"{ours} tokens/s: {ours / base:.2f} x the same engine on the base model ({base}), "
-            f"{ours / static:.1f} x static `generate()` batches ({static})") in row("serving, 32 adapters, all")
-    poisson = serving["poisson"]["engine, 32 adapters, 0.50 x saturation"]
-    assert (f"{poisson['tokens_per_second']} tokens/s; p99 time to first token {poisson['ttft_p99_s']:.2f} s, "
-            f"p99 per-token {poisson['tpot_p99_ms']:.0f} ms") in row("serving, 32 adapters, Poisson")
+    serving = json.loads((RESULTS / "bench_serving_h200_graph_keys.json").read_text())
+    ours, base = (serving["systems"][name]["saturation"]["tokens_per_second"]
+                  for name in ("engine, 32 adapters", "engine, base model"))
+    assert (f"{ours:.0f} tokens/s: {ours / base:.2f} x the same engine on the base model ({base:.0f})"
+            in row("serving, 32 adapters, 160 requests"))
+    step = serving["targets"]["decode_step_vs_compiled_generate_at_128"]
+    assert (f"{step['engine_ms']:.1f} ms: {step['ratio']:.2f} x the compiled static-cache `generate()` step "
+            f"({step['compiled_generate_ms']:.1f} ms)") in row("serving, decode step at 128")
+    earlier = json.loads((RESULTS / "bench_serving_h200_paged_attention.json").read_text())
+    (half,) = [run for run in earlier["systems"]["engine, 32 adapters"]["runs"] if run["fraction_of_saturation"] == 0.5]
+    assert (f"{half['tokens_per_second']:.0f} tokens/s; p99 time to first token {half['ttft_p99']:.2f} s, "
+            f"p99 per-token {half['tpot_p99'] * 1e3:.0f} ms") in row("serving, 32 adapters, Poisson")
 
     kernels = [r for r in json.loads((RESULTS / "bench_ops_h200.json").read_text())["results"] if "best_peer" in r]
     groups = {

@@ -408,6 +408,7 @@ def test_metrics_count_requests_tokens_and_latencies(demo_server, client):
     assert 1 <= delta["punica_time_per_output_token_seconds_count"] <= response.usage.completion_tokens - 1
     assert after["punica_adapter_registered"] == len(demo.TASKS)
     assert after["punica_queue_length"] == 0 and after["punica_running_requests"] == 0
+    assert after['punica_attention_path{path="punica_hf paged attention (PyTorch ops)"}'] == 1  # the CPU's path
     for name in ("punica_adapter_evictions_total", "punica_batch_requests", "punica_kv_cache_free_fraction"):
         assert name in after
 

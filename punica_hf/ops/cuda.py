@@ -117,7 +117,7 @@ def load_extension(verbose: bool = False) -> None:
 def _register_fake() -> None:
     @torch.library.register_fake("punica_hf::lora_add")
     def _lora_add_fake(y, x, pool, a_offsets, b_offsets, lora_ranks, sorted_token_ids, sorted_slots, segment_starts,
-                       segment_slots, max_rank) -> None:
+                       segment_slots, long_run_slots, short_run_slots, max_rank) -> None:
         return None
 
     @torch.library.register_fake("punica_hf::lora_delta")
@@ -174,7 +174,8 @@ def lora_add(
     values (offsets, ranks, slots) are read on the device. The kernel path depends on shapes, dtype and
     ``max_rank`` only: per-token chunks for T <= 256 or fp32 (one launch of a thread-block cluster kernel on sm_90
     where the factor slices fit shared memory, else a shrink and an expand launch), segment-tiled tensor cores
-    above. Bad arguments raise ValueError.
+    above, for the slots with more than ``SHORT_RUN_TOKENS`` tokens (the per-token kernels take the others).
+    Bad arguments raise ValueError.
     """
     _check(y, x, pool, a_offsets, b_offsets, lora_ranks, segments, max_rank)
     lora_add_unchecked(y, x, pool, a_offsets, b_offsets, lora_ranks, segments, max_rank)
@@ -199,7 +200,7 @@ def lora_add_unchecked(
     if _op is None:
         load_extension()
     _op(y, x, pool, a_offsets, b_offsets, lora_ranks, segments.sorted_token_ids, segments.sorted_slots,
-        segments.segment_starts, segments.segment_slots, max_rank)
+        segments.segment_starts, segments.segment_slots, segments.long_run_slots, segments.short_run_slots, max_rank)
 
 
 def lora_delta(

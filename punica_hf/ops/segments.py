@@ -11,6 +11,11 @@ from dataclasses import dataclass
 
 import torch
 
+# Slots with at most this many tokens in a forward are served by the per-token kernels even where the tiled ones
+# run (T above their threshold): a tiled block makes one pass per slot among its 64 positions, so a tile of a mixed
+# prefill + decode step's decode tokens (one or a few per adapter) would cost a pass per token.
+SHORT_RUN_TOKENS = 16
+
 
 @dataclass(frozen=True)
 class LoraSegments:
@@ -26,6 +31,8 @@ class LoraSegments:
         segment_slots: ``[G]`` int32, the slot of each non-empty segment in increasing slot order, then -1 padding.
         segment_starts: ``[G + 1]`` int32, segment ``g`` is ``sorted_token_ids[segment_starts[g]:segment_starts[g+1]]``;
             padding segments are empty (their start equals their end).
+        long_run_slots, short_run_slots: ``[T]`` int32, ``sorted_slots`` split by the size of each position's
+            segment: above ``SHORT_RUN_TOKENS`` tokens in the first, the others in the second, -1 elsewhere.
         num_slots: ``S``.
         backend: ``"cuda"`` or ``"torch"``, the kernels every layer uses for this forward (chosen once here).
     """
@@ -35,6 +42,8 @@ class LoraSegments:
     sorted_slots: torch.Tensor
     segment_slots: torch.Tensor
     segment_starts: torch.Tensor
+    long_run_slots: torch.Tensor
+    short_run_slots: torch.Tensor
     num_slots: int
     backend: str
 
@@ -50,6 +59,8 @@ class LoraSegments:
             sorted_slots=self.sorted_slots.to(device),
             segment_slots=self.segment_slots.to(device),
             segment_starts=self.segment_starts.to(device),
+            long_run_slots=self.long_run_slots.to(device),
+            short_run_slots=self.short_run_slots.to(device),
             num_slots=self.num_slots,
             backend=backend,
         )
@@ -64,9 +75,11 @@ def build_segments(token_slots: torch.Tensor, num_slots: int, backend: str) -> L
     # Tokens without an adapter get the key num_slots, so a stable sort puts them last.
     sort_key = torch.where(slots < 0, num_slots, slots)
     sorted_keys, sorted_token_ids = torch.sort(sort_key, stable=True)
-    tokens_per_slot = torch.zeros(num_slots + 1, dtype=torch.int64, device=device)
-    tokens_per_slot.scatter_add_(0, sort_key, torch.ones_like(sort_key))
-    tokens_per_slot = tokens_per_slot[:num_slots]
+    tokens_per_key = torch.zeros(num_slots + 1, dtype=torch.int64, device=device)
+    tokens_per_key.scatter_add_(0, sort_key, torch.ones_like(sort_key))
+    tokens_per_slot = tokens_per_key[:num_slots]
+    sorted_slots = torch.where(sorted_keys < num_slots, sorted_keys, -1).to(torch.int32)
+    long_run = tokens_per_key[sorted_keys] > SHORT_RUN_TOKENS
 
     num_segments = min(slots.shape[0], num_slots)
     is_empty = (tokens_per_slot == 0).to(torch.int8)
@@ -80,9 +93,11 @@ def build_segments(token_slots: torch.Tensor, num_slots: int, backend: str) -> L
     return LoraSegments(
         token_slots=slots.to(torch.int32),
         sorted_token_ids=sorted_token_ids.to(torch.int32),
-        sorted_slots=torch.where(sorted_keys < num_slots, sorted_keys, -1).to(torch.int32),
+        sorted_slots=sorted_slots,
         segment_slots=segment_slots.to(torch.int32),
         segment_starts=segment_starts.to(torch.int32),
+        long_run_slots=torch.where(long_run, sorted_slots, -1),
+        short_run_slots=torch.where(long_run, -1, sorted_slots),
         num_slots=num_slots,
         backend=backend,
     )

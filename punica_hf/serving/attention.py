@@ -29,6 +29,9 @@ from ..ops import attention as ops_attention
 _PREFIX = "paged|" if "paged|sdpa" in AttentionInterface._global_mapping else ""
 NAME = _PREFIX + "punica_flash"
 SDPA = _PREFIX + "sdpa"
+# 5.17 hands the attention function the cache and the step's slot lists (the kernel reads keys where they lie);
+# later versions gather every listed key slot in the model first, so there the slot lists' length costs copies.
+READS_CACHE_IN_PLACE = bool(_PREFIX)
 
 
 @dataclass(frozen=True)

@@ -216,7 +216,7 @@ class EngineStats:
     its adapter); ``waiting``: in the scheduler, not yet started; ``running``: holding KV blocks;
     ``dropped_and_freed``: requests that ended while transformers still ran them (cancelled, client gone, stop
     string, NaN scores) and were dropped with their KV blocks freed; ``rejected``: submissions refused, the queue
-    full."""
+    full; ``cuda_graphs``: step shapes captured so far (all at start, unless a shape was not known in advance)."""
 
     queued: int
     waiting: int
@@ -230,6 +230,7 @@ class EngineStats:
     dropped_and_freed: int
     rejected: int
     kv_free_fraction: float
+    cuda_graphs: int
 
 
 @dataclass(frozen=True)
@@ -413,7 +414,8 @@ class Engine:
             try:
                 processor = self._manager._create_batch_processor()
                 cb_config = self._manager.continuous_batching_config
-                _AdapterSlotIOs.adopt(processor.inputs_and_outputs, self._slot_of)
+                _AdapterSlotIOs.adopt(processor.inputs_and_outputs, self._slot_of,
+                                      own_attention=self.attention.implementation == attention.NAME)
                 _ScoreKeepingRunner.adopt(processor.model_runner, cb_config.max_requests_per_batch, self.vocab_size)
                 processor.output_router = _OutputRouter(self)
                 self._manager.batch_processor = processor
@@ -435,8 +437,9 @@ class Engine:
 
         transformers' own warm-up runs one request as long as the whole KV cache: right for its attention paths,
         whose graphs need room for a copy of the cache, but ours reads the cache in place and would attend over
-        every slot. Ours captures the largest step first (its memory pool then holds every smaller one), then the
-        decode steps of up to ``max_running`` requests, each over one page of cached tokens.
+        every slot. Ours captures the largest step first (its memory pool then holds every smaller one), then every
+        smaller padded query count, each over one page of cached tokens: where the kernel reads the cache in place
+        the graphs are keyed by query count alone, so no step captures a graph while requests wait.
         """
         runner, cb_config = processor.model_runner, processor.cb_config
         failures = _WarmupFailures()
@@ -446,9 +449,10 @@ class Engine:
             if self.attention.implementation != attention.NAME:
                 processor.warmup(self.hf_model)
             elif runner.pad_inputs:  # graphs on
-                interval = cb_config.q_padding_interval_size
-                decode_sizes = range(interval, cb_config.max_requests_per_batch + interval, interval)
-                for num_q_tokens in (processor.cache.max_batch_tokens, *decode_sizes):
+                interval, max_batch_tokens = cb_config.q_padding_interval_size, processor.cache.max_batch_tokens
+                last = max_batch_tokens if attention.READS_CACHE_IN_PLACE else cb_config.max_requests_per_batch
+                sizes = {min(size, max_batch_tokens) for size in range(interval, last + interval, interval)}
+                for num_q_tokens in (max_batch_tokens, *sorted(sizes, reverse=True)):
                     runner.run_one_warmup(self.hf_model, num_q_tokens=num_q_tokens, max_kv_read=_page_size(cb_config))
         finally:
             runner_logger.removeHandler(failures)
@@ -591,6 +595,7 @@ class Engine:
             dropped_and_freed=self._counters["dropped_and_freed"],
             rejected=self._counters["rejected"],
             kv_free_fraction=1.0 if scheduler is None else _kv_free_fraction(self._processor.cache),
+            cuda_graphs=0 if scheduler is None else len(self._processor.inputs_and_outputs.graphs._storage),
         )
 
     def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
@@ -878,7 +883,7 @@ class Engine:
             # transformers would turn graphs on for a CPU model on a machine with a GPU (it asks the machine)
             use_cuda_graph=config.cuda_graphs if device.type == "cuda" else False,
         )
-        if self.attention.implementation == attention.NAME and device.type == "cuda":
+        if self.attention.implementation == attention.NAME and attention.READS_CACHE_IN_PLACE and device.type == "cuda":
             # The kernel reads only each step's real key slots: one padded length for every step's slot list keeps
             # the key count out of the graphs' shapes (transformers pads it up to the whole cache, at most).
             cb_config.kv_padding_interval_size = ONE_KV_PADDING
@@ -890,21 +895,38 @@ class Engine:
 
 # ---------------------------------------------------------------------- transformers extension points
 class _AdapterSlotIOs(ContinuousBatchingIOs):
-    """transformers' batch inputs plus ``adapter_ids`` ``[1, T]``: the GPU adapter slot of every packed token."""
+    """transformers' batch inputs plus ``adapter_ids`` ``[1, T]``: the GPU adapter slot of every packed token.
+
+    On the engine's own attention path it also builds the keys' cache slots (``read_index``) on the device from
+    each request's pages: transformers lists every key of every request in Python (7.6 ms of a 25 ms decode step
+    at 128 requests on an H200), this costs a list of pages per request and a few kernels. Where the kernel reads
+    the cache in place, graphs are keyed by query count alone: it reads each sequence's keys through
+    ``cu_seq_lens_k``, so the key counts are no part of its shapes.
+    """
 
     _slot_of: Callable[[str], int]
     _token_slots: torch.Tensor  # [1, max_batch_tokens] int32 on the model's device; -1 = base model / padding
+    _page_groups: list[_PageGroup] | None  # one per attention group; None: transformers builds the key slots
 
     @classmethod
-    def adopt(cls, io: ContinuousBatchingIOs, slot_of: Callable[[str], int]) -> None:
+    def adopt(cls, io: ContinuousBatchingIOs, slot_of: Callable[[str], int], own_attention: bool) -> None:
         if type(io) is not ContinuousBatchingIOs:
             raise TypeError(f"expected transformers' synchronous ContinuousBatchingIOs, got {type(io).__name__}")
         io.__class__ = cls
         io._slot_of = slot_of
         io._token_slots = torch.full((1, io.cache.max_batch_tokens), -1, dtype=torch.int32, device=io.device)
+        io._page_groups = _page_groups(io.cache) if own_attention else None
 
-    def prepare_batch_tensors(self, requests_in_batch, *args, **kwargs) -> None:
-        super().prepare_batch_tensors(requests_in_batch, *args, **kwargs)
+    def prepare_batch_tensors(self, requests_in_batch, logits_processors, use_decode_fast_path: bool,
+                              num_q_tokens: int, max_kv_read: int, use_padding: bool) -> None:
+        key_lengths = [s.state.position_offset + s.query_length for s in requests_in_batch]  # before they advance
+        own_key_slots = self._page_groups is not None and max_kv_read > 0 and not use_decode_fast_path
+        super().prepare_batch_tensors(requests_in_batch, logits_processors, use_decode_fast_path, num_q_tokens,
+                                      0 if own_key_slots else max_kv_read, use_padding)  # 0: it lists no keys
+        if own_key_slots:
+            self.max_kv_read = max_kv_read
+            self._fill_key_slots([s.state.request_id for s in requests_in_batch], key_lengths,
+                                 max_kv_read + num_q_tokens if use_padding else sum(key_lengths))
         slots = [
             slot
             for future_state in requests_in_batch
@@ -912,6 +934,30 @@ class _AdapterSlotIOs(ContinuousBatchingIOs):
         ]
         self._token_slots[0, : len(slots)] = torch.tensor(slots, dtype=torch.int32, device=self.device)
         self._token_slots[0, len(slots) : max(self.num_q_tokens, len(slots))] = -1  # padding up to a graph's size
+        if self.compute_stream is not None:  # the step runs there: after the inputs written on this stream
+            self.compute_stream.wait_stream(torch.cuda.current_stream(self.device))
+
+    def _fill_key_slots(self, request_ids: list[str], key_lengths: list[int], size: int) -> None:
+        """``read_index_storage[g, :size]``: every request's keys' slots in order (full attention: all its
+        tokens, those of this step included), then the trash slot. transformers' own lists, built on the device."""
+        total = sum(key_lengths)
+        lengths = torch.tensor(key_lengths, device=self.device)
+        starts = lengths.cumsum(0) - lengths
+        rows = torch.repeat_interleave(torch.arange(len(key_lengths), device=self.device), lengths, output_size=total)
+        positions = torch.arange(total, device=self.device) - starts[rows]
+        for index, group in enumerate(self._page_groups):
+            pages = [group.owner.block_table[request_id] for request_id in request_ids]
+            width = max(map(len, pages))
+            page_table = torch.tensor([p + [0] * (width - len(p)) for p in pages], device=self.device)
+            page_starts = page_table[rows, positions // group.tokens_per_page] * group.page_stride
+            self.read_index_storage[index, :total] = page_starts + positions % group.tokens_per_page
+            self.read_index_storage[index, total:size] = group.trash_slot
+            self.true_read_sizes[index] = total
+
+    def _get_graph_key(self) -> tuple[int, ...]:
+        if self._page_groups is not None and attention.READS_CACHE_IN_PLACE and not self.use_block_table:
+            return (self.num_q_tokens,)
+        return super()._get_graph_key()
 
     def get_model_kwargs(self, *args, **kwargs):
         model_kwargs = super().get_model_kwargs(*args, **kwargs)
@@ -999,6 +1045,25 @@ def _eos_token_ids(hf_model, tokenizer) -> set[int]:
     ids = set(eos if isinstance(eos, (list, tuple)) else [eos])
     ids.add(getattr(tokenizer, "eos_token_id", None))
     return {i for i in ids if isinstance(i, int) and i >= 0}
+
+
+@dataclass(frozen=True)
+class _PageGroup:
+    """Where one attention group's keys lie: the slot of a request's token at ``position`` is
+    ``owner.block_table[request_id][position // tokens_per_page] * page_stride + position % tokens_per_page``."""
+
+    owner: object  # transformers' object that holds the group's pages of each request (``block_table``)
+    tokens_per_page: int
+    page_stride: int
+    trash_slot: int  # what transformers reads for no key
+
+
+def _page_groups(cache) -> list[_PageGroup]:
+    """The cache's attention groups (5.17: group cache managers; 5.18 on: cache allocators, one per layer type)."""
+    if hasattr(cache, "cache_allocators"):
+        return [_PageGroup(a, a.tokens_per_page, a.block_physical_stride, a.read_trash_index)
+                for a in cache.cache_allocators.values()]
+    return [_PageGroup(m, m.block_size, m.block_size, cache.read_trash_index) for m in cache.group_cache_managers]
 
 
 def _page_size(cb_config: ContinuousBatchingConfig) -> int:

@@ -84,8 +84,14 @@ class _EngineCollector:
             ("batch_requests", stats.last_batch_requests, "Requests in the last step's batch."),
             ("batch_tokens", stats.last_batch_tokens, "Tokens in the last step's batch."),
             ("kv_cache_free_fraction", stats.kv_free_fraction, "Free fraction of the paged KV cache."),
+            ("cuda_graphs", stats.cuda_graphs, "Step shapes captured in CUDA graphs."),
         ):
             yield GaugeMetricFamily(f"{PREFIX}_{name}", help_text, value=value)
+        if self.engine.attention is not None:
+            path = GaugeMetricFamily(f"{PREFIX}_attention_path", "The engine's attention path (1 for the one in use).",
+                                     labels=["path"])
+            path.add_metric([self.engine.attention.path], 1)
+            yield path
         for key, value in self.engine.model.adapter_stats.items():
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 continue

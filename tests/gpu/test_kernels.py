@@ -51,6 +51,12 @@ def _slots(mapping: str, num_tokens: int, num_slots: int, gen: torch.Generator) 
         return torch.randint(-1, num_slots, (num_tokens,), generator=gen)
     if mapping == "none":
         return torch.full((num_tokens,), -1)
+    if mapping == "mixed_step":  # an engine step: a quarter decode tokens (a few per adapter), then two prefill chunks
+        decode = num_tokens // 4
+        chunks = torch.tensor([num_tokens - decode - (num_tokens - decode) // 3, (num_tokens - decode) // 3])
+        chunk_slots = torch.randint(0, num_slots, (2,), generator=gen)
+        return torch.cat([torch.randint(-1, num_slots, (decode,), generator=gen),
+                          torch.repeat_interleave(chunk_slots, chunks)])
     if mapping == "requests":  # prefill: contiguous requests of random lengths, one adapter (or none) each
         cuts = torch.sort(torch.randint(0, num_tokens + 1, (num_slots,), generator=gen)).values
         lengths = torch.diff(cuts, prepend=torch.tensor([0]), append=torch.tensor([num_tokens]))
@@ -177,6 +183,10 @@ CASES = [
     # tiled: several K steps per split, a last split ending mid-step, a partial last tile, runs straddling tiles,
     # rank-0 slots, and a last output tile of 8 columns
     (2100, 4104, 1032, 32, 24, "random", "mixed_rank0"),
+    # tiled calls whose short runs (decode tokens) go to the per-token kernels, long ones (prefill chunks) tiled
+    (900, 4096, 14336, 16, 64, "mixed_step", "full"),
+    (700, 4096, 4096, 64, 128, "mixed_step", "mixed_rank0"),
+    (300, 1000, 1008, 16, 40, "mixed_step", "mixed"),
 ]
 
 
@@ -524,6 +534,23 @@ def test_decode_call_takes_the_fused_path_where_it_fits(setting, num_tokens, hid
     if fused:
         _, cluster, staged = kernel.split()
         assert re.search(rf"fused_chunk_kernel<[^>]*, {cluster}, {staged}>", names), names
+    _assert_matches(y, y_in, expected, slots, tables.ranks, torch.bfloat16, f"seed {seed}")
+
+
+@pytest.mark.parametrize("setting", ["1", "0"], ids=["split", "all_tiled"])
+def test_a_mixed_step_call_splits_its_positions_between_the_paths(setting, monkeypatch):
+    """Above 256 tokens, the slots with more than ``SHORT_RUN_TOKENS`` tokens (prefill chunks) run on the tiled
+    kernels and the others (decode tokens) on the per-token ones; ``PUNICA_HF_SHORT_RUNS=0`` runs every position
+    tiled. Each computes the right thing."""
+    monkeypatch.setenv("PUNICA_HF_SHORT_RUNS", setting)
+    monkeypatch.setenv("PUNICA_HF_FUSED", "0")
+    seed = secrets.randbits(31)
+    y, x, pool, (tables,), slots = _problem(900, 4096, 14336, 16, 64, "mixed_step", "full", torch.bfloat16, seed)
+    y_in = y.clone()
+    expected = _reference(y, x, pool, tables, slots, 16)
+    names = " ".join(_kernel_names(lambda: _run(y, x, pool, tables, slots, 16)))
+    assert "shrink_tiled_kernel" in names and "expand_tiled_kernel" in names, names
+    assert ("shrink_chunk_kernel" in names) == (setting == "1"), names
     _assert_matches(y, y_in, expected, slots, tables.ranks, torch.bfloat16, f"seed {seed}")
 
 
