@@ -62,6 +62,12 @@ class Server:
         self.log.close()
 
 
+def start_demo_server(api_key: str, lora_dir: Path, log_path: Path) -> Server:
+    """The demo model behind ``api_key``, loading adapters at run time from under ``lora_dir`` only."""
+    return Server(["--model", "demo", "--api-key", api_key, "--allow-runtime-lora", "--lora-dir", str(lora_dir)],
+                  log_path)
+
+
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))

@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 from safetensors.torch import load_file, save_file
-from server_process import Server, wait_until
+from server_process import Server, start_demo_server, wait_until
 
 from punica_hf import demo
 
@@ -56,10 +56,7 @@ def lora_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, lora_dir):
-    process = Server(
-        ["--model", "demo", "--api-key", API_KEY, "--allow-runtime-lora", "--lora-dir", str(lora_dir)],
-        tmp_path_factory.mktemp("logs") / "hostile_server.log",
-    )
+    process = start_demo_server(API_KEY, lora_dir, tmp_path_factory.mktemp("logs") / "hostile_server.log")
     yield process
     process.stop()
 

@@ -18,7 +18,7 @@ import openai
 import pytest
 import torch
 from helpers import save_peft_adapter, tiny_llama
-from server_process import Server, wait_until
+from server_process import Server, start_demo_server, wait_until
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
@@ -53,10 +53,7 @@ def lora_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def demo_server(tmp_path_factory, lora_dir):
-    server = Server(
-        ["--model", "demo", "--api-key", API_KEY, "--allow-runtime-lora", "--lora-dir", str(lora_dir)],
-        tmp_path_factory.mktemp("logs") / "demo_server.log",
-    )
+    server = start_demo_server(API_KEY, lora_dir, tmp_path_factory.mktemp("logs") / "demo_server.log")
     yield server
     server.stop()
 
