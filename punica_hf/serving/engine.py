@@ -14,7 +14,7 @@ sampling, so this module extends it at three points and drives its batch process
   temperature / top-k / top-p and their own seeded generator, so a seeded request gives the same text whatever
   else is in the batch.
 - ``_OutputRouter``: each new token goes to its request's handle (streaming text, stop strings and token ids,
-  finish reasons), in the engine thread.
+  finish reasons), in the engine thread, while the next step runs on the device (see ``Engine._step``).
 
 transformers builds those objects inside its batch processor without a hook to pass other classes, so the engine
 switches the class of the two instances to the subclasses above (keeping every reference transformers holds).
@@ -236,8 +236,9 @@ class EngineStats:
 @dataclass(frozen=True)
 class StepRecord:
     """One engine step: the requests and packed tokens it ran (``tokens == requests``: a decode step), its
-    ``seconds`` from admitting requests to the new tokens handed out, and ``prepare_seconds`` of those spent before
-    the forward (admission, scheduling, building the batch's tensors on the host)."""
+    ``seconds`` from admitting requests to its new tokens in transformers' request states (they reach their
+    requests' handles while the next step runs), and ``prepare_seconds`` of those spent before the forward
+    (admission, scheduling, building the batch's tensors on the host)."""
 
     requests: int
     tokens: int
@@ -396,6 +397,7 @@ class Engine:
         self.attention: attention.AttentionChoice | None = None  # the attention path, chosen by start()
         self._saved_attention = []  # the model configs' attention implementations before start()
         self._processor = None
+        self._router: _OutputRouter | None = None
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> Engine:
@@ -417,7 +419,7 @@ class Engine:
                 _AdapterSlotIOs.adopt(processor.inputs_and_outputs, self._slot_of,
                                       own_attention=self.attention.implementation == attention.NAME)
                 _ScoreKeepingRunner.adopt(processor.model_runner, cb_config.max_requests_per_batch, self.vocab_size)
-                processor.output_router = _OutputRouter(self)
+                self._router = processor.output_router = _OutputRouter(self)
                 self._manager.batch_processor = processor
                 if self.config.warmup:
                     self._warm_up(processor)
@@ -649,6 +651,7 @@ class Engine:
                         self._step()
                         self._tell_step_listeners(started, prepared)
                         continue
+                    self._router.deliver_pending()  # no step to overlap with: the last step's tokens now
                     if self._stop and not self._requests:
                         return
                     self._wake.wait(IDLE_POLL_SECONDS if self._queue else None)
@@ -656,6 +659,7 @@ class Engine:
         except BaseException as error:  # the batch state is unknown now: fail every request, refuse new ones
             logger.exception("the engine thread stopped")
             self._error = error
+            self._router.deliver_pending()
             for request in list(self._requests.values()):
                 if not request.handle.done:
                     self._complete(request, "error", error=f"the engine stopped: {error}", error_code=GENERATION_FAILED)
@@ -741,10 +745,14 @@ class Engine:
         try:
             batch_data = io.get_model_kwargs(use_padding=processor.model_runner.pad_inputs)
             processor.model_runner.compute_batch(self.hf_model, batch_data)
+            # The last step's tokens go to their requests (text, stop strings, streams) while this one runs on the
+            # device: its graph is queued, and the first wait for it is in the check below.
+            self._router.deliver_pending()
             self._check_scores_and_sample(io)
             io.retrieve_device_outputs()
         except Exception as error:  # this batch's requests fail; the others and the engine go on
             logger.exception("a batch failed")
+            self._router.deliver_pending()
             processor.handle_batch_error(error)
             return
         self._counters["steps"] += 1
@@ -982,22 +990,29 @@ class _ScoreKeepingRunner(ModelRunner):
 
 
 class _OutputRouter:
-    """Takes the place of transformers' output router: hands each request's output to the engine."""
+    """Takes the place of transformers' output router: keeps each step's outputs (transformers' copies) until
+    ``deliver_pending`` hands them to the engine, once the next step is queued on the device."""
 
     def __init__(self, engine: Engine) -> None:
         self._engine = engine
+        self._pending: list = []
 
     def deliver(self, output) -> None:
-        self.deliver_batch([output])
+        self._pending.append(output)
 
     def deliver_batch(self, outputs) -> None:
-        for output in outputs:
+        self._pending.extend(outputs)
+
+    def deliver_pending(self) -> None:
+        pending, self._pending = self._pending, []
+        for output in pending:
             if output.error is not None:
                 self._engine._on_failure(output.request_id, output.error)
             else:
                 self._engine._on_output(output.request_id, output.generated_tokens, output.is_finished())
 
     def fail_and_deliver(self, state, error: Exception) -> None:
+        self.deliver_pending()  # in order: the request's earlier tokens first
         self._engine._on_failure(state.request_id, error)
 
 
