@@ -453,8 +453,9 @@ class Engine:
             elif runner.pad_inputs:  # graphs on
                 interval, max_batch_tokens = cb_config.q_padding_interval_size, processor.cache.max_batch_tokens
                 last = max_batch_tokens if attention.READS_CACHE_IN_PLACE else cb_config.max_requests_per_batch
-                sizes = {min(size, max_batch_tokens) for size in range(interval, last + interval, interval)}
-                for num_q_tokens in (max_batch_tokens, *sorted(sizes, reverse=True)):
+                padded = range(interval, last + interval, interval)  # what the runner pads up to, last included
+                sizes = {max_batch_tokens} | {min(size, max_batch_tokens) for size in padded}
+                for num_q_tokens in sorted(sizes, reverse=True):  # the largest first
                     runner.run_one_warmup(self.hf_model, num_q_tokens=num_q_tokens, max_kv_read=_page_size(cb_config))
         finally:
             runner_logger.removeHandler(failures)
