@@ -38,8 +38,10 @@ def plot(json_path: Path) -> Path:
     for ax, (_, label, _) in zip(axes, PANELS):
         ax.set_xlabel("offered load (requests/s)")
         ax.set_ylabel(label)
+        ax.set_ylim(bottom=0)  # from zero: latencies a few milliseconds apart must not look twice as large
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
+    if axes[0].get_legend_handles_labels()[0]:
+        axes[0].legend(fontsize=8)
     figure.suptitle(f"punica-hf serving on {report['device']} (dotted: every request at once)", fontsize=10)
     png = Path(json_path).with_suffix(".png")
     figure.savefig(png, dpi=120)

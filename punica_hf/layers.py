@@ -15,7 +15,10 @@ Projections that share their input (q/k/v, gate/up: a ``ProjectionGroup``) compu
 decode sizes in compiled code: the first member's hook to run makes one ``ops.lora_delta`` call for the whole
 group, and every member adds its own columns of it (an add that Inductor fuses into the next kernel). Eager calls
 on the kernels do not group: there each member's add would be one more launch, and host time is what an eager
-step spends, so each projection makes one call that adds into its output in place.
+step spends, so each projection makes one call that adds into its output in place. An eager forward captured in a
+CUDA graph (the serving engine's steps) groups as compiled code does: a replay spends no host time per launch, and
+in the engine's decode steps one call for q/k/v plus three adds took less device time than three calls
+(benchmarks/README.md).
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ class LoraContext:
 
     def __init__(self) -> None:
         self.segments: LoraSegments | None = None
+        self.capturing = False  # whether this forward is being captured in a CUDA graph (asked once per forward)
         # Group key -> (the input, its [T, sum of widths] updates, the member that computed them), this forward.
         self.group_deltas: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
         self._on_device: dict[torch.device, LoraSegments] = {}
@@ -61,11 +65,16 @@ class LoraContext:
 
     def begin(self, segments: LoraSegments) -> None:
         self.segments = segments
+        self.capturing = (
+            segments.token_slots.is_cuda and not torch.compiler.is_compiling()
+            and torch.cuda.is_current_stream_capturing()
+        )
         self.group_deltas = {}
         self._on_device = {segments.token_slots.device: segments}
 
     def end(self) -> None:
         self.segments = None
+        self.capturing = False
         self.group_deltas = {}
         self._on_device = {}
 
@@ -291,8 +300,10 @@ class LoraHook:
         # In place in the module's output, where the dtypes and devices allow (else the module computes in another
         # dtype or on another device: quantized or offloaded bases, and the update is added there).
         in_place = output.dtype == pool.dtype and output.device == pool.device and output.is_contiguous()
-        if (on_kernels and in_place and not compiling and x.dtype == pool.dtype and x.device == pool.device
-                and x.is_contiguous()):
+        group = self.group
+        grouped = group is not None and group.shares_input and segments.num_tokens <= GROUP_MAX_TOKENS
+        if (on_kernels and in_place and not compiling and not (grouped and self.context.capturing)
+                and x.dtype == pool.dtype and x.device == pool.device and x.is_contiguous()):
             # Eager calls cost host time per op: one kernel call that adds into the output, tokens flattened by
             # the binding, and no grouping (whose members would each launch an add of their columns).
             cuda_ops.lora_add_unchecked(output, x, pool, *tables.row(self.row), segments, self.max_rank)
@@ -301,10 +312,9 @@ class LoraHook:
         if x_tokens.dtype != pool.dtype or x_tokens.device != pool.device:
             x_tokens = x_tokens.to(device=pool.device, dtype=pool.dtype)
         x_tokens = x_tokens.contiguous()
-        group = self.group
-        if group is not None and group.shares_input and segments.num_tokens <= GROUP_MAX_TOKENS:
-            # Compiled code (and the PyTorch ops): one call for the group, each member's add fused by Inductor into
-            # the kernel that reads its output next.
+        if grouped:
+            # Compiled code, graph captures and the PyTorch ops: one call for the group, each member's add fused by
+            # Inductor into the kernel that reads its output next (one more launch in a captured eager forward).
             delta = self._group_delta(x, x_tokens, segments)
             if delta is not None:
                 return self._add(output, delta.narrow(1, self.column_start, self.out_features))

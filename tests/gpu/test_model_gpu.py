@@ -92,3 +92,43 @@ def test_compiled_decode_applies_an_adapter_that_hooks_new_modules(tmp_path):
         eager = gpu.generate(input_ids, adapter_ids=adapters, **kwargs)
         compiled = gpu.generate(input_ids, adapter_ids=adapters, cache_implementation="static", **kwargs)
         assert torch.equal(compiled, eager), adapters
+
+
+@torch.no_grad()
+def test_a_forward_captured_in_a_cuda_graph_groups_its_projections_and_replays_new_slots(tmp_path, monkeypatch):
+    """An eager forward captured in a CUDA graph (as the serving engine captures its steps) computes q/k/v and
+    gate/up with one grouped call each, and every replay gives the eager forward's logits for the slots then in
+    the graph's input."""
+    from punica_hf.ops import cuda as cuda_ops
+
+    base, paths = make_base_and_adapters("llama", tmp_path)
+    gpu = _wrapped(base, paths, "cuda", torch.float32)
+    names = list(paths)
+    input_ids = torch.randint(1, base.config.vocab_size, (6, 9), device="cuda")
+    with gpu.acquire(names) as lease:
+        row_slots = torch.full((6,), -1, dtype=torch.int32, device="cuda")
+        calls = {"add": 0, "delta": 0}
+        for kind, name in (("add", "lora_add_unchecked"), ("delta", "lora_delta_unchecked")):
+            def counted(*args, _kind=kind, _op=getattr(cuda_ops, name), **kwargs):
+                calls[_kind] += 1
+                return _op(*args, **kwargs)
+            monkeypatch.setattr(cuda_ops, name, counted)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # the warm-up PyTorch asks for before a capture
+            gpu.model(input_ids=input_ids, adapter_ids=row_slots, use_cache=False)
+        torch.cuda.current_stream().wait_stream(side)
+        eager_calls = dict(calls)
+        assert eager_calls["delta"] == 0  # eager: one in-place call per projection, no group
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            logits = gpu.model(input_ids=input_ids, adapter_ids=row_slots, use_cache=False).logits
+        captured = {kind: calls[kind] - eager_calls[kind] for kind in calls}
+        layers = base.config.num_hidden_layers
+        # per layer: one call for q/k/v and one for gate/up (where the layer has them), one each for o and down
+        assert 0 < captured["delta"] <= 2 * layers and captured["add"] < eager_calls["add"]
+        for mapping in ([0, -1, 1, 2, 3, 0], [3, 3, 2, -1, 0, 1], [-1] * 6):  # indices into names
+            row_slots.copy_(torch.tensor([lease.slots[i] if i >= 0 else -1 for i in mapping]))
+            graph.replay()
+            expected = gpu.model(input_ids=input_ids, adapter_ids=row_slots, use_cache=False).logits
+            torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)

@@ -1,0 +1,113 @@
+"""Where the serving engine's time goes with adapters: device kernels of ``bench_serving.py``'s saturation run
+(Llama-3-8B shape, 160 requests at once, 32 rank-16 adapters), then the same requests on the base model.
+
+For each system a window of the run (``--skip`` seconds after the requests arrive, ``--window`` seconds long) is
+traced with torch.profiler (CUDA kernels, also those replayed from CUDA graphs); the kernels are summed by kind:
+LoRA per-token calls of decode size (grid over at most 256 positions), the per-token half of tiled calls (the
+short runs of mixed steps: a grid over every position of the step), the tiled kernels, attention, GEMMs, the rest.
+Times are per engine step of the window (steps counted by the engine's step listener), split into decode and
+mixed steps by the listener's records.
+
+    python benchmarks/explore/profile_engine_steps.py --output benchmarks/results/profile_engine_steps_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import threading
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench_serving.py and bench_generate.py
+from bench_serving import FULL, build_model, make_requests, run_engine  # noqa: E402
+
+from punica_hf.serving import Engine, EngineConfig, StepRecord  # noqa: E402
+
+PER_TOKEN = ("shrink_chunk_kernel", "expand_chunk_kernel", "fused_chunk_kernel")
+TILED = ("shrink_tiled_kernel", "expand_tiled_kernel", "merge_splits_kernel")
+DECODE_SIZED = 256  # the per-token path's largest call (csrc/lora_add.cu, kPerTokenMaxTokens)
+
+
+def kind_of(name: str, grid: list[int]) -> str:
+    if any(k in name for k in PER_TOKEN):
+        return "lora per-token, decode-sized calls" if grid[0] <= DECODE_SIZED else "lora per-token, in tiled calls"
+    if any(k in name for k in TILED):
+        return "lora tiled"
+    if "paged_attention" in name or "flash" in name.lower() or "attention" in name.lower():
+        return "attention"
+    if any(k in name.lower() for k in ("gemm", "cutlass", "nvjet", "xmma", "cublas")):
+        return "gemm"
+    return "other"
+
+
+def traced_window(engine: Engine, requests, adapters, skip: float, window: float) -> dict:
+    """Run every request at once; trace ``window`` seconds from ``skip`` seconds in. Kernel time by kind and
+    the steps that ran in the window."""
+    steps: list[StepRecord] = []
+    tracing = threading.Event()  # each system's listener records only while its own window is traced
+    engine.add_step_listener(lambda record: tracing.is_set() and steps.append(record))
+    done = threading.Event()
+    runner = threading.Thread(target=lambda: (run_engine(engine, requests, adapters, None, 0), done.set()))
+    runner.start()
+    time.sleep(skip)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        tracing.set()
+        time.sleep(window)
+        tracing.clear()
+    with tempfile.TemporaryDirectory() as folder:
+        trace = Path(folder, "trace.json")
+        prof.export_chrome_trace(str(trace))
+        events = json.loads(trace.read_text())["traceEvents"]
+    runner.join()
+    assert done.is_set()
+    kernels = [e for e in events if e.get("cat") == "kernel"]
+    by_kind: dict[str, float] = defaultdict(float)
+    launches: dict[str, int] = defaultdict(int)
+    for event in kernels:
+        kind = kind_of(event["name"], event.get("args", {}).get("grid", [0, 0, 0]))
+        by_kind[kind] += event["dur"] / 1e3  # ms
+        launches[kind] += 1
+    decode = [s for s in steps if s.tokens == s.requests]
+    mixed = [s for s in steps if s.tokens > s.requests]
+    return {
+        "steps": len(steps), "decode_steps": len(decode), "mixed_steps": len(mixed),
+        "step_seconds": sum(s.seconds for s in steps),
+        "mean_decode_batch": sum(s.requests for s in decode) / max(len(decode), 1),
+        "mean_mixed_tokens": sum(s.tokens for s in mixed) / max(len(mixed), 1),
+        "kernel_ms": dict(sorted(by_kind.items())), "kernel_launches": dict(sorted(launches.items())),
+        "kernel_ms_per_step": {k: v / max(len(steps), 1) for k, v in sorted(by_kind.items())},
+        "kernels_seen": len(kernels),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--skip", type=float, default=1.5, help="seconds into the run before tracing")
+    parser.add_argument("--window", type=float, default=2.0, help="seconds traced")
+    parser.add_argument("--output", type=Path, default=Path("profile_engine_steps.json"))
+    args = parser.parse_args()
+    setup = argparse.Namespace(tiny=False, layers=32, adapters=[32], rank=16, max_adapters=128)
+    model, adapter_sets, config = build_model(setup)
+    requests = make_requests(160, config.vocab_size, FULL, 0)
+    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "skip": args.skip,
+              "window": args.window, "systems": {}}
+    with profile(activities=[ProfilerActivity.CUDA]):  # the profiler set up before the engine captures graphs
+        torch.zeros(1, device="cuda")
+    with Engine(model, config=EngineConfig(max_queue=160, max_running=128)) as engine:
+        run_engine(engine, requests[:8], adapter_sets[32], None, 0)  # warm-up
+        for name, adapters in (("engine, 32 adapters", adapter_sets[32]), ("engine, base model", [None])):
+            report["systems"][name] = result = traced_window(engine, requests, adapters, args.skip, args.window)
+            print(name, json.dumps(result, indent=1), flush=True)
+    args.output.write_text(json.dumps(report, indent=2))
+    print(f"wrote {args.output}")
+
+
+if __name__ == "__main__":
+    main()
