@@ -20,6 +20,7 @@ import tempfile
 import threading
 import time
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -53,9 +54,8 @@ def traced_window(engine: Engine, requests, adapters, skip: float, window: float
     steps: list[StepRecord] = []
     tracing = threading.Event()  # each system's listener records only while its own window is traced
     engine.add_step_listener(lambda record: tracing.is_set() and steps.append(record))
-    done = threading.Event()
-    runner = threading.Thread(target=lambda: (run_engine(engine, requests, adapters, None, 0), done.set()))
-    runner.start()
+    runner = ThreadPoolExecutor(max_workers=1)
+    run = runner.submit(run_engine, engine, requests, adapters, None, 0)
     time.sleep(skip)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         tracing.set()
@@ -65,8 +65,8 @@ def traced_window(engine: Engine, requests, adapters, skip: float, window: float
         trace = Path(folder, "trace.json")
         prof.export_chrome_trace(str(trace))
         events = json.loads(trace.read_text())["traceEvents"]
-    runner.join()
-    assert done.is_set()
+    run.result()  # the run's own error, if it failed
+    runner.shutdown()
     kernels = [e for e in events if e.get("cat") == "kernel"]
     by_kind: dict[str, float] = defaultdict(float)
     launches: dict[str, int] = defaultdict(int)
