@@ -34,7 +34,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from triton.testing import do_bench
 
 from punica_hf import ops
 from punica_hf.ops import cuda as cuda_ops
@@ -101,6 +100,8 @@ HOST_TOKENS = (1, 32)  # host cost per call: decode batches at 4096 -> 16 -> 409
 
 def graph_us(fn, rep_ms: int) -> float:
     """Median time of `fn` captured alone in a CUDA graph, replays timed by do_bench (L2 cleared before each)."""
+    from triton.testing import do_bench  # GPU-only: imported here so the module imports on CPU-only torch
+
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm-up outside the capture (allocator, lazy init)
