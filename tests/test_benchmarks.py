@@ -99,11 +99,17 @@ def test_step_benchmark_floor_counts_the_adapter_bytes_that_bench_generate_count
 
 
 IMPORT_EACH_SCRIPT = r"""
-import importlib.util, json, os, sys
+import importlib, importlib.util, json, os, sys
 from pathlib import Path
 
 for blocked in filter(None, os.environ.get("BLOCKED_MODULES", "").split(",")):
     sys.modules[blocked] = None  # `import blocked` now raises ModuleNotFoundError, as where it is not installed
+    try:
+        importlib.import_module(blocked)
+    except ImportError:
+        pass
+    else:
+        raise SystemExit(f"{blocked} still imports: the check would pass where it is installed")
 results, clean_path = {}, list(sys.path)
 for script in map(Path, sys.argv[1:]):
     # as `python benchmarks/.../script.py` would: the script's own folder first on the path, nothing else of ours
