@@ -204,8 +204,8 @@ class StepTimer:
     would check every guard.) While ``record`` runs a call, each step records the host time inside the call, the
     GPU time from the call's entry to the end of the work it enqueued (CUDA events: kernels plus any wait for the host
     inside the call, as generate() leaves the GPU idle between steps) and when it began (the step period). The
-    profiler is no use for these: CUPTI's per-kernel records add host time to every graph launch, ~1 us per node
-    (``explore/bench_graph_launch.py``'s ``profiled_launch_us``).
+    profiler is no use for these: CUPTI's per-kernel records add host time to every node of a graph launch, so a
+    profiled step's host time is mostly the profiler's.
     """
 
     def __init__(self, model: torch.nn.Module) -> None:
@@ -513,7 +513,8 @@ def measure_peft(args, config: LlamaConfig, model: torch.nn.Module, adapters: di
     peft_model.set_adapter(names[0])
     measure("PEFT, one adapter active, eager, decode", "1 distinct (PEFT)", "eager", "decode", peft_model.generate)
     rows = [names[i % len(names)] for i in range(args.batch)]
-    # ~20 tokens/s: few tokens, one rep, and no separate warm-up (the run above warmed up PEFT at these shapes).
+    # PEFT's mixed batch loops over the adapters per module, so it is slow: few tokens, one rep, and no separate
+    # warm-up (the run above warmed up PEFT at these shapes).
     measure(f"PEFT mixed batch (adapter_names), {len(names)} distinct, eager, decode", f"{len(names)} distinct (PEFT)",
             "eager", "decode", lambda **kwargs: peft_model.generate(adapter_names=rows, **kwargs),
             new_tokens=args.peft_mixed_new_tokens, reps=1, warm_up=False)

@@ -22,7 +22,7 @@ fractions of the saturation rate of the first adapter system. Throughput = gener
 arrival); TTFT = first token - arrival; TPOT = mean gap between a request's later tokens. Writes JSON (and the
 throughput / p99-latency vs offered load picture, ``serving_plot.py``) under benchmarks/results/.
 
-    python benchmarks/bench_serving.py            # H200: about 12 minutes (longer than one device call)
+    python benchmarks/bench_serving.py --output benchmarks/results/bench_serving_h200.json   # ~12 min on an H200
     python benchmarks/bench_serving.py --tiny     # CPU smoke test on a tiny model
 """
 

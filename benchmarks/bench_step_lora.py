@@ -11,10 +11,8 @@ them in L2). Three CUDA graphs are captured per adapter mix and replayed in turn
 - ``both_us``: the two interleaved as in a step; ``added_us = both_us - gemm_us`` is what LoRA adds to it.
 
 ``floor_us`` is the bytes the LoRA calls must move (the factors of the adapters in the batch, x read, updates
-written) at the copy bandwidth measured here. With one adapter the calls move 1/12 of the bytes they move at 32
-distinct adapters, so ``lora_us`` at ``--distinct 1`` is close to the calls' fixed cost.
-``benchmarks/explore/fused_stages.sh`` runs this on copies of the fused kernel that return early, to split that
-fixed cost into its parts.
+written) at the copy bandwidth measured here. With one adapter the calls move a small fraction of the bytes they
+move at 32 distinct adapters, so ``lora_us`` at ``--distinct 1`` is close to the calls' fixed cost.
 
     python benchmarks/bench_step_lora.py --output benchmarks/results/bench_step_lora_h200.json
 """
@@ -94,7 +92,7 @@ def main() -> None:
     parser.add_argument("--calls", default=",".join(CALLS), help="the calls of each layer to make (default: all four)")
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--reps", type=int, default=40)
-    parser.add_argument("--label", default="", help="a name for this build, kept in the output (fused_stages.sh)")
+    parser.add_argument("--label", default="", help="a name for this build, kept in the output (to tell runs of two builds apart)")
     parser.add_argument("--output", type=Path)
     args = parser.parse_args()
     if not torch.cuda.is_available():

@@ -1,4 +1,4 @@
-"""CUDA-graph capture shared by the benchmarks (``bench_step_lora.py``, ``explore/bench_graph_launch.py``)."""
+"""CUDA-graph capture shared by the benchmarks (``bench_step_lora.py``)."""
 
 from __future__ import annotations
 

@@ -10,17 +10,17 @@ import argparse
 import json
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
 PANELS = (("tokens_per_second", "throughput (tokens/s)", 1), ("ttft_p99", "p99 time to first token (s)", 1),
           ("tpot_p99", "p99 time per output token (ms)", 1e3))
 
 
 def plot(json_path: Path) -> Path:
     """Draw the picture of one benchmark run; returns the PNG's path (the JSON's, with .png)."""
+    import matplotlib  # optional: imported here so the module imports without it
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     report = json.loads(Path(json_path).read_text())
     figure, axes = plt.subplots(1, len(PANELS), figsize=(5 * len(PANELS), 4), constrained_layout=True)
     for name, system in report["systems"].items():

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
+import os
 import subprocess
 import sys
 import time
@@ -76,7 +76,10 @@ def test_step_timer_times_each_compiled_step_without_changing_how_it_runs(tmp_pa
     finally:
         torch._dynamo.reset()
     assert timing["steps"] == new_tokens - 1 - 2
-    assert 0 < timing["host_in_call_ms"] <= timing["period_ms"]
+    # Medians of different steps (the last step has no period after it): on a busy host one step's time inside
+    # the call can exceed the median period, so each is bounded by what holds step by step.
+    assert 0 < timing["host_in_call_ms"] < timing["call_ms"]
+    assert 0 < timing["period_ms"] <= timing["steady_ms"]
     assert timing["gpu_call_ms"] > 0
     parts = [timing[key] for key in ("before_steps_ms", "settling_ms", "steady_ms", "after_steps_ms")]
     assert min(parts) > 0 and sum(parts) == pytest.approx(timing["call_ms"])
@@ -96,9 +99,17 @@ def test_step_benchmark_floor_counts_the_adapter_bytes_that_bench_generate_count
 
 
 IMPORT_EACH_SCRIPT = r"""
-import importlib.util, json, sys
+import importlib, importlib.util, json, os, sys
 from pathlib import Path
 
+for blocked in filter(None, os.environ.get("BLOCKED_MODULES", "").split(",")):
+    sys.modules[blocked] = None  # `import blocked` now raises ModuleNotFoundError, as where it is not installed
+    try:
+        importlib.import_module(blocked)
+    except ImportError:
+        pass
+    else:
+        raise SystemExit(f"{blocked} still imports: the check would pass where it is installed")
 results, clean_path = {}, list(sys.path)
 for script in map(Path, sys.argv[1:]):
     # as `python benchmarks/.../script.py` would: the script's own folder first on the path, nothing else of ours
@@ -118,22 +129,30 @@ print(json.dumps(results))
 """
 
 
-def test_every_benchmark_script_imports_from_where_it_lives():
-    """The exploratory scripts moved to ``benchmarks/explore/`` and the shared CUDA-graph helper to
-    ``benchmarks/cuda_graph.py``: each script must still find what it imports when run from its own folder (nothing
-    runs on import, so this holds on the CPU). A third-party module that is not installed here (matplotlib for the
-    plot) is allowed; a module of this repository that is not found is not."""
+def import_each_script(blocked: tuple[str, ...] = ()) -> tuple[list[Path], dict[str, str]]:
+    """Every benchmark script, and each one's outcome when imported in a fresh interpreter with ``blocked``
+    modules made unimportable: "ok", "missing <module>" or "error <type>: <message>"."""
     folder = Path(__file__).resolve().parents[1] / "benchmarks"
-    scripts = sorted(folder.glob("*.py")) + sorted((folder / "explore").glob("*.py"))
-    assert any(script.parent.name == "explore" for script in scripts)
+    scripts = sorted(folder.rglob("*.py"))
+    environment = {**os.environ, "BLOCKED_MODULES": ",".join(blocked), "CUDA_VISIBLE_DEVICES": ""}
     result = subprocess.run([sys.executable, "-c", IMPORT_EACH_SCRIPT, *map(str, scripts)], capture_output=True,
-                            text=True, timeout=600, cwd=folder.parent / "tests")
+                            text=True, timeout=600, cwd=folder.parent / "tests", env=environment)
     assert result.returncode == 0, result.stderr[-3000:]
-    outcomes = json.loads(result.stdout.strip().splitlines()[-1])
-    ours = {path.stem for path in folder.rglob("*.py")} | {"punica_hf"}
-    bad = {script: outcome for script, outcome in outcomes.items()
-           if outcome != "ok" and not (outcome.startswith("missing ") and
-                                       outcome.split()[1].split(".")[0] not in ours and
-                                       importlib.util.find_spec(outcome.split()[1].split(".")[0]) is None)}
-    assert not bad, bad
-    assert sum(outcome == "ok" for outcome in outcomes.values()) >= len(scripts) - 1
+    return scripts, json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_every_benchmark_script_imports_from_where_it_lives():
+    """Each script must find what it imports when run from its own folder (the shared CUDA-graph helper
+    ``benchmarks/cuda_graph.py``, the other scripts): nothing runs on import, so this holds on the CPU."""
+    scripts, outcomes = import_each_script()
+    assert len(outcomes) == len(scripts) >= 8
+    assert {outcome for outcome in outcomes.values()} == {"ok"}, outcomes
+
+
+def test_every_benchmark_script_imports_without_triton_or_a_gpu():
+    """The README's CPU install has torch without triton, and the test suite imports benchmark scripts: a script
+    importing a GPU-only tool at module level stops ``pytest`` at collection. GPU-only tools are imported where
+    they are used, so every script imports with triton unimportable and no GPU visible."""
+    scripts, outcomes = import_each_script(blocked=("triton",))
+    assert len(outcomes) == len(scripts) >= 8
+    assert {outcome for outcome in outcomes.values()} == {"ok"}, outcomes

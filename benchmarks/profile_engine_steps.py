@@ -8,14 +8,13 @@ short runs of mixed steps: a grid over every position of the step), the tiled ke
 Times are per engine step of the window (steps counted by the engine's step listener), split into decode and
 mixed steps by the listener's records.
 
-    python benchmarks/explore/profile_engine_steps.py --output benchmarks/results/profile_engine_steps_h200.json
+    python benchmarks/profile_engine_steps.py --output benchmarks/results/profile_engine_steps_h200.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import threading
 import time
@@ -26,10 +25,9 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench_serving.py and bench_generate.py
-from bench_serving import FULL, build_model, make_requests, run_engine  # noqa: E402
+from bench_serving import FULL, build_model, make_requests, run_engine
 
-from punica_hf.serving import Engine, EngineConfig, StepRecord  # noqa: E402
+from punica_hf.serving import Engine, EngineConfig, StepRecord
 
 PER_TOKEN = ("shrink_chunk_kernel", "expand_chunk_kernel", "fused_chunk_kernel")
 TILED = ("shrink_tiled_kernel", "expand_tiled_kernel", "merge_splits_kernel")
