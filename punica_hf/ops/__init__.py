@@ -42,7 +42,9 @@ def requested_backend(backend: str | None = None) -> str:
     return backend
 
 
-def backend_for(device: torch.device | str, requested: str = "auto", kernels: KernelConfig | None = None) -> LoraBackend:
+def backend_for(
+    device: torch.device | str, requested: str = "auto", kernels: KernelConfig | None = None
+) -> LoraBackend:
     """The LoRA backend for tensors on ``device``: ``requested`` is ``"torch"``, ``"cuda"`` (raises if the kernels
     cannot be built or ``device`` is not a GPU) or ``"auto"`` (the kernels on a GPU when they build, else the
     reference). ``kernels``: the paths the CUDA backend takes (default ``KernelConfig()``). Builds the kernels on

@@ -5,9 +5,9 @@ The factors live in one flat pool per device (the op contract): slot ``s`` of ra
 (LoRA B transposed, scaling folded in), so memory is exactly ``r * (H_in + H_out)`` elements per adapter and layer.
 ``pack_factors`` lays factors out that way (tests, benchmarks).
 
-One matmul pair per adapter present in the batch (a loop over the slots' runs of tokens), exact in the accumulation dtype
-(float32, or float64 for float64 inputs). It reads segment boundaries, ranks and offsets on the host, so on a GPU
-it synchronises once per call and cannot be captured in a CUDA graph.
+One matmul pair per adapter present in the batch (a loop over the runs of one slot in the sorted tokens), exact in
+the accumulation dtype (float32, or float64 for float64 inputs). It reads those runs, the ranks and the offsets on
+the host, so on a GPU it synchronises once per call and cannot be captured in a CUDA graph.
 """
 
 from __future__ import annotations
