@@ -12,7 +12,7 @@ its hidden states only): the model wrapper puts each forward's ``LoraSegments`` 
 all hooks, built once per forward and per device.
 
 Projections that share their input (q/k/v, gate/up: a ``ProjectionGroup``) compute their updates together at
-decode sizes in compiled code: the first member's hook to run makes one ``ops.lora_delta`` call for the whole
+decode sizes in compiled code: the first member's hook to run makes one ``lora_delta`` call of the backend for the whole
 group, and every member adds its own columns of it (an add that Inductor fuses into the next kernel). Eager calls
 on the kernels do not group: there each member's add would be one more launch, and host time is what an eager
 step spends, so each projection makes one call that adds into its output in place. An eager forward captured in a

@@ -26,28 +26,27 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
 from pathlib import Path
-from unittest import mock
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for the shared helpers
 from cuda_graph import capture  # noqa: E402
+from punica_hf.ops import KernelConfig  # noqa: E402
 from punica_hf.ops import cuda as cuda_ops  # noqa: E402
 from punica_hf.ops import torch_ops  # noqa: E402
 from punica_hf.ops.segments import build_segments  # noqa: E402
 
 LAYERS, TOKENS, HIDDEN, KV, INTERMEDIATE, RANK = 32, 32, 4096, 1024, 14336, 16
-# Environment of each LoRA variant (the switches the binding reads at every call, so at capture).
+# Kernel config of each LoRA variant (the fused kernel is a plain launch: programmatic_launch is for two launches).
 LORA_VARIANTS = {
-    "lora fused": {"PUNICA_HF_FUSED": "1"},  # a plain launch since 2026-12-03 (PUNICA_HF_PDL is for two launches)
-    "lora two launches, PDL": {"PUNICA_HF_FUSED": "0", "PUNICA_HF_PDL": "1"},
-    "lora two launches, no PDL": {"PUNICA_HF_FUSED": "0", "PUNICA_HF_PDL": "0"},
+    "lora fused": KernelConfig(fused=True),
+    "lora two launches, PDL": KernelConfig(fused=False, programmatic_launch=True),
+    "lora two launches, no PDL": KernelConfig(fused=False, programmatic_launch=False),
 }
 
 
@@ -83,7 +82,8 @@ class Step:
                                  outputs)
         self.side = torch.cuda.Stream()  # the overlapped variant's second stream
         slots = (torch.arange(TOKENS, device=device) % distinct).to(torch.int32)
-        self.segments = build_segments(slots, distinct, "cuda")
+        self.segments = build_segments(slots, distinct)
+        self.backend = cuda_ops.CudaLoraBackend()  # the LoRA variant: set per measurement
 
     def run(self, lora: bool, plain_extra: bool, overlap: bool = False) -> None:
         w, x = self.w, self.x
@@ -121,7 +121,7 @@ class Step:
 
     def _delta(self, h: torch.Tensor, name: str) -> torch.Tensor:
         a, b, ranks, outputs = self.tables[name]
-        return cuda_ops.lora_delta_unchecked(h, self.pool, a, b, ranks, self.segments, RANK, outputs)
+        return self.backend.lora_delta_unchecked(h, self.pool, a, b, ranks, self.segments, RANK, outputs)
 
     def _fork(self, side: torch.cuda.Stream, h: torch.Tensor, name: str) -> torch.Tensor:
         """The call's updates computed on ``side`` once ``h`` is ready (the inputs stay alive: the graph is captured
@@ -136,7 +136,7 @@ class Step:
 
     def _add(self, y: torch.Tensor, h: torch.Tensor, name: str) -> None:
         a, b, ranks, _ = self.tables[name]
-        cuda_ops.lora_add_unchecked(y, h, self.pool, a[0], b[0], ranks[0], self.segments, RANK)
+        self.backend.lora_add_unchecked(y, h, self.pool, a[0], b[0], ranks[0], self.segments, RANK)
 
 
 def measure(graph: torch.cuda.CUDAGraph, reps: int) -> dict:
@@ -181,9 +181,10 @@ def main() -> None:
         results[f"chain {nodes}"] = measure(capture(lambda: [counter.add_(1) for _ in range(nodes)]), args.reps)
     results["base"] = measure(capture(lambda: step.run(False, False)), args.reps)
     results["base + 128 plain kernels"] = measure(capture(lambda: step.run(False, True)), args.reps)
-    for name, env in LORA_VARIANTS.items():
-        with mock.patch.dict(os.environ, env):  # read by the binding at every call, so at capture
-            results[name] = measure(capture(lambda: step.run(True, False)), args.reps)
+    for name, kernels in LORA_VARIANTS.items():
+        step.backend = cuda_ops.CudaLoraBackend(kernels)
+        results[name] = measure(capture(lambda: step.run(True, False)), args.reps)
+    step.backend = cuda_ops.CudaLoraBackend(LORA_VARIANTS["lora fused"])
     results["lora fused, overlapped"] = measure(capture(lambda: step.run(True, False, overlap=True)), args.reps)
     base = results["base"]
     for name, r in results.items():

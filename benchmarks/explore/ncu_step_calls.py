@@ -37,10 +37,11 @@ def make_call(hidden_in: int, widths: list[int], segments):
     a_offsets, b_offsets = offsets[..., 0].contiguous(), offsets[..., 1].contiguous()
     ranks = torch.full((len(widths), SLOTS), RANK, dtype=torch.int32, device="cuda")
     x = torch.randn(TOKENS, hidden_in, device="cuda").bfloat16()
+    backend = cuda_ops.CudaLoraBackend()
     if len(widths) > 1:
-        return lambda: cuda_ops.lora_delta_unchecked(x, pool, a_offsets, b_offsets, ranks, segments, RANK, widths)
+        return lambda: backend.lora_delta_unchecked(x, pool, a_offsets, b_offsets, ranks, segments, RANK, widths)
     y = torch.randn(TOKENS, widths[0], device="cuda").bfloat16()
-    return lambda: cuda_ops.lora_add_unchecked(y, x, pool, a_offsets[0], b_offsets[0], ranks[0], segments, RANK)
+    return lambda: backend.lora_add_unchecked(y, x, pool, a_offsets[0], b_offsets[0], ranks[0], segments, RANK)
 
 
 def main() -> None:
@@ -52,7 +53,7 @@ def main() -> None:
         parser.error(f"unknown calls {sorted(unknown)}; choose from {list(CALLS)}")
     torch.manual_seed(0)
     slots = torch.arange(TOKENS, dtype=torch.int32, device="cuda") % SLOTS
-    segments = build_segments(slots, SLOTS, "cuda")
+    segments = build_segments(slots, SLOTS)
     for name in names:
         call = make_call(*CALLS[name], segments)
         for _ in range(3):
