@@ -13,8 +13,8 @@ Each call is captured alone in a CUDA graph and replayed after a warm-up; every 
 after a 256 MiB write that evicts the L2 (the keys and values come from HBM), and the median is reported. K/V
 bytes = sum of k_len x Hkv x D x 2 bytes x 2 (keys and values), the floor every implementation reads; GB/s is that
 over the median time, and ``of_copy_bandwidth`` compares it with a device-to-device copy measured in the same run
-(bytes read + written per second). ``--splits`` also times the kernel with forced split counts
-(``paged_attention``'s ``splits`` argument). Writes JSON to benchmarks/results/bench_attention_h200.json or ``--output``.
+(bytes read + written per second). ``--splits`` also times the kernel with forced split counts (``paged_attention``'s
+``splits`` argument). Writes JSON to benchmarks/results/bench_attention_h200.json or ``--output``.
 """
 
 from __future__ import annotations

@@ -294,8 +294,8 @@ def markdown(results: list[dict], meta: dict, host: list[dict], host_before: lis
         f"torch {meta['torch']}, CUDA {meta['cuda']}; copy bandwidth {meta['copy_bandwidth_tb_s']:.2f} TB/s "
         f"(read + write); empty graph (one 1-element kernel) {meta['empty_graph_us']:.1f} us in the same harness. "
         "Times in us: each call alone in a CUDA graph, `do_bench(graph.replay)` median, L2 cleared before each "
-        "replay (ANCHORS.md's harness). 'two launches' = `KernelConfig(fused=False)` (shrink and expand kernels where the "
-        "fused cluster kernel runs otherwise). Best peer and its gather-BMM from "
+        "replay (ANCHORS.md's harness). 'two launches' = `KernelConfig(fused=False)` (shrink and expand kernels "
+        "where the fused cluster kernel runs otherwise). Best peer and its gather-BMM from "
         f"ANCHORS.md (another run). Target: <= {DISTINCT_TARGET}x the best peer on distinct decode, <= 1.0x "
         f"elsewhere; met in {met} of {len(peer_rows)} rows. Kernels: each kernel's device time, eager, L2 cleared "
         "(with PDL the expand's includes waiting for the shrink; one figure where the fused kernel ran).",

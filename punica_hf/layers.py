@@ -12,8 +12,8 @@ its hidden states only): the model wrapper puts each forward's ``LoraSegments`` 
 all hooks, built once per forward and per device.
 
 Projections that share their input (q/k/v, gate/up: a ``ProjectionGroup``) compute their updates together at
-decode sizes in compiled code: the first member's hook to run makes one ``lora_delta`` call of the backend for the whole
-group, and every member adds its own columns of it (an add that Inductor fuses into the next kernel). Eager calls
+decode sizes in compiled code: the first member's hook to run makes one ``lora_delta`` call of the backend for the
+whole group, and every member adds its own columns of it (an add that Inductor fuses into the next kernel). Eager calls
 on the kernels do not group: there each member's add would be one more launch, and host time is what an eager
 step spends, so each projection makes one call that adds into its output in place. An eager forward captured in a
 CUDA graph (the serving engine's steps) groups as compiled code does: a replay spends no host time per launch, and
@@ -301,7 +301,7 @@ class LoraHook:
             )
         pool = tables.pool
         compiling = torch.compiler.is_compiling()
-        backend = self.context.backend(tables.device)
+        backend = self.context.backend(pool.device)
         unchecked = backend.takes_unchecked(pool.dtype, self.in_features, self.out_features, self.max_rank)
         # In place in the module's output, where the dtypes and devices allow (else the module computes in another
         # dtype or on another device: quantized or offloaded bases, and the update is added there).
