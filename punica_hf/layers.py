@@ -57,6 +57,10 @@ class LoraContext:
         self._on_device: dict[torch.device, LoraSegments] = {}
         self._backends: dict[torch.device, LoraBackend] = {}
 
+    def __getstate__(self) -> dict:
+        # A copy decides its backends again where it runs: the kernels may have to be built or loaded there.
+        return {**self.__dict__, "_backends": {}}
+
     def backend(self, device: torch.device) -> LoraBackend:
         """The LoRA backend for ``device``, decided once (eagerly, before any compiled step reads it)."""
         if device not in self._backends:

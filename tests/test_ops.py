@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import pickle
 import re
 from pathlib import Path
 
@@ -171,6 +172,20 @@ def test_backend_env_is_read_once_when_the_context_is_made(monkeypatch):
         LoraContext()
     with pytest.raises(ValueError, match="backend must be one of"):
         LoraContext(backend="fastest")
+
+
+def test_a_copied_context_decides_its_backends_again_with_the_same_settings(monkeypatch):
+    """A pickled context (a model saved and loaded in another process) must not carry backend objects whose kernels
+    were loaded in the process that made them: the copy decides again, with the same request and kernel config."""
+    config = ops.KernelConfig(short_runs=False)
+    context = LoraContext(config, "torch")
+    context.backend(torch.device("cpu"))
+    chosen = []
+    monkeypatch.setattr(ops, "backend_for", lambda *args: chosen.append(args) or ops.TorchLoraBackend())
+    copied = pickle.loads(pickle.dumps(context))
+    copied.backend(torch.device("cpu"))
+    copied.backend(torch.device("cpu"))
+    assert chosen == [(torch.device("cpu"), "torch", config)]
 
 
 def test_kernel_config_is_frozen_and_typed():
