@@ -13,15 +13,14 @@ Each call is captured alone in a CUDA graph and replayed after a warm-up; every 
 after a 256 MiB write that evicts the L2 (the keys and values come from HBM), and the median is reported. K/V
 bytes = sum of k_len x Hkv x D x 2 bytes x 2 (keys and values), the floor every implementation reads; GB/s is that
 over the median time, and ``of_copy_bandwidth`` compares it with a device-to-device copy measured in the same run
-(bytes read + written per second). ``--splits`` also times the kernel with forced split counts
-(``PUNICA_HF_ATTENTION_SPLITS``). Writes JSON to benchmarks/results/bench_attention_h200.json or ``--output``.
+(bytes read + written per second). ``--splits`` also times the kernel with forced split counts (``paged_attention``'s
+``splits`` argument). Writes JSON to benchmarks/results/bench_attention_h200.json or ``--output``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -116,11 +115,8 @@ def relative_error(out: torch.Tensor, expected: torch.Tensor) -> float:
 def time_ours(args, reps: int, flush: torch.Tensor, forced_splits: list[int]) -> dict:
     result = {"ours_us": graph_us(lambda: attention.paged_attention_cuda(*args), reps, flush)}
     for splits in forced_splits:
-        os.environ["PUNICA_HF_ATTENTION_SPLITS"] = str(splits)
-        try:
-            result[f"ours_splits_{splits}_us"] = graph_us(lambda: attention.paged_attention_cuda(*args), reps, flush)
-        finally:
-            del os.environ["PUNICA_HF_ATTENTION_SPLITS"]
+        result[f"ours_splits_{splits}_us"] = graph_us(
+            lambda: attention.paged_attention_cuda(*args, splits=splits), reps, flush)
     return result
 
 
@@ -196,7 +192,6 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("bench_attention.py needs a CUDA GPU (torch.cuda.is_available() is False); nothing was measured")
     forced_splits = [int(s) for s in args.splits.split(",") if s.strip()]
-    os.environ.pop("PUNICA_HF_ATTENTION_SPLITS", None)
     gen = torch.Generator().manual_seed(0)
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     copy_gbps = copy_bandwidth_gbps(flush)

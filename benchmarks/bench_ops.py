@@ -6,7 +6,7 @@ Timed as ANCHORS.md (the project's peer measurements, kept outside this reposito
 ``triton.testing.do_bench(graph.replay)`` (median; do_bench clears the L2 before every replay, so factors, tables
 and activations come from HBM). Per case:
   * punica_hf's kernels as they run by default (at decode sizes on sm_90 one fused cluster kernel where the factor
-    slices fit shared memory), and with ``PUNICA_HF_FUSED=0`` (the shrink and expand kernels);
+    slices fit shared memory), and with ``KernelConfig(fused=False)`` (the shrink and expand kernels);
   * gather-BMM: torch, A and B gathered per token from stacked copies of the same factors, two bmm (decode only);
   * the per-adapter loop: the PyTorch reference ops, eager (it syncs, so it cannot be captured);
   * an empty graph (one 1-element kernel) in the same harness: the fixed cost every column carries;
@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -172,17 +171,22 @@ def run_case(rank: int, hidden_in: int, hidden_out: int, case: Case, bandwidth: 
     x = torch.randn(tokens, hidden_in, device=device).to(dtype)
     y = torch.randn(tokens, hidden_out, device=device).to(dtype)
     slots = case.slots().to(device=device, dtype=torch.int32)
-    segments = build_segments(slots, adapters, "cuda")  # grouping not timed, as for the peers
+    segments = build_segments(slots, adapters)  # grouping not timed, as for the peers
+    backend = cuda_ops.CudaLoraBackend()
+    two_launch_backend = cuda_ops.CudaLoraBackend(ops.KernelConfig(fused=False))
 
     def ours():
-        cuda_ops.lora_add(y, x, pool, a_offsets, b_offsets, lora_ranks, segments, rank)
+        backend.lora_add(y, x, pool, a_offsets, b_offsets, lora_ranks, segments, rank)
+
+    def ours_two_launch():  # the shrink and expand kernels, where the fused kernel would run
+        two_launch_backend.lora_add(y, x, pool, a_offsets, b_offsets, lora_ranks, segments, rank)
 
     # The timed kernels must compute the right thing: against the fp32 reference on the same inputs.
     expected = y.float()
     torch_ops.lora_add(expected, x.float(), pool.float(), a_offsets, b_offsets, lora_ranks,
-                       build_segments(slots, adapters, "torch"), rank)
+                       build_segments(slots, adapters), rank)
     out_ref = y.clone()
-    cuda_ops.lora_add(out_ref, x, pool, a_offsets, b_offsets, lora_ranks, segments, rank)
+    backend.lora_add(out_ref, x, pool, a_offsets, b_offsets, lora_ranks, segments, rank)
     rel_error = ((out_ref.float() - expected).norm() / (expected - y.float()).norm()).item()
 
     result = {
@@ -191,11 +195,7 @@ def run_case(rank: int, hidden_in: int, hidden_out: int, case: Case, bandwidth: 
         "rel_error_vs_fp32_reference": rel_error, "floor_us": floor_bytes / bandwidth, "empty_graph_us": empty_us,
         "ours_us": graph_us(ours, rep_ms),
     }
-    os.environ["PUNICA_HF_FUSED"] = "0"  # the shrink and expand kernels, where the fused kernel would run
-    try:
-        result["ours_two_launch_us"] = graph_us(ours, rep_ms)
-    finally:
-        del os.environ["PUNICA_HF_FUSED"]
+    result["ours_two_launch_us"] = graph_us(ours_two_launch, rep_ms)
     if profile:
         result["kernel_us"] = kernel_times_us(ours)
     if end_to_end:
@@ -209,7 +209,7 @@ def run_case(rank: int, hidden_in: int, hidden_out: int, case: Case, bandwidth: 
             y.add_(torch.bmm(lora_b[slots_long], v).squeeze(2))
 
         result["gather_bmm_us"] = graph_us(gather_bmm, rep_ms)
-    reference_segments = build_segments(slots, adapters, "torch")
+    reference_segments = build_segments(slots, adapters)
     result["loop_eager_us"] = eager_us(
         lambda: torch_ops.lora_add(y, x, pool, a_offsets, b_offsets, lora_ranks, reference_segments, rank), reps=3)
     peer, peer_us, anchors_gather_us = ANCHORS_US[(rank, hidden_out, case.name)]
@@ -256,19 +256,17 @@ def host_costs(rank: int = 16, hidden: int = 4096) -> list[dict]:
         x = torch.randn(tokens, hidden, device=device, dtype=dtype)
         y = torch.randn(tokens, hidden, device=device, dtype=dtype)
         weight = torch.randn(hidden, hidden, device=device, dtype=dtype) * hidden**-0.5
-        segments = build_segments(torch.arange(tokens, dtype=torch.int32, device=device), adapters, "cuda")
+        segments = build_segments(torch.arange(tokens, dtype=torch.int32, device=device), adapters)
         args = (y, x, pool, tables["a_offsets"], tables["b_offsets"], tables["lora_ranks"], segments, rank)
-        cuda_ops.load_extension()
+        backend = cuda_ops.CudaLoraBackend()
         op = torch.ops.punica_hf.lora_add.default
-        named = {"y": y, "x": x, "pool": pool, "max_rank": rank, **tables}
+        named = {"y": y, "x": x, "pool": pool, "max_rank": rank, **tables, **dataclasses.asdict(backend.kernels)}
         named.update({f.name: getattr(segments, f.name) for f in dataclasses.fields(segments)})
         op_args = [named[argument.name] for argument in op._schema.arguments]
         entries = {
             "torch.ops.punica_hf.lora_add (raw op)": lambda: op(*op_args),
-            "ops.cuda.lora_add_unchecked": (lambda: cuda_ops.lora_add_unchecked(*args))
-            if hasattr(cuda_ops, "lora_add_unchecked") else None,
-            "ops.cuda.lora_add (checked)": lambda: cuda_ops.lora_add(*args),
-            "ops.lora_add (dispatch + checked)": lambda: ops.lora_add(*args),
+            "ops.cuda.lora_add_unchecked": lambda: backend.lora_add_unchecked(*args),
+            "ops.cuda.lora_add (checked)": lambda: backend.lora_add(*args),
             "y.add_(x) (reference)": lambda: y.add_(x),
             f"F.linear [{tokens}, {hidden}] x [{hidden}, {hidden}] (reference)":
                 lambda: torch.nn.functional.linear(x, weight),
@@ -298,8 +296,8 @@ def markdown(results: list[dict], meta: dict, host: list[dict], host_before: lis
         f"torch {meta['torch']}, CUDA {meta['cuda']}; copy bandwidth {meta['copy_bandwidth_tb_s']:.2f} TB/s "
         f"(read + write); empty graph (one 1-element kernel) {meta['empty_graph_us']:.1f} us in the same harness. "
         "Times in us: each call alone in a CUDA graph, `do_bench(graph.replay)` median, L2 cleared before each "
-        "replay (ANCHORS.md's harness). 'two launches' = `PUNICA_HF_FUSED=0` (shrink and expand kernels where the "
-        "fused cluster kernel runs otherwise). Best peer and its gather-BMM from "
+        "replay (ANCHORS.md's harness). 'two launches' = `KernelConfig(fused=False)` (shrink and expand kernels "
+        "where the fused cluster kernel runs otherwise). Best peer and its gather-BMM from "
         f"ANCHORS.md (another run). Target: <= {DISTINCT_TARGET}x the best peer on distinct decode, <= 1.0x "
         f"elsewhere; met in {met} of {len(peer_rows)} rows. Kernels: each kernel's device time, eager, L2 cleared "
         "(with PDL the expand's includes waiting for the shrink; one figure where the fused kernel ran).",

@@ -100,7 +100,7 @@ def main() -> None:
     calls = args.calls.split(",")
     if not calls or any(name not in CALLS for name in calls):
         raise SystemExit(f"--calls: a comma-separated subset of {', '.join(CALLS)}, got {args.calls!r}")
-    cuda_ops.load_extension()
+    backend = cuda_ops.CudaLoraBackend()
     distinct_counts = [int(d) for d in args.distinct.split(",")]
     slots = max(distinct_counts)
     generator = torch.Generator(device="cuda").manual_seed(0)
@@ -117,13 +117,13 @@ def main() -> None:
                     torch.mm(x, layer.weights[name].T)
                 if lora:
                     a_offsets, b_offsets, ranks = layer.tables[name]
-                    cuda_ops.lora_delta_unchecked(x, layer.pool, a_offsets, b_offsets, ranks, segments, args.rank,
-                                                  widths)
+                    backend.lora_delta_unchecked(x, layer.pool, a_offsets, b_offsets, ranks, segments, args.rank,
+                                                 widths)
 
     rows = []
     for distinct in distinct_counts:
         token_slots = (torch.arange(TOKENS, device="cuda") % distinct).to(torch.int32)
-        segments = build_segments(token_slots, slots, "cuda")
+        segments = build_segments(token_slots, slots)
         graphs = {f"{name}_us": capture(lambda g=gemm, l=lora: step(segments, g, l))
                   for name, gemm, lora in (("lora", False, True), ("gemm", True, False), ("both", True, True))}
         row = {"distinct": distinct, **replay_medians_us(graphs, args.reps)}

@@ -24,18 +24,17 @@ namespace cg = cooperative_groups;
 // Blocks per cluster: K and N are cut into this many slices. Calls with a wide input (Llama-3-8B's down projection:
 // A and x slices of 72 KB per block in clusters of 8, two blocks per multiprocessor whose loads all start and end
 // together) take clusters of 16 (the largest sm_90 allows, non-portable): half the bytes per block, four blocks per
-// multiprocessor at different phases of their round trips (down projection 22.5 -> 20.2 us in bench_ops, 17.4 ->
-// 15.3 us in a compiled decode step; wide outputs gained nothing in the step, so the choice looks at the K side
-// only). It depends on hidden_in and max_rank alone: a projection's bits are the same alone and in a group.
+// multiprocessor at different phases of their round trips, which overlaps their memory latency (faster for the
+// down projection alone and in a compiled decode step; wide outputs gained nothing in the step, so the choice looks
+// at the K side only: measurements in benchmarks/README.md). It depends on hidden_in and max_rank alone: a projection's bits are the same alone and in a group.
 constexpr int kCluster = 8;
 constexpr int kWideCluster = 16;
 constexpr size_t kWideKSmem = 48 * 1024;  // A and x slices above it in clusters of 8: clusters of 16
 constexpr int kFusedThreads = 256;
 constexpr int kFusedWarps = kFusedThreads / 32;
-// Where the fused kernel runs (H200, bench_ops, 2026-12-03): it beats the two launches by up to 20 % at 1-32
-// tokens and when tokens share adapters, ties at 32 distinct adapters, and loses at 64+ distinct adapters (one
-// memory round trip per block, nothing overlapping it) and when a block's slices take most of a multiprocessor's
-// shared memory (rank 64: 141 KB, one block per multiprocessor).
+// Where the fused kernel runs: it beats the two launches at few tokens and when tokens share adapters, and loses at
+// many distinct adapters (one memory round trip per block, nothing overlapping it) and when a block's slices take
+// most of a multiprocessor's shared memory (one block per multiprocessor); bench_ops.py measures the crossover.
 constexpr int kFusedMaxTokens = 64;
 constexpr size_t kFusedMaxSmem = 100 * 1024;  // two blocks per multiprocessor
 // Blocks per multiprocessor the registers are capped for (shared memory permitting): five in clusters of 8 (48
@@ -234,7 +233,7 @@ cudaError_t launch_clusters(const PunicaLoraProblem& p, size_t smem, cudaStream_
   const cudaError_t err = smem_limit.ensure(reinterpret_cast<const void*>(kernel), p.device, smem, Cluster > 8);
   if (err != cudaSuccess) return err;
   // A plain launch, not a dependent one (PDL): in a graph of a compiled decode step, programmatic edges made the
-  // graph launch ~1 us of host time longer per LoRA node and the replay no shorter (benchmarks/KERNEL_NOTES.md).
+  // graph launch cost more host time per LoRA node and the replay no shorter (benchmarks/KERNEL_NOTES.md).
   LaunchOptions options;
   options.cluster = Cluster;
   return launch_kernel(kernel, dim3(p.num_tokens * Cluster, 1, p.num_outputs), dim3(kFusedThreads), smem, stream,

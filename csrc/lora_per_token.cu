@@ -1,5 +1,5 @@
 // Per-token path in two launches (what the fused one-launch path of lora_fused.cu does not take: more than 64
-// tokens, slices too large for its shared memory, GPUs without thread-block clusters, PUNICA_HF_FUSED=0): bound by latency and bytes, not arithmetic, so fp32 FMAs on CUDA cores. Work is cut into the chunks of
+// tokens, slices too large for its shared memory, GPUs without thread-block clusters, KernelConfig(fused=False)): bound by latency and bytes, not arithmetic, so fp32 FMAs on CUDA cores. Work is cut into the chunks of
 // chunks.cuh; with every token its own adapter, each chunk is one token.
 // Every block moves up to 64 rank rows x 512 bytes = 32 KB of factors: small ranks take kGroup (2 or 4) K slices
 // (shrink) or column chunks (expand) of 32 lanes x 16 bytes per block.
@@ -247,7 +247,7 @@ expand_chunk_kernel(T* __restrict__ y, const T* __restrict__ pool, const int64_t
   // Items: (token, column chunk) pairs, at most kWarps * kItemsPerWarp. From rank kSplitMinRank, a chunk with fewer
   // items than warps has each item's rank rows split over `split` warps (at least 8 rows each), their sums then
   // added in warp order: deterministic. A lone token at rank 64 is one item, which one warp ran through 64 rows
-  // while seven waited (H200: rank-64 distinct rows 14-24 % faster split; at rank 16, 4 items of 16 rows, the
+  // while seven waited (splitting measured faster for rank-64 distinct rows; at rank 16, 4 items of 16 rows, the
   // added reduction cost what it saved).
   const int items = size * kGroup;
   int split = 1;

@@ -8,8 +8,6 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
-#include <cstdlib>
-#include <cstring>
 #include <mutex>
 #include <string>
 
@@ -32,7 +30,7 @@ PunicaDtype to_punica_dtype(at::ScalarType dtype) {
   }
 }
 
-// Integers enter messages as std::to_string text, never through operator<<: on the H200 machine (torch 2.11) every
+// Integers enter messages as std::to_string text, never through operator<<: on one GPU machine (torch 2.11) every
 // check whose message streamed an integer killed the process (SIGSEGV) instead of raising, while checks streaming
 // only text and devices raised. Suspected, not proven: number formatting through another libstdc++'s locale
 // facets (benchmarks/KERNEL_NOTES.md, the binding crash).
@@ -87,13 +85,6 @@ const DeviceInfo& device_info(int device) {
   return info[device];
 }
 
-// A switch read from the environment at every call (so a graph captured after changing it follows it): on unless
-// set to "0". For comparisons and bug triage.
-bool enabled(const char* variable) {
-  const char* setting = std::getenv(variable);
-  return setting == nullptr || std::strcmp(setting, "0") != 0;
-}
-
 // The checked problem of y [..., H_out] += LoRA of x [..., H_in] for G outputs (G = out_features.size()): the
 // leading dimensions are the T tokens (contiguous, so flattened as they are); output g is columns
 // [sum of out_features[:g], + out_features[g]) of y, with row g of the [G, S] tables (a_offsets, b_offsets,
@@ -101,7 +92,7 @@ bool enabled(const char* variable) {
 PunicaLoraProblem make_problem(const char* op, const at::Tensor& y, const at::Tensor& x, const at::Tensor& pool,
                                const at::Tensor& a_offsets, const at::Tensor& b_offsets, const at::Tensor& lora_ranks,
                                const at::Tensor& sorted_token_ids, const at::Tensor& sorted_slots,
-                               at::IntArrayRef out_features, int64_t max_rank) {
+                               at::IntArrayRef out_features, int64_t max_rank, bool programmatic_launch, bool fused) {
   TORCH_CHECK_VALUE(y.dim() >= 2 && x.dim() >= 2 && pool.dim() == 1 && lora_ranks.dim() >= 1,
                     op, ": expected y [..., H_out], x [..., H_in], pool 1-D and a lora_ranks table");
   const int64_t num_outputs = static_cast<int64_t>(out_features.size());
@@ -163,10 +154,11 @@ PunicaLoraProblem make_problem(const char* op, const at::Tensor& y, const at::Te
   const DeviceInfo& info = device_info(device);
   problem.device = device;
   problem.num_sms = info.num_sms;
-  // Programmatic dependent launch of the two-launch paths' expand kernels (PUNICA_HF_PDL=0 turns it off) and the
-  // fused one-launch per-token path (PUNICA_HF_FUSED=0): both sm_90+.
-  problem.programmatic_launch = info.compute_major >= 9 && enabled("PUNICA_HF_PDL") ? 1 : 0;
-  problem.fused = info.compute_major >= 9 && enabled("PUNICA_HF_FUSED") ? 1 : 0;
+  // The caller's kernel choices (punica_hf.ops.KernelConfig), arguments of the op so that a captured graph or a
+  // compiled step keeps the choice it was made with. Both need sm_90+ (programmatic dependent launch of the
+  // two-launch paths' expand kernels; thread-block clusters for the fused one-launch per-token path).
+  problem.programmatic_launch = info.compute_major >= 9 && programmatic_launch ? 1 : 0;
+  problem.fused = info.compute_major >= 9 && fused ? 1 : 0;
   problem.dtype = to_punica_dtype(y.scalar_type());
   return problem;
 }
@@ -182,25 +174,21 @@ void run(const PunicaLoraProblem& problem, const at::Tensor& y) {
 }
 
 // y [..., H_out] += per-token LoRA of x [..., H_in] (T tokens in the leading dimensions); tables [S].
-// segment_starts / segment_slots belong to the op's schema (the PyTorch reference loops over them); the kernels
-// find the adapter runs from sorted_token_ids and sorted_slots directly and only check their shapes.
 // long_run_slots / short_run_slots [T] split the positions between the tiled and per-token kernels where the
-// tiled path runs (PUNICA_HF_SHORT_RUNS=0: the tiled kernels serve every position, as before the split).
+// tiled path runs; short_runs false: the tiled kernels serve every position (the split's tables are not read).
 void lora_add(at::Tensor y, const at::Tensor& x, const at::Tensor& pool, const at::Tensor& a_offsets,
               const at::Tensor& b_offsets, const at::Tensor& lora_ranks, const at::Tensor& sorted_token_ids,
-              const at::Tensor& sorted_slots, const at::Tensor& segment_starts, const at::Tensor& segment_slots,
-              const at::Tensor& long_run_slots, const at::Tensor& short_run_slots, int64_t max_rank) {
-  TORCH_CHECK_VALUE(y.dim() >= 2 && lora_ranks.dim() == 1 && segment_slots.dim() == 1,
-                    "punica_hf::lora_add: expected y [..., H_out] and lora_ranks, segment_slots 1-D");
-  const int64_t hidden_out = y.size(-1), num_segments = segment_slots.size(0);
+              const at::Tensor& sorted_slots, const at::Tensor& long_run_slots, const at::Tensor& short_run_slots,
+              int64_t max_rank, bool programmatic_launch, bool fused, bool short_runs) {
+  TORCH_CHECK_VALUE(y.dim() >= 2 && lora_ranks.dim() == 1,
+                    "punica_hf::lora_add: expected y [..., H_out] and lora_ranks 1-D");
+  const int64_t hidden_out = y.size(-1);
   PunicaLoraProblem problem =
       make_problem(kAdd, y, x, pool, a_offsets, b_offsets, lora_ranks, sorted_token_ids, sorted_slots, {hidden_out},
-                   max_rank);
-  check_table(kAdd, segment_slots, "segment_slots", at::kInt, {num_segments}, y);
-  check_table(kAdd, segment_starts, "segment_starts", at::kInt, {num_segments + 1}, y);
-  check_table(kAdd, long_run_slots, "long_run_slots", at::kInt, {problem.num_tokens}, y);
-  check_table(kAdd, short_run_slots, "short_run_slots", at::kInt, {problem.num_tokens}, y);
-  if (enabled("PUNICA_HF_SHORT_RUNS")) {
+                   max_rank, programmatic_launch, fused);
+  if (short_runs) {
+    check_table(kAdd, long_run_slots, "long_run_slots", at::kInt, {problem.num_tokens}, y);
+    check_table(kAdd, short_run_slots, "short_run_slots", at::kInt, {problem.num_tokens}, y);
     problem.long_run_slots = long_run_slots.data_ptr<int32_t>();
     problem.short_run_slots = short_run_slots.data_ptr<int32_t>();
   }
@@ -213,7 +201,8 @@ void lora_add(at::Tensor y, const at::Tensor& x, const at::Tensor& pool, const a
 // Per-token kernels at any T: callers group projections at decode sizes.
 at::Tensor lora_delta(const at::Tensor& x, const at::Tensor& pool, const at::Tensor& a_offsets,
                       const at::Tensor& b_offsets, const at::Tensor& lora_ranks, const at::Tensor& sorted_token_ids,
-                      const at::Tensor& sorted_slots, at::IntArrayRef out_features, int64_t max_rank) {
+                      const at::Tensor& sorted_slots, at::IntArrayRef out_features, int64_t max_rank,
+                      bool programmatic_launch, bool fused) {
   TORCH_CHECK_VALUE(x.dim() == 2, "punica_hf::lora_delta: expected x 2-D");
   TORCH_CHECK_VALUE(x.is_cuda(), "punica_hf::lora_delta: x must be on a CUDA device");
   const c10::cuda::CUDAGuard device_guard(x.device());
@@ -221,7 +210,7 @@ at::Tensor lora_delta(const at::Tensor& x, const at::Tensor& pool, const at::Ten
   for (const int64_t width : out_features) columns += width;
   const at::Tensor y = at::empty({x.size(0), columns}, x.options());  // written whole by the kernels
   PunicaLoraProblem problem = make_problem(kDelta, y, x, pool, a_offsets, b_offsets, lora_ranks, sorted_token_ids,
-                                                 sorted_slots, out_features, max_rank);
+                                           sorted_slots, out_features, max_rank, programmatic_launch, fused);
   problem.accumulate = 0;
   run(problem, y);
   return y;
@@ -242,22 +231,14 @@ void check_cache(const at::Tensor& cache, const char* name, const at::Tensor& qu
 // The slot stride of a checked cache (any value for a single slot: only slot 0 is ever read).
 int64_t slot_stride(const at::Tensor& cache) { return cache.size(0) <= 1 ? 0 : cache.stride(0); }
 
-// PUNICA_HF_ATTENTION_SPLITS: unset or 0 = the launcher's choice; else the split count to force (tests, triage).
-int forced_splits() {
-  const char* setting = std::getenv("PUNICA_HF_ATTENTION_SPLITS");
-  if (setting == nullptr || *setting == '\0') return 0;
-  char* end = nullptr;
-  const long value = std::strtol(setting, &end, 10);
-  TORCH_CHECK_VALUE(*end == '\0' && value >= 0 && value <= PUNICA_ATTENTION_MAX_SPLITS,
-                    "PUNICA_HF_ATTENTION_SPLITS must be an integer in [0, ", text(PUNICA_ATTENTION_MAX_SPLITS), "]");
-  return static_cast<int>(value);
-}
-
 // out [Tq, Hq, D] = causal attention of the packed query rows over the paged cache; see punica_attention.h.
+// splits: 0 = the launcher's choice from the shapes, else the number of key splits per row to use.
 at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                            const at::Tensor& key_slots, const at::Tensor& cu_seq_lens_q,
-                           const at::Tensor& cu_seq_lens_k, double scale) {
+                           const at::Tensor& cu_seq_lens_k, double scale, int64_t splits) {
   const char* op = kAttention;
+  TORCH_CHECK_VALUE(splits >= 0 && splits <= PUNICA_ATTENTION_MAX_SPLITS, op, ": splits must be in [0, ",
+                    text(PUNICA_ATTENTION_MAX_SPLITS), "]");
   TORCH_CHECK_VALUE(query.dim() == 3 && key_cache.dim() == 3 && value_cache.dim() == 3, op,
                     ": expected query [Tq, Hq, D], key_cache and value_cache [N, Hkv, D]");
   TORCH_CHECK_VALUE(query.is_cuda(), op, ": query must be on a CUDA device");
@@ -310,7 +291,7 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
   problem.head_dim = static_cast<int>(head_dim);
   problem.slot_index_bytes = key_slots.scalar_type() == at::kLong ? 8 : 4;
   problem.scale = static_cast<float>(scale);
-  problem.num_splits = forced_splits();
+  problem.num_splits = static_cast<int>(splits);
   const int device = query.get_device();
   problem.device = device;
   problem.num_sms = device_info(device).num_sms;
@@ -328,16 +309,19 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
 }  // namespace
 
 TORCH_LIBRARY(punica_hf, m) {
+  // The trailing bool / int arguments are kernel choices (punica_hf.ops.KernelConfig, the attention's split count):
+  // constants of a compiled graph, so a change recompiles rather than silently keeping the old choice.
   m.def(
       "lora_add(Tensor(a!) y, Tensor x, Tensor pool, Tensor a_offsets, Tensor b_offsets, Tensor lora_ranks, "
-      "Tensor sorted_token_ids, Tensor sorted_slots, Tensor segment_starts, Tensor segment_slots, "
-      "Tensor long_run_slots, Tensor short_run_slots, int max_rank) -> ()");
+      "Tensor sorted_token_ids, Tensor sorted_slots, Tensor long_run_slots, Tensor short_run_slots, int max_rank, "
+      "bool programmatic_launch, bool fused, bool short_runs) -> ()");
   m.def(
       "lora_delta(Tensor x, Tensor pool, Tensor a_offsets, Tensor b_offsets, Tensor lora_ranks, "
-      "Tensor sorted_token_ids, Tensor sorted_slots, int[] out_features, int max_rank) -> Tensor");
+      "Tensor sorted_token_ids, Tensor sorted_slots, int[] out_features, int max_rank, bool programmatic_launch, "
+      "bool fused) -> Tensor");
   m.def(
       "paged_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor key_slots, Tensor cu_seq_lens_q, "
-      "Tensor cu_seq_lens_k, float scale) -> Tensor");
+      "Tensor cu_seq_lens_k, float scale, int splits) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(punica_hf, CUDA, m) {

@@ -12,8 +12,8 @@ its hidden states only): the model wrapper puts each forward's ``LoraSegments`` 
 all hooks, built once per forward and per device.
 
 Projections that share their input (q/k/v, gate/up: a ``ProjectionGroup``) compute their updates together at
-decode sizes in compiled code: the first member's hook to run makes one ``ops.lora_delta`` call for the whole
-group, and every member adds its own columns of it (an add that Inductor fuses into the next kernel). Eager calls
+decode sizes in compiled code: the first member's hook to run makes one ``lora_delta`` call of the backend for the
+whole group, and every member adds its own columns of it (an add that Inductor fuses into the next kernel). Eager calls
 on the kernels do not group: there each member's add would be one more launch, and host time is what an eager
 step spends, so each projection makes one call that adds into its output in place. An eager forward captured in a
 CUDA graph (the serving engine's steps) groups as compiled code does: a replay spends no host time per launch, and
@@ -27,9 +27,7 @@ import torch
 from torch import nn
 
 from . import ops
-from .ops import cuda as cuda_ops
-from .ops import LoraSegments
-from .ops.segments import build_segments
+from .ops import KernelConfig, LoraBackend, LoraSegments, build_segments
 
 # Most tokens of a forward whose grouped projections share one lora_delta call (the per-token kernels' range);
 # above it (prefill) each projection's own call runs the tiled tensor-core path.
@@ -37,29 +35,41 @@ GROUP_MAX_TOKENS = 256
 
 
 class LoraContext:
-    """The LoRA state of the forward in progress: the token grouping per device, None outside such a forward.
+    """The LoRA state of a model: its backend per device, and the forward in progress' token grouping (None
+    outside such a forward).
 
-    ``segments`` is built on the device of the input ids; a hook on another device (a model split by
-    ``device_map``) gets a copy made once for its device on first use.
+    ``kernels``: the kernel paths of the CUDA backend (default ``KernelConfig()``); ``backend``: ``"auto"``,
+    ``"torch"`` or ``"cuda"``, default the user's ``PUNICA_HF_BACKEND``, read here once. Both are fixed for the
+    context's life, so compiled steps and captured graphs keep what they were made with. ``segments`` is built on
+    the device of the input ids; a hook on another device (a model split by ``device_map``) gets a copy made once
+    for its device on first use.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, kernels: KernelConfig | None = None, backend: str | None = None) -> None:
+        if kernels is not None and not isinstance(kernels, KernelConfig):
+            raise ValueError(f"kernels must be a punica_hf.ops.KernelConfig or None, got {type(kernels).__name__}")
+        self.kernels = KernelConfig() if kernels is None else kernels
+        self.requested_backend = ops.requested_backend(backend)
         self.segments: LoraSegments | None = None
         self.capturing = False  # whether this forward is being captured in a CUDA graph (asked once per forward)
         # Group key -> (the input, its [T, sum of widths] updates, the member that computed them), this forward.
         self.group_deltas: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
         self._on_device: dict[torch.device, LoraSegments] = {}
-        self._backends: dict[torch.device, str] = {}
+        self._backends: dict[torch.device, LoraBackend] = {}
 
-    def backend(self, device: torch.device) -> str:
-        """The ops backend for ``device``, decided once (eagerly, before any compiled step reads it)."""
+    def __getstate__(self) -> dict:
+        # A copy decides its backends again where it runs: the kernels may have to be built or loaded there.
+        return {**self.__dict__, "_backends": {}}
+
+    def backend(self, device: torch.device) -> LoraBackend:
+        """The LoRA backend for ``device``, decided once (eagerly, before any compiled step reads it)."""
         if device not in self._backends:
-            self._backends[device] = ops.backend_for(device)
+            self._backends[device] = ops.backend_for(device, self.requested_backend, self.kernels)
         return self._backends[device]
 
     def build(self, token_slots: torch.Tensor, num_slots: int) -> LoraSegments:
         """Group ``token_slots`` ``[T]`` by slot on their device and make it this forward's grouping."""
-        segments = build_segments(token_slots, num_slots, self.backend(token_slots.device))
+        segments = build_segments(token_slots, num_slots)
         self.begin(segments)
         return segments
 
@@ -83,7 +93,7 @@ class LoraContext:
         if segments is None or segments.token_slots.device == device:
             return segments
         if device not in self._on_device:
-            self._on_device[device] = segments.to(device, self.backend(device))
+            self._on_device[device] = segments.to(device)
         return self._on_device[device]
 
 
@@ -230,13 +240,14 @@ class LoraHook:
     hooks takes ``nn.Module.__call__``'s slow path, which cost more host time per call than the whole add-on, 224
     times per eager decode step of an 8B Llama. ``in_features``/``out_features`` are the module's; ``row`` is its
     row in ``tables``. Factors and ``x`` use the LoRA dtype (the module's compute dtype, never a quantized storage
-    dtype). The eager path does the least work it can: the static properties the kernels need are checked once
-    here, and the CUDA op is called without re-checking them.
+    dtype). Each call runs on the context's backend for the tables' device. The eager path does the least work it
+    can: where the backend takes this module's static properties unchecked (``takes_unchecked``), it calls the
+    unchecked entries; otherwise the checked ones, which name what the kernels do not take.
     """
 
     # No instance __dict__ (see ProjectionGroup): fewer guards per hook in a compiled forward.
     __slots__ = ("module", "replaced_forward", "installed", "in_features", "out_features", "tables", "row",
-                 "context", "max_rank", "kernel_shapes_ok", "group", "member", "column_start")
+                 "context", "max_rank", "group", "member", "column_start")
 
     def __init__(
         self, module: nn.Module, in_features: int, out_features: int, tables: DeviceTables, row: int,
@@ -248,8 +259,6 @@ class LoraHook:
         self.row = row
         self.context = context
         self.max_rank = max_rank
-        # Shapes the kernels cannot take go through the checked op, which names the problem.
-        self.kernel_shapes_ok = in_features % 8 == 0 and out_features % 8 == 0 and max_rank <= cuda_ops.MAX_RANK
         self.group = group
         if group is not None:
             self.member = row - group.first_row
@@ -296,17 +305,18 @@ class LoraHook:
             )
         pool = tables.pool
         compiling = torch.compiler.is_compiling()
-        on_kernels = segments.backend == "cuda" and self.kernel_shapes_ok and pool.dtype in cuda_ops.DTYPES
+        backend = self.context.backend(pool.device)
+        unchecked = backend.takes_unchecked(pool.dtype, self.in_features, self.out_features, self.max_rank)
         # In place in the module's output, where the dtypes and devices allow (else the module computes in another
         # dtype or on another device: quantized or offloaded bases, and the update is added there).
         in_place = output.dtype == pool.dtype and output.device == pool.device and output.is_contiguous()
         group = self.group
         grouped = group is not None and group.shares_input and segments.num_tokens <= GROUP_MAX_TOKENS
-        if (on_kernels and in_place and not compiling and not (grouped and self.context.capturing)
+        if (unchecked and in_place and not compiling and not (grouped and self.context.capturing)
                 and x.dtype == pool.dtype and x.device == pool.device and x.is_contiguous()):
             # Eager calls cost host time per op: one kernel call that adds into the output, tokens flattened by
             # the binding, and no grouping (whose members would each launch an add of their columns).
-            cuda_ops.lora_add_unchecked(output, x, pool, *tables.row(self.row), segments, self.max_rank)
+            backend.lora_add_unchecked(output, x, pool, *tables.row(self.row), segments, self.max_rank)
             return output
         x_tokens = x.reshape(-1, self.in_features)
         if x_tokens.dtype != pool.dtype or x_tokens.device != pool.device:
@@ -315,7 +325,7 @@ class LoraHook:
         if grouped:
             # Compiled code, graph captures and the PyTorch ops: one call for the group, each member's add fused by
             # Inductor into the kernel that reads its output next (one more launch in a captured eager forward).
-            delta = self._group_delta(x, x_tokens, segments)
+            delta = self._group_delta(x, x_tokens, segments, backend, unchecked)
             if delta is not None:
                 return self._add(output, delta.narrow(1, self.column_start, self.out_features))
         if compiling:
@@ -328,19 +338,17 @@ class LoraHook:
             if in_place
             else torch.zeros(x_tokens.shape[0], self.out_features, dtype=pool.dtype, device=pool.device)
         )
-        if on_kernels:
-            cuda_ops.lora_add_unchecked(
-                y_tokens, x_tokens, pool, a_offsets, b_offsets, ranks, segments, self.max_rank
-            )
-        else:
-            ops.lora_add(y_tokens, x_tokens, pool, a_offsets, b_offsets, ranks, segments, self.max_rank)
+        add = backend.lora_add_unchecked if unchecked else backend.lora_add
+        add(y_tokens, x_tokens, pool, a_offsets, b_offsets, ranks, segments, self.max_rank)
         if in_place:
             return output
         return output + y_tokens.to(device=output.device, dtype=output.dtype).view(output.shape)
 
-    def _group_delta(self, x: torch.Tensor, x_tokens: torch.Tensor, segments: LoraSegments) -> torch.Tensor | None:
+    def _group_delta(self, x: torch.Tensor, x_tokens: torch.Tensor, segments: LoraSegments, backend: LoraBackend,
+                     unchecked: bool) -> torch.Tensor | None:
         """The updates of this hook's whole group for input ``x`` (``[T, sum of widths]``): made by the first member
-        to run and kept in the context for the others; None once the members turn out to take different inputs."""
+        to run and kept in the context for the others; None once the members turn out to take different inputs.
+        ``unchecked``: the backend takes this module unchecked (a group's members share sizes and dtype)."""
         group = self.group
         deltas = self.context.group_deltas
         pending = deltas.get(group.key)
@@ -357,14 +365,9 @@ class LoraHook:
             a_offsets, b_offsets, ranks = tables.a_offsets[rows], tables.b_offsets[rows], tables.ranks[rows]
         else:
             a_offsets, b_offsets, ranks = tables.rows(group.first_row, len(group.out_features))
-        if segments.backend == "cuda" and self.kernel_shapes_ok and tables.pool.dtype in cuda_ops.DTYPES:
-            delta = cuda_ops.lora_delta_unchecked(
-                x_tokens, tables.pool, a_offsets, b_offsets, ranks, segments, self.max_rank, group.out_features
-            )
-        else:
-            delta = ops.lora_delta(
-                x_tokens, tables.pool, a_offsets, b_offsets, ranks, segments, self.max_rank, group.out_features
-            )
+        compute = backend.lora_delta_unchecked if unchecked else backend.lora_delta
+        delta = compute(x_tokens, tables.pool, a_offsets, b_offsets, ranks, segments, self.max_rank,
+                        group.out_features)
         deltas[group.key] = (x, delta, self.member)
         return delta
 
@@ -373,7 +376,7 @@ class LoraHook:
         if delta_tokens.dtype == output.dtype and delta_tokens.device == output.device and output.is_contiguous():
             # Added in the output's own shape ([B, T, out]), which Inductor fuses into the next kernel. Added to the
             # GEMM's 2-D result instead, it becomes addmm, which copies the update into the GEMM's output first: one
-            # copy kernel per member, 96 per Llama-3-8B decode step, ~0.26 ms on the H200.
+            # copy kernel per member (96 per Llama-3-8B decode step).
             output.add_(delta_tokens.view(output.shape))
             return output
         return output + delta_tokens.to(device=output.device, dtype=output.dtype).view(output.shape)

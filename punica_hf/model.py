@@ -26,6 +26,7 @@ from torch._dynamo.utils import counters as _dynamo_counters
 
 from .formats import AdapterWeights, load_adapter_weights
 from .layers import LoraContext
+from .ops import KernelConfig
 from .store import AdapterLease, AdapterStore
 from .store.store import CAPACITY_WAIT_S, check_wait
 
@@ -48,6 +49,8 @@ class MultiLoraModel(nn.Module):
         capacity_wait_s: how long a call (``forward``, ``generate``, ``acquire``) waits for device room that other
             calls hold (slots or pool bytes) before it raises ``AdapterCapacityError``. Default 60 s. A call whose
             adapters could not fit even alone fails at once.
+        kernels: the CUDA kernels' paths (``punica_hf.ops.KernelConfig``), fixed for the model's life.
+        backend: the LoRA ops, ``"auto"``, ``"cuda"`` or ``"torch"``; default ``$PUNICA_HF_BACKEND``, else ``"auto"``.
 
     ``state_dict()`` and ``load_state_dict()`` are the wrapped model's: its keys, no LoRA state. Copies
     (``copy.deepcopy``, pickle, ``torch.save``) carry the registered adapters, not the memory set aside for more.
@@ -62,6 +65,7 @@ class MultiLoraModel(nn.Module):
         gpu_pool_bytes: int | None = None,
         host_pool_bytes: int | None = None,
         capacity_wait_s: float = CAPACITY_WAIT_S,
+        kernels: KernelConfig | None = None, backend: str | None = None,
     ) -> None:
         super().__init__()
         for arg, value in (("max_adapters", max_adapters), ("max_rank", max_rank)):
@@ -74,7 +78,7 @@ class MultiLoraModel(nn.Module):
         if isinstance(model, MultiLoraModel) or isinstance(getattr(model, "forward", None), AdapterForward):
             raise ValueError("this model is already wrapped by a MultiLoraModel")
         self.model = model
-        context = LoraContext()
+        context = LoraContext(kernels, backend)
         self._store = AdapterStore(
             model, context, max_adapters, max_rank, gpu_pool_bytes, host_pool_bytes, capacity_wait_s
         )

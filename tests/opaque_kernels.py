@@ -7,7 +7,6 @@ import torch
 
 from punica_hf import MultiLoraModel
 from punica_hf.ops import build_segments
-from punica_hf.ops import cuda as cuda_ops
 
 
 @torch.library.custom_op("punica_hf_test::lora_add", mutates_args=("y",))
@@ -42,17 +41,29 @@ def _(x, pool, a_offsets, b_offsets, lora_ranks, token_slots, num_slots, max_ran
     return x.new_empty(x.shape[0], sum(out_features))
 
 
-def route_to_opaque_kernels(wrapped: MultiLoraModel, monkeypatch) -> None:
-    """The hooks take their CUDA route, with the opaque CPU ops above standing in for the kernels."""
-    monkeypatch.setattr(wrapped._store.context, "backend", lambda device: "cuda")
-    monkeypatch.setattr(cuda_ops, "DTYPES", (torch.float32,))
+class OpaqueKernelBackend:
+    """A LoRA backend shaped as ``ops.CudaLoraBackend`` (same entries, the same static limits for the unchecked ones)
+    whose calls are the opaque CPU ops above."""
 
-    def opaque_kernels(y, x, pool, a_offsets, b_offsets, ranks, segments, max_rank):
+    name = "opaque"
+
+    def takes_unchecked(self, dtype, in_features, out_features, max_rank) -> bool:
+        return dtype == torch.float32 and in_features % 8 == 0 and out_features % 8 == 0
+
+    def lora_add_unchecked(self, y, x, pool, a_offsets, b_offsets, ranks, segments, max_rank) -> None:
         _opaque_lora_add(y, x, pool, a_offsets, b_offsets, ranks, segments.token_slots, segments.num_slots, max_rank)
 
-    def opaque_grouped_kernels(x, pool, a_offsets, b_offsets, ranks, segments, max_rank, out_features):
+    def lora_delta_unchecked(self, x, pool, a_offsets, b_offsets, ranks, segments, max_rank, out_features):
         return _opaque_lora_delta(x, pool, a_offsets, b_offsets, ranks, segments.token_slots, segments.num_slots,
                                   max_rank, out_features)
 
-    monkeypatch.setattr(cuda_ops, "lora_add_unchecked", opaque_kernels)
-    monkeypatch.setattr(cuda_ops, "lora_delta_unchecked", opaque_grouped_kernels)
+    lora_add = lora_add_unchecked
+    lora_delta = lora_delta_unchecked
+
+
+def route_to_opaque_kernels(wrapped: MultiLoraModel, monkeypatch) -> OpaqueKernelBackend:
+    """The hooks take their CUDA route, with the opaque CPU ops above standing in for the kernels; returns the
+    backend they call."""
+    backend = OpaqueKernelBackend()
+    monkeypatch.setattr(wrapped._store.context, "backend", lambda device: backend)
+    return backend

@@ -182,7 +182,7 @@ def test_bad_arguments_raise_value_error(name, mutate, message):
 
 
 def test_kernel_limits_are_named():
-    """What the CUDA kernel does not take, and what PUNICA_HF_BACKEND=cuda / a bad backend name do on CPU."""
+    """What the CUDA kernel does not take, and what backend="cuda" / a bad backend name do on CPU."""
     query, key_cache, value_cache, *rest = _batch([2], [3], 4, 2, 64, torch.bfloat16, seed=4)
     assert "float16 and bfloat16" in attention.cuda_unsupported(query.float(), key_cache.float(), value_cache.float())
     assert "head sizes" in attention.cuda_unsupported(query[..., :48], key_cache[..., :48], value_cache[..., :48])
@@ -197,14 +197,12 @@ def test_kernel_limits_are_named():
         ops.paged_attention(query, key_cache, value_cache, *rest, backend="triton")
 
 
-def test_backend_env_is_honoured(monkeypatch):
+def test_backend_argument_is_honoured():
     args = _batch([2], [3], 2, 1, 8, torch.float32, seed=6)
-    monkeypatch.setenv("PUNICA_HF_BACKEND", "cuda")
-    with pytest.raises(ValueError, match="needs CUDA tensors"):
-        ops.paged_attention(*args)
-    monkeypatch.setenv("PUNICA_HF_BACKEND", "torch")
+    with pytest.raises(ValueError, match="the CUDA kernel takes float16"):
+        ops.paged_attention(*args, backend="cuda")
     assert attention.attention_backend(*args[:3]) == "torch"
-    assert torch.isfinite(ops.paged_attention(*args)).all()
+    assert torch.isfinite(ops.paged_attention(*args, backend="torch")).all()
 
 
 def test_scale_is_applied():

@@ -16,7 +16,6 @@ from punica_hf import MultiLoraModel
 from punica_hf.formats import ModuleLora
 from punica_hf.layers import GROUP_MAX_TOKENS, LoraContext, LoraHook, find_projection_groups
 from punica_hf.ops import build_segments
-from punica_hf.ops import cuda as cuda_ops
 from punica_hf.store.pool import ALIGN, ChunkLayout, DevicePool, ExtentAllocator
 
 IN, OUT, SLOTS, MAX_RANK = 16, 24, 3, 6
@@ -357,16 +356,16 @@ def test_eager_forward_on_the_kernels_adds_in_place_once_per_projection(base, tm
     reference.load_adapters({"a": adapter})
     wrapped = MultiLoraModel(copy.deepcopy(base), max_adapters=2, max_rank=8)
     wrapped.load_adapters({"a": adapter})
-    route_to_opaque_kernels(wrapped, monkeypatch)
+    backend = route_to_opaque_kernels(wrapped, monkeypatch)
     calls = []
-    add, delta = cuda_ops.lora_add_unchecked, cuda_ops.lora_delta_unchecked
+    add, delta = backend.lora_add_unchecked, backend.lora_delta_unchecked
 
     def spy_add(y, x, *args):
         calls.append(("add", y.shape, x.shape))
         add(y, x, *args)
 
-    monkeypatch.setattr(cuda_ops, "lora_add_unchecked", spy_add)
-    monkeypatch.setattr(cuda_ops, "lora_delta_unchecked", lambda *args: calls.append("delta") or delta(*args))
+    monkeypatch.setattr(backend, "lora_add_unchecked", spy_add)
+    monkeypatch.setattr(backend, "lora_delta_unchecked", lambda *args: calls.append("delta") or delta(*args))
     with torch.no_grad():
         logits = wrapped(input_ids=ids, adapter_ids=["a", None]).logits
         expected = reference(input_ids=ids, adapter_ids=["a", None]).logits

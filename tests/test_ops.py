@@ -1,14 +1,20 @@
-"""The per-forward segment metadata, the pool layout, and the PyTorch reference op against per-token float64 math."""
+"""The per-forward segment metadata, the pool layout, the PyTorch reference op against per-token float64 math, and
+how the backend and the kernel choices are picked and passed to the ops (CPU)."""
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import pickle
+import re
+from pathlib import Path
 
 import pytest
 import torch
 
 from punica_hf import ops
-from punica_hf.ops import torch_ops
+from punica_hf.layers import LoraContext
+from punica_hf.ops import attention, cuda, torch_ops
 from punica_hf.ops.segments import build_segments
 
 
@@ -20,27 +26,14 @@ def _random_slots(num_tokens: int, num_slots: int, generator: torch.Generator) -
 def test_segments_group_every_token_with_its_slot(num_tokens, num_slots):
     generator = torch.Generator().manual_seed(num_tokens * 100 + num_slots)
     slots = _random_slots(num_tokens, num_slots, generator)
-    segments = build_segments(slots, num_slots, backend="torch")
+    segments = build_segments(slots, num_slots)
 
-    num_segments = min(num_tokens, num_slots)
-    assert segments.segment_slots.shape == (num_segments,)
-    assert segments.segment_starts.shape == (num_segments + 1,)
     assert sorted(segments.sorted_token_ids.tolist()) == list(range(num_tokens))
     assert segments.sorted_slots.dtype == torch.int32
     assert segments.sorted_slots.tolist() == slots[segments.sorted_token_ids.long()].tolist()
-
-    present = sorted(set(slots.tolist()) - {-1})
-    segment_slots = segments.segment_slots.tolist()
-    assert segment_slots[: len(present)] == present
-    assert all(s == -1 for s in segment_slots[len(present) :])
-    starts = segments.segment_starts.tolist()
-    assert starts[0] == 0 and starts == sorted(starts)
-    for g, slot in enumerate(present):
-        token_ids = segments.sorted_token_ids[starts[g] : starts[g + 1]].tolist()
-        assert token_ids == sorted(token_ids), "the sort must be stable"
-        assert token_ids == [t for t in range(num_tokens) if slots[t] == slot]
-    assert starts[len(present)] == (slots >= 0).sum().item()  # tokens without adapter come after all segments
-    assert all(start == starts[len(present)] for start in starts[len(present) :])
+    # Slots in increasing order, each slot's tokens in token order (a stable sort), tokens without adapter last.
+    keys = [(slot if slot >= 0 else num_slots, token) for token, slot in enumerate(slots.tolist())]
+    assert segments.sorted_token_ids.tolist() == [token for _, token in sorted(keys)]
 
 
 def test_segments_split_positions_by_the_size_of_their_run():
@@ -51,7 +44,7 @@ def test_segments_split_positions_by_the_size_of_their_run():
 
     slots = torch.tensor([5] * 300 + list(range(10, 30)) + [7] * SHORT_RUN_TOKENS + [-1] * 9 + [9] * (SHORT_RUN_TOKENS + 1))
     slots = slots[torch.randperm(slots.numel(), generator=torch.Generator().manual_seed(0))]
-    segments = build_segments(slots, 32, backend="torch")
+    segments = build_segments(slots, 32)
     sorted_slots = segments.sorted_slots.tolist()
     long_run, short_run = segments.long_run_slots.tolist(), segments.short_run_slots.tolist()
     for slot, long_slot, short_slot in zip(sorted_slots, long_run, short_run):
@@ -60,15 +53,15 @@ def test_segments_split_positions_by_the_size_of_their_run():
     assert segments.long_run_slots.dtype == segments.short_run_slots.dtype == torch.int32
 
 
-def test_segments_to_moves_every_tensor_and_sets_the_backend():
-    segments = build_segments(torch.tensor([2, -1, 0, 2]), 3, backend="cuda")
-    moved = segments.to(torch.device("cpu"), backend="torch")
-    assert moved.backend == "torch" and moved.num_slots == 3
+def test_segments_to_moves_every_tensor():
+    segments = build_segments(torch.tensor([2, -1, 0, 2]), 3)
+    moved = segments.to(torch.device("meta"))
+    assert moved.num_slots == 3
     for field in dataclasses.fields(segments):
         value = getattr(segments, field.name)
         if isinstance(value, torch.Tensor):
-            assert torch.equal(getattr(moved, field.name), value), field.name
-            assert getattr(moved, field.name).device == torch.device("cpu"), field.name
+            assert getattr(moved, field.name).shape == value.shape, field.name
+            assert getattr(moved, field.name).device == torch.device("meta"), field.name
 
 
 def test_pack_factors_aligns_and_keeps_every_factor():
@@ -135,7 +128,7 @@ def test_torch_lora_add_matches_per_token_math(dtype, tolerance, num_tokens):
 
     expected = _per_token_reference(y, x, lora_a, lora_b, ranks, slots)
     out = y.clone()
-    segments = build_segments(slots, len(ranks), backend="torch")
+    segments = build_segments(slots, len(ranks))
     torch_ops.lora_add(out, x, pool, a_offsets, b_offsets, lora_ranks, segments, max_rank)
 
     assert torch.isfinite(out).all(), "a read outside the adapters' factors (NaN) reached the output"
@@ -148,7 +141,7 @@ def test_torch_lora_add_matches_per_token_math(dtype, tolerance, num_tokens):
 def test_torch_lora_add_rejects_rank_above_max_rank():
     generator = torch.Generator().manual_seed(1)
     _, _, pool, a_offsets, b_offsets = _pool_problem([4], 8, 8, torch.float32, generator)
-    segments = build_segments(torch.tensor([0]), 1, backend="torch")
+    segments = build_segments(torch.tensor([0]), 1)
     y = torch.zeros(1, 8)
     with pytest.raises(ValueError, match="max_rank=2"):
         torch_ops.lora_add(y, torch.ones(1, 8), pool, a_offsets, b_offsets, torch.tensor([4], dtype=torch.int32),
@@ -156,13 +149,147 @@ def test_torch_lora_add_rejects_rank_above_max_rank():
     assert torch.equal(y, torch.zeros(1, 8))
 
 
-def test_backend_env_forces_torch_and_rejects_unknown(monkeypatch):
-    monkeypatch.setenv("PUNICA_HF_BACKEND", "torch")
-    assert ops.backend_for(torch.device("cpu")) == "torch"
-    assert ops.build_segments(torch.tensor([0, -1]), 2).backend == "torch"
-    monkeypatch.setenv("PUNICA_HF_BACKEND", "cuda")
+def test_backend_for_picks_the_reference_on_cpu_and_refuses_cuda_there():
+    assert isinstance(ops.backend_for(torch.device("cpu")), ops.TorchLoraBackend)
+    assert isinstance(ops.backend_for("cpu", "torch"), ops.TorchLoraBackend)
     with pytest.raises(ValueError, match="needs CUDA tensors"):
-        ops.backend_for(torch.device("cpu"))
+        ops.backend_for(torch.device("cpu"), "cuda")
+    with pytest.raises(ValueError, match="backend must be one of"):
+        ops.backend_for(torch.device("cpu"), "fastest")
+
+
+def test_backend_env_is_read_once_when_the_context_is_made(monkeypatch):
+    """PUNICA_HF_BACKEND is the user's override, read when a model (its LoraContext) is made: a later change of
+    the environment changes nothing for that model, and a bad value is refused at once, naming the variable."""
+    monkeypatch.setenv("PUNICA_HF_BACKEND", "cuda")
+    context = LoraContext()
+    monkeypatch.setenv("PUNICA_HF_BACKEND", "torch")
+    with pytest.raises(ValueError, match="needs CUDA tensors"):
+        context.backend(torch.device("cpu"))  # still the cuda the context was made with
+    assert isinstance(LoraContext(backend="torch").backend(torch.device("cpu")), ops.TorchLoraBackend)
     monkeypatch.setenv("PUNICA_HF_BACKEND", "fastest")
-    with pytest.raises(ValueError, match="PUNICA_HF_BACKEND"):
-        ops.backend_for(torch.device("cpu"))
+    with pytest.raises(ValueError, match="PUNICA_HF_BACKEND must be one of"):
+        LoraContext()
+    with pytest.raises(ValueError, match="backend must be one of"):
+        LoraContext(backend="fastest")
+
+
+def test_a_copied_context_decides_its_backends_again_with_the_same_settings(monkeypatch):
+    """A pickled context (a model saved and loaded in another process) must not carry backend objects whose kernels
+    were loaded in the process that made them: the copy decides again, with the same request and kernel config."""
+    config = ops.KernelConfig(short_runs=False)
+    context = LoraContext(config, "torch")
+    context.backend(torch.device("cpu"))
+    chosen = []
+    monkeypatch.setattr(ops, "backend_for", lambda *args: chosen.append(args) or ops.TorchLoraBackend())
+    copied = pickle.loads(pickle.dumps(context))
+    copied.backend(torch.device("cpu"))
+    copied.backend(torch.device("cpu"))
+    assert chosen == [(torch.device("cpu"), "torch", config)]
+
+
+def test_kernel_config_is_frozen_and_typed():
+    config = ops.KernelConfig(fused=False)
+    assert (config.programmatic_launch, config.fused, config.short_runs) == (True, False, True)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.fused = True
+    with pytest.raises(ValueError, match="KernelConfig.short_runs must be a bool"):
+        ops.KernelConfig(short_runs=0)
+    with pytest.raises(ValueError, match="KernelConfig"):
+        LoraContext(kernels={"fused": False})
+
+
+def _op_schemas() -> dict[str, list[str]]:
+    """Argument names of each op as csrc/punica_ops.cpp registers it."""
+    source = (Path(__file__).resolve().parents[1] / "csrc" / "punica_ops.cpp").read_text()
+    registrations = re.findall(r'm\.def\(\s*((?:"[^"]*"\s*)+)\)', source)
+    schemas = {}
+    for pieces in registrations:
+        schema = "".join(re.findall(r'"([^"]*)"', pieces))
+        name, arguments = re.match(r"(\w+)\((.*)\) ->", schema).groups()
+        schemas[name] = [argument.split()[-1] for argument in arguments.split(",")]
+    return schemas
+
+
+def test_op_schemas_carry_the_kernel_choices_and_the_fakes_mirror_them(monkeypatch):
+    """The kernel choices are arguments of the ops themselves (so compiled graphs are keyed by them), the schema has
+    nothing the kernels do not read, and each fake implementation (what torch.compile traces) takes exactly the
+    schema's arguments."""
+    schemas = _op_schemas()
+    assert schemas["lora_add"][-4:] == ["max_rank", "programmatic_launch", "fused", "short_runs"]
+    assert schemas["lora_delta"][-3:] == ["max_rank", "programmatic_launch", "fused"]
+    assert schemas["paged_attention"][-2:] == ["scale", "splits"]
+    assert not {"segment_starts", "segment_slots"} & set(schemas["lora_add"])
+    fakes = {}
+    monkeypatch.setattr(torch.library, "register_fake", lambda name: lambda fn: fakes.setdefault(name, fn))
+    cuda._register_fake()
+    for name, arguments in schemas.items():
+        assert list(inspect.signature(fakes[f"punica_hf::{name}"]).parameters) == arguments, name
+
+
+class _RecordingOp:
+    def __init__(self, result=None) -> None:
+        self.calls, self.result = [], result
+
+    def __call__(self, *args):
+        self.calls.append(args)
+        return self.result
+
+
+def test_cuda_backend_passes_its_kernel_config_to_every_call(monkeypatch):
+    """Each op call carries the backend's KernelConfig as arguments (the ops stand in for the extension here)."""
+    monkeypatch.setattr(cuda, "load_extension", lambda verbose=False: None)
+    add_op, delta_op = _RecordingOp(), _RecordingOp(torch.zeros(2, 16))
+    monkeypatch.setattr(cuda, "_op", add_op)
+    monkeypatch.setattr(cuda, "_delta_op", delta_op)
+    backend = cuda.CudaLoraBackend(ops.KernelConfig(programmatic_launch=False, short_runs=False))
+    segments = build_segments(torch.tensor([0, -1]), 2)
+    tables = (torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int32))
+    backend.lora_add(torch.zeros(2, 16), torch.zeros(2, 8), torch.zeros(64), *tables, segments, 4)
+    grouped = tuple(table.expand(2, 2).contiguous() for table in tables)
+    backend.lora_delta(torch.zeros(2, 8), torch.zeros(64), *grouped, segments, 4, [8, 8])
+    assert add_op.calls[0][-4:] == (4, False, True, False)
+    assert [8, 8] in delta_op.calls[0] and delta_op.calls[0][-3:] == (4, False, True)
+    assert not backend.takes_unchecked(torch.float64, 8, 8, 4) and backend.takes_unchecked(torch.float32, 8, 16, 4)
+
+
+def test_paged_attention_passes_splits_to_the_kernel(monkeypatch):
+    """The attention's split count is an argument of the op (0 = the launcher's choice), checked before the call."""
+    attention_op = _RecordingOp(torch.zeros(1))
+    monkeypatch.setattr(cuda, "_attention_op", attention_op)
+    monkeypatch.setattr(attention, "cuda_unsupported", lambda *args: None)  # CPU tensors stand in for CUDA ones
+    query, cache = torch.zeros(2, 2, 64, dtype=torch.bfloat16), torch.zeros(4, 1, 64, dtype=torch.bfloat16)
+    args = (query, cache, cache, torch.arange(2), torch.tensor([0, 2], dtype=torch.int32),
+            torch.tensor([0, 2], dtype=torch.int32), 0.125)
+    ops.paged_attention(*args, backend="cuda", splits=3)
+    attention.paged_attention_cuda(*args)
+    assert [call[-1] for call in attention_op.calls] == [3, 0]
+    with pytest.raises(ValueError, match="splits must be an int in"):
+        ops.paged_attention(*args, backend="cuda", splits=attention.MAX_SPLITS + 1)
+    assert len(attention_op.calls) == 2
+
+
+def test_model_kernel_config_reaches_the_backend_once_per_device(tmp_path, monkeypatch):
+    """MultiLoraModel(kernels=..., backend=...) hands both to the backend choice, made once per device and not
+    per forward or per hook."""
+    from helpers import save_peft_adapter, tiny_llama
+
+    from punica_hf import MultiLoraModel
+
+    chosen = []
+
+    def recording_backend_for(device, requested="auto", kernels=None):
+        chosen.append((torch.device(device), requested, kernels))
+        return ops.TorchLoraBackend()
+
+    monkeypatch.setattr(ops, "backend_for", recording_backend_for)
+    base = tiny_llama()
+    config = ops.KernelConfig(fused=False)
+    model = MultiLoraModel(base, max_adapters=2, max_rank=8, kernels=config, backend="torch")
+    model.load_adapters({"a": save_peft_adapter(base, tmp_path / "a", r=4, target_modules=["q_proj", "v_proj"])})
+    ids = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        first = model(input_ids=ids, adapter_ids=["a"]).logits
+        second = model(input_ids=ids, adapter_ids=["a"]).logits
+    assert torch.equal(first, second)
+    assert chosen == [(torch.device("cpu"), "torch", config)]

@@ -14,9 +14,9 @@ no sequence, come out zero and are never read; ``key_slots`` past ``cu_seq_lens_
 
 Backends. ``paged_attention`` runs the CUDA kernel (``csrc/paged_attention.cu``) on CUDA tensors it takes
 (``CUDA_DTYPES``, ``CUDA_HEAD_DIMS``, each slot's ``[Hkv, D]`` block dense) when the extension builds, and the
-PyTorch reference otherwise; ``PUNICA_HF_BACKEND=torch|cuda`` forces one, as for the LoRA ops. The kernel reads
-every length on the device: no host sync, capturable in a CUDA graph, traceable by ``torch.compile``. The
-reference loops over the sequences on the host (it syncs once per call).
+PyTorch reference otherwise; the argument ``backend="torch"|"cuda"`` forces one (``"cuda"`` raises for what the
+kernel does not take). The kernel reads every length on the device: no host sync, capturable in a CUDA graph,
+traceable by ``torch.compile``. The reference loops over the sequences on the host (it syncs once per call).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ CUDA_DTYPES = (torch.float16, torch.bfloat16)  # what the kernel takes
 CUDA_HEAD_DIMS = (64, 128, 256)
 REFERENCE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 SLOT_DTYPES = (torch.int32, torch.int64)
+MAX_SPLITS = 64  # most key splits per row the kernel takes (PUNICA_ATTENTION_MAX_SPLITS)
 
 
 def check_paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -78,6 +79,12 @@ def check_paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_ca
         raise ValueError(f"paged_attention: scale must be a finite number, got {scale!r}")
 
 
+def check_splits(splits: int) -> None:
+    if isinstance(splits, bool) or not isinstance(splits, int) or not 0 <= splits <= MAX_SPLITS:
+        raise ValueError(f"paged_attention: splits must be an int in [0, {MAX_SPLITS}] (0: the launcher's choice), "
+                         f"got {splits!r}")
+
+
 def cuda_unsupported(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> str | None:
     """Why the CUDA kernel cannot take these (checked) arguments, or None when it can (static properties only)."""
     if query.dtype not in CUDA_DTYPES:
@@ -100,22 +107,13 @@ def cuda_unsupported(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
 
 
 def attention_backend(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> str:
-    """The backend ``paged_attention`` uses for these (checked) arguments: ``"cuda"`` or ``"torch"``.
-
-    As ``ops.backend_for``, and on CUDA tensors the kernel does not take (``cuda_unsupported``) the reference, or
-    a ValueError under ``PUNICA_HF_BACKEND=cuda``. Builds the extension on its first CUDA call: callers that trace
-    (torch.compile) decide it eagerly once and pass it as ``backend``.
-    """
-    from . import _requested_backend, backend_for  # the package's dispatch (imports this module)
-
-    backend = backend_for(query.device)
-    if backend == "cuda":
-        reason = cuda_unsupported(query, key_cache, value_cache)
-        if reason is not None:
-            if _requested_backend() == "cuda":
-                raise ValueError(f"paged_attention: {reason} (PUNICA_HF_BACKEND=cuda)")
-            return "torch"
-    return backend
+    """The backend ``paged_attention(backend="auto")`` uses for these (checked) arguments: ``"cuda"`` where the
+    kernel takes them and builds, else ``"torch"``. Builds the extension on its first CUDA call: callers that trace
+    (torch.compile) decide it eagerly once and pass it as ``backend``."""
+    if query.device.type == "cuda" and cuda_unsupported(query, key_cache, value_cache) is None:
+        if cuda.kernels_available():
+            return "cuda"
+    return "torch"
 
 
 def paged_attention_reference(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -155,44 +153,46 @@ def paged_attention_reference(query: torch.Tensor, key_cache: torch.Tensor, valu
 
 def paged_attention_cuda(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                          key_slots: torch.Tensor, cu_seq_lens_q: torch.Tensor, cu_seq_lens_k: torch.Tensor,
-                         scale: float) -> torch.Tensor:
+                         scale: float, splits: int = 0) -> torch.Tensor:
     """The CUDA kernel: a new ``[Tq, Hq, D]`` tensor; no host sync, so capturable and traceable.
 
-    One launch (two when the launcher splits each row's keys: decode batches too small to fill the GPU), the
-    launch shape from static shapes only. ``PUNICA_HF_ATTENTION_SPLITS=n`` forces the split count (tests, triage).
+    One launch (two when each row's keys are split: decode batches too small to fill the GPU), the launch shape
+    from static shapes only. ``splits``: 0 = the launcher's choice, else the split count to use (tests, benchmarks).
     Arguments the kernel does not take raise ValueError.
     """
     check_paged_attention(query, key_cache, value_cache, key_slots, cu_seq_lens_q, cu_seq_lens_k, scale)
-    return _run_kernel(query, key_cache, value_cache, key_slots, cu_seq_lens_q, cu_seq_lens_k, scale)
+    check_splits(splits)
+    return _run_kernel(query, key_cache, value_cache, key_slots, cu_seq_lens_q, cu_seq_lens_k, scale, splits)
 
 
-def _run_kernel(query, key_cache, value_cache, key_slots, cu_seq_lens_q, cu_seq_lens_k, scale) -> torch.Tensor:
-    """The kernel on checked arguments (``check_paged_attention``); ValueError for what it does not take. The
-    binding checks shapes, dtypes, devices and alignment again before the launch."""
+def _run_kernel(query, key_cache, value_cache, key_slots, cu_seq_lens_q, cu_seq_lens_k, scale, splits) -> torch.Tensor:
+    """The kernel on checked arguments (``check_paged_attention``, ``check_splits``); ValueError for what it does
+    not take. The binding checks shapes, dtypes, devices and alignment again before the launch."""
     reason = cuda_unsupported(query, key_cache, value_cache)
     if reason is not None:
         raise ValueError(f"paged_attention: {reason}")
     if cuda._attention_op is None:
         cuda.load_extension()
     return cuda._attention_op(query.contiguous(), key_cache, value_cache, key_slots.contiguous(),
-                              cu_seq_lens_q.contiguous(), cu_seq_lens_k.contiguous(), float(scale))
+                              cu_seq_lens_q.contiguous(), cu_seq_lens_k.contiguous(), float(scale), splits)
 
 
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     key_slots: torch.Tensor, cu_seq_lens_q: torch.Tensor, cu_seq_lens_k: torch.Tensor, scale: float,
-                    backend: str | None = None) -> torch.Tensor:
+                    backend: str = "auto", splits: int = 0) -> torch.Tensor:
     """Causal attention of the packed ``query`` rows ``[Tq, Hq, D]`` over the paged cache: ``[Tq, Hq, D]``.
 
     ``key_cache`` / ``value_cache`` ``[N, Hkv, D]``, ``key_slots`` ``[Tk]`` int32 or int64, ``cu_seq_lens_q`` /
     ``cu_seq_lens_k`` ``[B + 1]`` int32, ``scale`` the softmax scale; semantics and padding in the module
-    docstring. ``backend``: ``"cuda"`` or ``"torch"``, default ``attention_backend(...)``. Bad arguments raise
-    ValueError.
+    docstring. ``backend``: ``"auto"`` (``attention_backend(...)``), ``"cuda"`` or ``"torch"``. ``splits``: the
+    kernel's key splits per row, 0 = its own choice (the reference ignores it). Bad arguments raise ValueError.
     """
     check_paged_attention(query, key_cache, value_cache, key_slots, cu_seq_lens_q, cu_seq_lens_k, scale)
-    if backend is None:
+    check_splits(splits)
+    if backend == "auto":
         backend = attention_backend(query, key_cache, value_cache)
     if backend == "cuda":
-        return _run_kernel(query, key_cache, value_cache, key_slots, cu_seq_lens_q, cu_seq_lens_k, scale)
+        return _run_kernel(query, key_cache, value_cache, key_slots, cu_seq_lens_q, cu_seq_lens_k, scale, splits)
     if backend != "torch":
-        raise ValueError(f"paged_attention: backend must be 'cuda' or 'torch', got {backend!r}")
+        raise ValueError(f"paged_attention: backend must be 'auto', 'cuda' or 'torch', got {backend!r}")
     return paged_attention_reference(query, key_cache, value_cache, key_slots, cu_seq_lens_q, cu_seq_lens_k, scale)

@@ -1,4 +1,4 @@
-"""The CUDA kernels of ``csrc/``: JIT build/load, and the ``lora_add`` entries the dispatcher and the hooks call.
+"""The CUDA kernels of ``csrc/``: JIT build/load, and ``CudaLoraBackend``, the LoRA backend the hooks call.
 
 The extension registers the ops ``torch.ops.punica_hf.lora_add`` (mutates ``y``, returns nothing),
 ``lora_delta`` (a group of projections sharing their input, returns their updates) and ``paged_attention`` (see
@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import hashlib
 import os
+import warnings
 from collections.abc import Sequence
 from contextlib import contextmanager
+from functools import lru_cache
 from pathlib import Path
 
 import torch
 
+from .config import KernelConfig
 from .segments import LoraSegments
 
 _PACKAGE_DIR = Path(__file__).resolve().parent.parent  # punica_hf/
@@ -26,6 +29,10 @@ _COMPILED_SUFFIXES = (".cu", ".cpp")
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # dtypes the kernels take (x, y and pool alike)
 MAX_RANK = 1024  # largest max_rank the kernels take
 MAX_OUTPUTS = 4  # most projections one lora_delta call computes (PUNICA_MAX_OUTPUTS)
+
+# Why the kernels cannot build under this torch, and what to do about it.
+NO_CUDA_TORCH = ("this torch build has no CUDA support: the kernels need a CUDA build of torch "
+                 "(pip install torch --index-url https://download.pytorch.org/whl/cu130, or the build for your CUDA)")
 
 _op = None  # torch.ops.punica_hf.lora_add.default once the extension is loaded
 _delta_op = None  # torch.ops.punica_hf.lora_delta.default
@@ -86,7 +93,7 @@ def load_extension(verbose: bool = False) -> None:
     if _op is not None:
         return
     if torch.version.cuda is None:
-        raise RuntimeError("this torch build has no CUDA support")
+        raise RuntimeError(NO_CUDA_TORCH)
     if "CUDA_HOME" not in os.environ and "CUDA_PATH" not in os.environ and Path("/usr/local/cuda").is_dir():
         os.environ["CUDA_HOME"] = "/usr/local/cuda"  # before cpp_extension reads it at import
     from torch.utils import cpp_extension
@@ -114,19 +121,39 @@ def load_extension(verbose: bool = False) -> None:
     _op = torch.ops.punica_hf.lora_add.default  # the overload itself: no overload resolution per call; set last
 
 
+def kernels_available() -> bool:
+    """Whether the kernels build and load here (tried once); on failure warns once, naming the error."""
+    return _kernels_available()
+
+
+@lru_cache(maxsize=None)
+def _kernels_available() -> bool:
+    try:
+        load_extension()
+    except Exception as error:  # any build or load failure means: use the reference ops
+        warnings.warn(
+            f"punica_hf: CUDA kernels unavailable, using the PyTorch ops instead ({error}). "
+            "Ask for the CUDA backend (PUNICA_HF_BACKEND=cuda or backend='cuda') to make this an error.",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+        return False
+    return True
+
+
 def _register_fake() -> None:
     @torch.library.register_fake("punica_hf::lora_add")
-    def _lora_add_fake(y, x, pool, a_offsets, b_offsets, lora_ranks, sorted_token_ids, sorted_slots, segment_starts,
-                       segment_slots, long_run_slots, short_run_slots, max_rank) -> None:
+    def _lora_add_fake(y, x, pool, a_offsets, b_offsets, lora_ranks, sorted_token_ids, sorted_slots, long_run_slots,
+                       short_run_slots, max_rank, programmatic_launch, fused, short_runs) -> None:
         return None
 
     @torch.library.register_fake("punica_hf::lora_delta")
     def _lora_delta_fake(x, pool, a_offsets, b_offsets, lora_ranks, sorted_token_ids, sorted_slots, out_features,
-                         max_rank):
+                         max_rank, programmatic_launch, fused):
         return x.new_empty(x.shape[0], sum(out_features))
 
     @torch.library.register_fake("punica_hf::paged_attention")
-    def _paged_attention_fake(query, key_cache, value_cache, key_slots, cu_seq_lens_q, cu_seq_lens_k, scale):
+    def _paged_attention_fake(query, key_cache, value_cache, key_slots, cu_seq_lens_q, cu_seq_lens_k, scale, splits):
         return query.new_empty(query.shape)
 
 
@@ -158,96 +185,83 @@ def _check(y: torch.Tensor, x: torch.Tensor, pool: torch.Tensor, a_offsets: torc
         raise ValueError("lora_add: y, x, pool and the offset / rank tables must be contiguous")
 
 
-def lora_add(
-    y: torch.Tensor,
-    x: torch.Tensor,
-    pool: torch.Tensor,
-    a_offsets: torch.Tensor,
-    b_offsets: torch.Tensor,
-    lora_ranks: torch.Tensor,
-    segments: LoraSegments,
-    max_rank: int,
-) -> None:
-    """``y[t] += Bt_s^T @ (A_s @ x[t])`` in place for tokens whose slot ``s >= 0`` has rank > 0; see ``torch_ops``.
+class CudaLoraBackend:
+    """The kernels as a LoRA backend (``ops.backend_for``), running the paths ``kernels`` chooses.
 
-    One or two launches, no host sync: capturable in a CUDA graph and traceable by ``torch.compile``; the table
-    values (offsets, ranks, slots) are read on the device. The kernel path depends on shapes, dtype and
-    ``max_rank`` only: per-token chunks for T <= 256 or fp32 (one launch of a thread-block cluster kernel on sm_90
-    where the factor slices fit shared memory, else a shrink and an expand launch), segment-tiled tensor cores
-    above, for the slots with more than ``SHORT_RUN_TOKENS`` tokens (the per-token kernels take the others).
-    Bad arguments raise ValueError.
+    ``lora_add(y, x, pool, a_offsets, b_offsets, lora_ranks, segments, max_rank)``: ``y[t] += Bt_s^T @ (A_s @
+    x[t])`` in place for tokens whose slot ``s >= 0`` has rank > 0 (shapes and pool layout in ``torch_ops``).
+    ``lora_delta(x, pool, a_offsets, b_offsets, lora_ranks, segments, max_rank, out_features)``: the updates of
+    ``G <= MAX_OUTPUTS`` projections sharing ``x``, tables ``[G, S]``, a new ``[T, sum(out_features)]`` tensor.
+
+    One or two launches per call, no host sync: capturable in a CUDA graph and traceable by ``torch.compile``; the
+    table values (offsets, ranks, slots) are read on the device. The kernel path depends on shapes, dtype,
+    ``max_rank`` and ``kernels`` only: per-token chunks for T <= 256 or fp32 (one launch of a thread-block cluster
+    kernel on sm_90 where the factor slices fit shared memory, else a shrink and an expand launch), segment-tiled
+    tensor cores above, for the slots with more than ``SHORT_RUN_TOKENS`` tokens (the per-token kernels take the
+    others). ``lora_delta`` runs the per-token kernels at every ``T`` (grouping pays at decode sizes).
+
+    The checked entries raise ValueError naming the problem. The ``*_unchecked`` ones skip the Python checks: an
+    eager forward makes one call per targeted module and spends its time on the host, so the hooks check the static
+    properties once (``takes_unchecked``) and call these. The binding still checks devices, shapes, dtypes and
+    alignment before any launch and raises ValueError (a wrong table once crashed the process there instead:
+    benchmarks/KERNEL_NOTES.md). Builds the kernels when made.
     """
-    _check(y, x, pool, a_offsets, b_offsets, lora_ranks, segments, max_rank)
-    lora_add_unchecked(y, x, pool, a_offsets, b_offsets, lora_ranks, segments, max_rank)
 
+    name = "cuda"
 
-def lora_add_unchecked(
-    y: torch.Tensor,
-    x: torch.Tensor,
-    pool: torch.Tensor,
-    a_offsets: torch.Tensor,
-    b_offsets: torch.Tensor,
-    lora_ranks: torch.Tensor,
-    segments: LoraSegments,
-    max_rank: int,
-) -> None:
-    """``lora_add`` without its Python argument checks, for callers that validated the static properties once.
-
-    The caller guarantees what ``lora_add`` would check (dtypes, shapes, contiguity, ``max_rank`` an int in
-    ``[1, MAX_RANK]``). The binding checks devices, shapes, dtypes and alignment again before any launch and
-    raises ValueError (a wrong table once crashed the process there instead: benchmarks/KERNEL_NOTES.md).
-    """
-    if _op is None:
+    def __init__(self, kernels: KernelConfig | None = None) -> None:
+        self.kernels = KernelConfig() if kernels is None else kernels
+        if not isinstance(self.kernels, KernelConfig):
+            raise ValueError(f"kernels must be a punica_hf.ops.KernelConfig, got {type(self.kernels).__name__}")
         load_extension()
-    _op(y, x, pool, a_offsets, b_offsets, lora_ranks, segments.sorted_token_ids, segments.sorted_slots,
-        segments.segment_starts, segments.segment_slots, segments.long_run_slots, segments.short_run_slots, max_rank)
 
+    def __str__(self) -> str:
+        return self.name
 
-def lora_delta(
-    x: torch.Tensor,
-    pool: torch.Tensor,
-    a_offsets: torch.Tensor,
-    b_offsets: torch.Tensor,
-    lora_ranks: torch.Tensor,
-    segments: LoraSegments,
-    max_rank: int,
-    out_features: Sequence[int],
-) -> torch.Tensor:
-    """``ops.lora_delta`` on the kernels: the per-token path's launches for ``G <= MAX_OUTPUTS`` projections at once.
+    def __repr__(self) -> str:
+        return f"CudaLoraBackend({self.kernels!r})"
 
-    Tables ``[G, S]`` (``G = len(out_features)``), each width a multiple of 8. The per-token kernels run at every
-    ``T`` (the grouping pays at decode sizes); no host sync, capturable and traceable like ``lora_add``. Bad
-    arguments raise ValueError.
-    """
-    out_features = [int(width) for width in out_features]
-    if not 1 <= len(out_features) <= MAX_OUTPUTS:
-        raise ValueError(f"lora_delta: from 1 to {MAX_OUTPUTS} projections per call, got {len(out_features)}")
-    if any(width <= 0 or width % 8 for width in out_features):
-        raise ValueError(f"lora_delta: every width must be a positive multiple of 8, got {out_features}")
-    tables_shape = (len(out_features), segments.num_slots)
-    for name, table in (("a_offsets", a_offsets), ("b_offsets", b_offsets), ("lora_ranks", lora_ranks)):
-        if table.shape != tables_shape:
-            raise ValueError(f"lora_delta: {name} must have shape {list(tables_shape)}, got {tuple(table.shape)}")
-    y = torch.empty(x.shape[0], sum(out_features), dtype=x.dtype, device="meta")  # for the shared checks only
-    _check(y, x, pool, a_offsets[0], b_offsets[0], lora_ranks[0], segments, max_rank)
-    if not all(t.is_contiguous() for t in (a_offsets, b_offsets, lora_ranks)):
-        raise ValueError("lora_delta: the offset / rank tables must be contiguous")
-    return lora_delta_unchecked(x, pool, a_offsets, b_offsets, lora_ranks, segments, max_rank, out_features)
+    def takes_unchecked(self, dtype: torch.dtype, in_features: int, out_features: int, max_rank: int) -> bool:
+        """Whether the unchecked entries take a module of these static properties (else call the checked ones)."""
+        return dtype in DTYPES and in_features % 8 == 0 and out_features % 8 == 0 and 1 <= max_rank <= MAX_RANK
 
+    def lora_add(self, y: torch.Tensor, x: torch.Tensor, pool: torch.Tensor, a_offsets: torch.Tensor,
+                 b_offsets: torch.Tensor, lora_ranks: torch.Tensor, segments: LoraSegments, max_rank: int) -> None:
+        _check(y, x, pool, a_offsets, b_offsets, lora_ranks, segments, max_rank)
+        self.lora_add_unchecked(y, x, pool, a_offsets, b_offsets, lora_ranks, segments, max_rank)
 
-def lora_delta_unchecked(
-    x: torch.Tensor,
-    pool: torch.Tensor,
-    a_offsets: torch.Tensor,
-    b_offsets: torch.Tensor,
-    lora_ranks: torch.Tensor,
-    segments: LoraSegments,
-    max_rank: int,
-    out_features: list[int],
-) -> torch.Tensor:
-    """``lora_delta`` without its Python checks (``out_features`` a list of ints), for callers that made them once;
-    the binding still checks shapes, dtypes, devices and alignment before any launch."""
-    if _delta_op is None:
-        load_extension()
-    return _delta_op(x, pool, a_offsets, b_offsets, lora_ranks, segments.sorted_token_ids, segments.sorted_slots,
-                     out_features, max_rank)
+    def lora_add_unchecked(self, y: torch.Tensor, x: torch.Tensor, pool: torch.Tensor, a_offsets: torch.Tensor,
+                           b_offsets: torch.Tensor, lora_ranks: torch.Tensor, segments: LoraSegments,
+                           max_rank: int) -> None:
+        """``lora_add`` where the caller guarantees what it checks; ``y`` and ``x`` may have leading token
+        dimensions (``[..., H]``, contiguous), which the binding flattens."""
+        kernels = self.kernels
+        _op(y, x, pool, a_offsets, b_offsets, lora_ranks, segments.sorted_token_ids, segments.sorted_slots,
+            segments.long_run_slots, segments.short_run_slots, max_rank, kernels.programmatic_launch, kernels.fused,
+            kernels.short_runs)
+
+    def lora_delta(self, x: torch.Tensor, pool: torch.Tensor, a_offsets: torch.Tensor, b_offsets: torch.Tensor,
+                   lora_ranks: torch.Tensor, segments: LoraSegments, max_rank: int,
+                   out_features: Sequence[int]) -> torch.Tensor:
+        out_features = [int(width) for width in out_features]
+        if not 1 <= len(out_features) <= MAX_OUTPUTS:
+            raise ValueError(f"lora_delta: from 1 to {MAX_OUTPUTS} projections per call, got {len(out_features)}")
+        if any(width <= 0 or width % 8 for width in out_features):
+            raise ValueError(f"lora_delta: every width must be a positive multiple of 8, got {out_features}")
+        tables_shape = (len(out_features), segments.num_slots)
+        for name, table in (("a_offsets", a_offsets), ("b_offsets", b_offsets), ("lora_ranks", lora_ranks)):
+            if table.shape != tables_shape:
+                raise ValueError(f"lora_delta: {name} must have shape {list(tables_shape)}, got {tuple(table.shape)}")
+        y = torch.empty(x.shape[0], sum(out_features), dtype=x.dtype, device="meta")  # for the shared checks only
+        _check(y, x, pool, a_offsets[0], b_offsets[0], lora_ranks[0], segments, max_rank)
+        if not all(t.is_contiguous() for t in (a_offsets, b_offsets, lora_ranks)):
+            raise ValueError("lora_delta: the offset / rank tables must be contiguous")
+        return self.lora_delta_unchecked(x, pool, a_offsets, b_offsets, lora_ranks, segments, max_rank, out_features)
+
+    def lora_delta_unchecked(self, x: torch.Tensor, pool: torch.Tensor, a_offsets: torch.Tensor,
+                             b_offsets: torch.Tensor, lora_ranks: torch.Tensor, segments: LoraSegments,
+                             max_rank: int, out_features: list[int]) -> torch.Tensor:
+        """``lora_delta`` where the caller guarantees what it checks (``out_features`` a list of ints)."""
+        kernels = self.kernels
+        return _delta_op(x, pool, a_offsets, b_offsets, lora_ranks, segments.sorted_token_ids,
+                         segments.sorted_slots, out_features, max_rank, kernels.programmatic_launch, kernels.fused)

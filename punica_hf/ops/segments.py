@@ -19,85 +19,58 @@ SHORT_RUN_TOKENS = 16
 
 @dataclass(frozen=True)
 class LoraSegments:
-    """Tokens of one forward grouped by adapter slot.
-
-    ``T`` = tokens in the forward, ``S`` = adapter slots, ``G = min(T, S)`` = the most segments a forward can have.
+    """Tokens of one forward grouped by adapter slot (``T`` = tokens in the forward, ``S`` = adapter slots).
 
     Attributes:
         token_slots: ``[T]`` int32, the slot of each token; -1 = no adapter (base model only).
         sorted_token_ids: ``[T]`` int32, token indices ordered by slot (stable); tokens without adapter come last.
         sorted_slots: ``[T]`` int32, the slot of each sorted position (``token_slots[sorted_token_ids]``, -1 =
             none): the CUDA kernels find a position's adapter with one load instead of a chain of two.
-        segment_slots: ``[G]`` int32, the slot of each non-empty segment in increasing slot order, then -1 padding.
-        segment_starts: ``[G + 1]`` int32, segment ``g`` is ``sorted_token_ids[segment_starts[g]:segment_starts[g+1]]``;
-            padding segments are empty (their start equals their end).
         long_run_slots, short_run_slots: ``[T]`` int32, ``sorted_slots`` split by the size of each position's
-            segment: above ``SHORT_RUN_TOKENS`` tokens in the first, the others in the second, -1 elsewhere.
+            slot run: above ``SHORT_RUN_TOKENS`` tokens in the first, the others in the second, -1 elsewhere.
         num_slots: ``S``.
-        backend: ``"cuda"`` or ``"torch"``, the kernels every layer uses for this forward (chosen once here).
     """
 
     token_slots: torch.Tensor
     sorted_token_ids: torch.Tensor
     sorted_slots: torch.Tensor
-    segment_slots: torch.Tensor
-    segment_starts: torch.Tensor
     long_run_slots: torch.Tensor
     short_run_slots: torch.Tensor
     num_slots: int
-    backend: str
 
     @property
     def num_tokens(self) -> int:
         return self.token_slots.shape[0]
 
-    def to(self, device: torch.device, backend: str) -> LoraSegments:
-        """The same grouping with every tensor on ``device``, run by ``backend`` (for a model split over devices)."""
+    def to(self, device: torch.device) -> LoraSegments:
+        """The same grouping with every tensor on ``device`` (for a model split over devices)."""
         return LoraSegments(
             token_slots=self.token_slots.to(device),
             sorted_token_ids=self.sorted_token_ids.to(device),
             sorted_slots=self.sorted_slots.to(device),
-            segment_slots=self.segment_slots.to(device),
-            segment_starts=self.segment_starts.to(device),
             long_run_slots=self.long_run_slots.to(device),
             short_run_slots=self.short_run_slots.to(device),
             num_slots=self.num_slots,
-            backend=backend,
         )
 
 
-def build_segments(token_slots: torch.Tensor, num_slots: int, backend: str) -> LoraSegments:
+def build_segments(token_slots: torch.Tensor, num_slots: int) -> LoraSegments:
     """Group tokens by slot. ``token_slots``: ``[T]`` integer, values in ``[-1, num_slots)``; not checked here."""
     if token_slots.dim() != 1:
         raise ValueError(f"token_slots must be 1-D, got shape {tuple(token_slots.shape)}")
-    device = token_slots.device
     slots = token_slots.to(torch.int64)
     # Tokens without an adapter get the key num_slots, so a stable sort puts them last.
     sort_key = torch.where(slots < 0, num_slots, slots)
     sorted_keys, sorted_token_ids = torch.sort(sort_key, stable=True)
-    tokens_per_key = torch.zeros(num_slots + 1, dtype=torch.int64, device=device)
+    tokens_per_key = torch.zeros(num_slots + 1, dtype=torch.int64, device=token_slots.device)
     tokens_per_key.scatter_add_(0, sort_key, torch.ones_like(sort_key))
-    tokens_per_slot = tokens_per_key[:num_slots]
     sorted_slots = torch.where(sorted_keys < num_slots, sorted_keys, -1).to(torch.int32)
     long_run = tokens_per_key[sorted_keys] > SHORT_RUN_TOKENS
-
-    num_segments = min(slots.shape[0], num_slots)
-    is_empty = (tokens_per_slot == 0).to(torch.int8)
-    # Non-empty slots first, each group in increasing slot order: matches the token order of the sort above.
-    slot_order = torch.argsort(is_empty, stable=True)[:num_segments]
-    nonempty = is_empty[slot_order] == 0
-    segment_slots = torch.where(nonempty, slot_order, -1)
-    segment_sizes = torch.where(nonempty, tokens_per_slot[slot_order], 0)
-    segment_starts = torch.zeros(num_segments + 1, dtype=torch.int64, device=device)
-    segment_starts[1:] = torch.cumsum(segment_sizes, 0)
     return LoraSegments(
         token_slots=slots.to(torch.int32),
         sorted_token_ids=sorted_token_ids.to(torch.int32),
         sorted_slots=sorted_slots,
-        segment_slots=segment_slots.to(torch.int32),
-        segment_starts=segment_starts.to(torch.int32),
         long_run_slots=torch.where(long_run, sorted_slots, -1),
         short_run_slots=torch.where(long_run, -1, sorted_slots),
         num_slots=num_slots,
-        backend=backend,
     )

@@ -5,9 +5,9 @@ The factors live in one flat pool per device (the op contract): slot ``s`` of ra
 (LoRA B transposed, scaling folded in), so memory is exactly ``r * (H_in + H_out)`` elements per adapter and layer.
 ``pack_factors`` lays factors out that way (tests, benchmarks).
 
-One matmul pair per adapter present in the batch (a loop over segments), exact in the accumulation dtype
-(float32, or float64 for float64 inputs). It reads segment boundaries, ranks and offsets on the host, so on a GPU
-it synchronises once per call and cannot be captured in a CUDA graph.
+One matmul pair per adapter present in the batch (a loop over the runs of one slot in the sorted tokens), exact in
+the accumulation dtype (float32, or float64 for float64 inputs). It reads those runs, the ranks and the offsets on
+the host, so on a GPU it synchronises once per call and cannot be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -78,12 +78,16 @@ def lora_add(
     """
     acc = _accumulation_dtype(x.dtype)
     hidden_in, hidden_out = x.shape[1], y.shape[1]
-    starts = segments.segment_starts.tolist()
+    # The runs of equal slots in the sorted positions, read on the host (this is what makes the reference sync).
+    run_slots, run_lengths = torch.unique_consecutive(segments.sorted_slots, return_counts=True)
     ranks = lora_ranks.tolist()
     a_offsets_host, b_offsets_host = a_offsets.tolist(), b_offsets.tolist()
-    for g, slot in enumerate(segments.segment_slots.tolist()):
+    start = 0
+    for slot, length in zip(run_slots.tolist(), run_lengths.tolist()):
+        run = segments.sorted_token_ids[start : start + length]
+        start += length
         if slot < 0:
-            break
+            break  # tokens without an adapter come last
         rank = ranks[slot]
         if rank == 0:
             continue
@@ -91,7 +95,7 @@ def lora_add(
             raise ValueError(f"lora_add: slot {slot} has rank {rank}, outside [0, max_rank={max_rank}]")
         lora_a = factor_view(pool, a_offsets_host[slot], rank, hidden_in)
         lora_bt = factor_view(pool, b_offsets_host[slot], rank, hidden_out)
-        token_ids = segments.sorted_token_ids[starts[g] : starts[g + 1]].long()
+        token_ids = run.long()
         delta = (x[token_ids].to(acc) @ lora_a.to(acc).T) @ lora_bt.to(acc)
         y[token_ids] = (y[token_ids].to(acc) + delta).to(y.dtype)
 
@@ -119,3 +123,23 @@ def lora_delta(
                  max_rank)
         first += width
     return delta
+
+
+class TorchLoraBackend:
+    """The PyTorch reference as a LoRA backend (``ops.backend_for``): any device, dtype and size; syncs per call.
+
+    ``lora_add(y, x, pool, a_offsets, b_offsets, lora_ranks, segments, max_rank)`` and ``lora_delta(x, pool,
+    a_offsets, b_offsets, lora_ranks, segments, max_rank, out_features)`` are this module's functions (shapes
+    there).
+    """
+
+    name = "torch"
+    lora_add = staticmethod(lora_add)
+    lora_delta = staticmethod(lora_delta)
+
+    def takes_unchecked(self, dtype: torch.dtype, in_features: int, out_features: int, max_rank: int) -> bool:
+        """False: the reference has no unchecked entries (its host loop costs far more than any check)."""
+        return False
+
+    def __str__(self) -> str:
+        return self.name

@@ -15,8 +15,9 @@ import torch
 
 from ..formats import ModuleLora
 from ..layers import DeviceTables
+from ..ops import POOL_ALIGNMENT
 
-ALIGN = 64  # elements: 128 bytes of bf16, so every factor starts on a 16-byte (vector load) boundary
+ALIGN = POOL_ALIGNMENT  # elements: every factor starts on a 16-byte (vector load) boundary
 
 
 def aligned(elements: int) -> int:

@@ -102,11 +102,11 @@ def _reference(batch: Batch) -> torch.Tensor:
     return attention.paged_attention_reference(*args)
 
 
-def _run(batch: Batch) -> torch.Tensor:
-    """The kernel, in memory that was all NaN just before."""
+def _run(batch: Batch, splits: int = 0) -> torch.Tensor:
+    """The kernel (``splits`` 0: the launcher's split count), in memory that was all NaN just before."""
     poison = torch.full(batch.query.shape, float("nan"), dtype=batch.query.dtype, device="cuda")
     del poison
-    return attention.paged_attention_cuda(*batch.args())
+    return attention.paged_attention_cuda(*batch.args(), splits=splits)
 
 
 def _assert_matches(out: torch.Tensor, expected: torch.Tensor, batch: Batch, context: str):
@@ -125,10 +125,10 @@ def _assert_matches(out: torch.Tensor, expected: torch.Tensor, batch: Batch, con
         assert error.max() < TOLERANCE[dtype], f"relative error {error.max():.2e} at row {row} ({context})"
 
 
-def _check(q_lens, k_lens, num_q_heads, num_kv_heads, head_dim, dtype, **kwargs):
+def _check(q_lens, k_lens, num_q_heads, num_kv_heads, head_dim, dtype, splits=0, **kwargs):
     seed = secrets.randbits(31)
     batch = _batch(q_lens, k_lens, num_q_heads, num_kv_heads, head_dim, dtype, seed, **kwargs)
-    _assert_matches(_run(batch), _reference(batch), batch, f"seed {seed}")
+    _assert_matches(_run(batch, splits), _reference(batch), batch, f"seed {seed}")
 
 
 DTYPES = [torch.bfloat16, torch.float16]
@@ -209,13 +209,12 @@ def test_every_row_padding(padded_rows):
     assert torch.equal(_run(batch), torch.zeros_like(batch.query))
 
 
-@pytest.mark.parametrize("splits", ["1", "2", "3", "17", "64"])
-def test_forced_split_counts_match(splits, monkeypatch):
+@pytest.mark.parametrize("splits", [1, 2, 3, 17, 64])
+def test_forced_split_counts_match(splits):
     """Every split count (one: the block writes the output; more: partials and the merge kernel; more splits than
     16-key steps: empty ranges with neutral partials) gives the reference's result."""
-    monkeypatch.setenv("PUNICA_HF_ATTENTION_SPLITS", splits)
-    _check([1, 1, 1, 5, 1, 30], [4000, 17, 1, 200, 64, 30], 32, 8, 128, torch.bfloat16, pad_rows=6, pad_seqs=2,
-           extra_keys=10)
+    _check([1, 1, 1, 5, 1, 30], [4000, 17, 1, 200, 64, 30], 32, 8, 128, torch.bfloat16, splits=splits, pad_rows=6,
+           pad_seqs=2, extra_keys=10)
 
 
 def test_repeated_calls_give_the_same_bits():
@@ -293,10 +292,9 @@ def _fill(buffers: Batch, scenario, gen) -> Batch:
     return buffers
 
 
-def test_cuda_graph_replay_follows_new_lengths_and_slots(monkeypatch):
+def test_cuda_graph_replay_follows_new_lengths_and_slots():
     """Captured once at fixed shapes; replays with new lengths, slots and queries in the same tensors give the new
     results (the lengths are read on the device at every replay, the split count is fixed by the shapes)."""
-    monkeypatch.setenv("PUNICA_HF_BACKEND", "cuda")
     seed = secrets.randbits(31)
     gen = torch.Generator().manual_seed(seed)
     buffers, sizes = _static_buffers(seed)
@@ -304,11 +302,11 @@ def test_cuda_graph_replay_follows_new_lengths_and_slots(monkeypatch):
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm-up outside the capture (extension load, allocator)
-        ops.paged_attention(*buffers.args())
+        ops.paged_attention(*buffers.args(), backend="cuda")
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = ops.paged_attention(*buffers.args())
+        out = ops.paged_attention(*buffers.args(), backend="cuda")
     for replay in range(6):
         batch = _fill(buffers, _scenario(gen, *sizes), gen)
         out.fill_(float("nan"))
@@ -317,16 +315,15 @@ def test_cuda_graph_replay_follows_new_lengths_and_slots(monkeypatch):
         _assert_matches(out, _reference(batch), batch, f"replay {replay}, seed {seed}")
 
 
-def test_torch_compile_fullgraph_no_recompile(monkeypatch):
+def test_torch_compile_fullgraph_no_recompile():
     """torch.compile traces the op (fake impl) in a full graph once; new lengths and slots reuse the code."""
-    monkeypatch.setenv("PUNICA_HF_BACKEND", "cuda")
     seed = secrets.randbits(31)
     gen = torch.Generator().manual_seed(seed)
     buffers, sizes = _static_buffers(seed)
-    ops.paged_attention(*_fill(buffers, _scenario(gen, *sizes), gen).args())  # loads the extension eagerly
+    ops.paged_attention(*_fill(buffers, _scenario(gen, *sizes), gen).args(), backend="cuda")  # loads the extension
 
     def step(query, key_cache, value_cache, key_slots, cu_q, cu_k):
-        return ops.paged_attention(query, key_cache, value_cache, key_slots, cu_q, cu_k, 128**-0.5) * 2
+        return ops.paged_attention(query, key_cache, value_cache, key_slots, cu_q, cu_k, 128**-0.5, backend="cuda") * 2
 
     torch._dynamo.reset()
     compiled = torch.compile(step, fullgraph=True)
@@ -350,8 +347,12 @@ def test_unsupported_inputs_raise_value_error():
         attention.paged_attention_cuda(q, kc, vc, slots.cpu(), cu_q, cu_k, scale)
     with pytest.raises(ValueError, match="int32"):
         attention.paged_attention_cuda(q, kc, vc, slots, cu_q.long(), cu_k, scale)
-    # the auto backend runs the reference for what the kernel does not take; PUNICA_HF_BACKEND=cuda refuses
+    with pytest.raises(ValueError, match="splits must be an int"):
+        attention.paged_attention_cuda(q, kc, vc, slots, cu_q, cu_k, scale, splits=attention.MAX_SPLITS + 1)
+    # the auto backend runs the reference for what the kernel does not take; backend="cuda" refuses
     assert attention.attention_backend(q.float(), kc.float(), vc.float()) == "torch"
+    with pytest.raises(ValueError, match="float16 and bfloat16"):
+        ops.paged_attention(q.float(), kc.float(), vc.float(), slots, cu_q, cu_k, scale, backend="cuda")
 
 
 # One direct call of the registered op with one argument made wrong, in a process of its own: a crash must not take
@@ -371,7 +372,7 @@ args[name] = {"dtype": lambda t: t.float(),
               "length": lambda t: t[:-1], "device": lambda t: t.cpu(),
               "layout": lambda t: t.transpose(1, 2).contiguous().transpose(1, 2)}[change](args[name])
 try:
-    torch.ops.punica_hf.paged_attention(*args.values(), 0.1)
+    torch.ops.punica_hf.paged_attention(*args.values(), 0.1, 0)
     torch.cuda.synchronize()
     print("returned")
 except Exception as error:

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import punica_hf.ops as ops
+from punica_hf.ops import KernelConfig
 from punica_hf.ops import cuda as cuda_ops
 from punica_hf.ops import torch_ops
 from punica_hf.ops.segments import build_segments
@@ -35,11 +36,11 @@ TOLERANCE = {torch.bfloat16: 1.5e-2, torch.float16: 2e-3, torch.float32: 1e-5}
 
 
 @pytest.fixture(params=["fused", "two_launch"])
-def per_token_path(request, monkeypatch):
-    """The per-token path under test: one launch of the cluster kernel (sm_90+, the default where the slices fit
-    shared memory) or the shrink and expand kernels (``PUNICA_HF_FUSED=0``). Calls on the tiled path ignore it."""
-    monkeypatch.setenv("PUNICA_HF_FUSED", "1" if request.param == "fused" else "0")
-    return request.param
+def per_token_path(request) -> KernelConfig:
+    """The kernel config of the per-token path under test: one launch of the cluster kernel (sm_90+, the default
+    where the slices fit shared memory) or the shrink and expand kernels (``fused=False``). Calls on the tiled path
+    ignore it."""
+    return KernelConfig(fused=request.param == "fused")
 
 
 def _slots(mapping: str, num_tokens: int, num_slots: int, gen: torch.Generator) -> torch.Tensor:
@@ -129,15 +130,16 @@ def _problem(num_tokens, hidden_in, hidden_out, max_rank, num_slots, mapping, ra
 
 def _reference(y, x, pool, tables: Tables, slots, max_rank):
     expected = y.double()
-    segments = build_segments(slots, tables.ranks.shape[0], "torch")
+    segments = build_segments(slots, tables.ranks.shape[0])
     torch_ops.lora_add(expected, x.double(), pool.double(), tables.a_offsets, tables.b_offsets, tables.ranks,
                        segments, max_rank)
     return expected
 
 
-def _run(y, x, pool, tables: Tables, slots, max_rank):
-    segments = build_segments(slots, tables.ranks.shape[0], "cuda")
-    cuda_ops.lora_add(y, x, pool, tables.a_offsets, tables.b_offsets, tables.ranks, segments, max_rank)
+def _run(y, x, pool, tables: Tables, slots, max_rank, kernels: KernelConfig = KernelConfig()):
+    segments = build_segments(slots, tables.ranks.shape[0])
+    backend = cuda_ops.CudaLoraBackend(kernels)
+    backend.lora_add(y, x, pool, tables.a_offsets, tables.b_offsets, tables.ranks, segments, max_rank)
 
 
 def _assert_matches(y_out, y_in, expected, slots, lora_ranks, dtype, context):
@@ -198,32 +200,30 @@ def test_lora_add_matches_float64_reference(case, dtype, per_token_path):
     y, x, pool, (tables,), slots = _problem(*case, dtype, seed)
     y_in = y.clone()
     expected = _reference(y, x, pool, tables, slots, max_rank)
-    _run(y, x, pool, tables, slots, max_rank)
+    _run(y, x, pool, tables, slots, max_rank, per_token_path)
     _assert_matches(y, y_in, expected, slots, tables.ranks, dtype, f"seed {seed}")
 
 
 @pytest.mark.parametrize("num_tokens", [64, 1024], ids=["per_token", "tiled"])
-def test_programmatic_launch_changes_nothing(num_tokens, monkeypatch):
+def test_programmatic_launch_changes_nothing(num_tokens):
     """The expand started early (programmatic dependent launch) gives the same bits as a plain launch."""
     y, x, pool, (tables,), slots = _problem(num_tokens, 4096, 4096, 32, 8, "random", "mixed_rank0", torch.bfloat16,
                                             secrets.randbits(31))
     outputs = []
-    for setting in ("1", "0"):
-        monkeypatch.setenv("PUNICA_HF_PDL", setting)
+    for programmatic_launch in (True, False):
         out = y.clone()
-        _run(out, x, pool, tables, slots, 32)
+        _run(out, x, pool, tables, slots, 32, KernelConfig(programmatic_launch=programmatic_launch))
         outputs.append(out)
     assert torch.equal(outputs[0], outputs[1])
 
 
-def test_unwritten_workspace_is_ignored(monkeypatch):
+def test_unwritten_workspace_is_ignored():
     """Two-launch per-token path: the expand must read only the partials the shrink wrote (rows of each chunk,
     r < rank).
 
     The workspace is likely to reuse a freed all-NaN block of its size (the caching allocator hands back a freed
     block of the same size), so reading an unwritten entry shows up as NaN rows or a large error.
     """
-    monkeypatch.setenv("PUNICA_HF_FUSED", "0")
     seed = secrets.randbits(31)
     num_tokens, hidden_in, max_rank = 64, 2048, 32
     y, x, pool, (tables,), slots = _problem(num_tokens, hidden_in, 1024, max_rank, 8, "random", "mixed",
@@ -233,7 +233,7 @@ def test_unwritten_workspace_is_ignored(monkeypatch):
     slices = hidden_in // 256  # per-token workspace: [K slices of 256 elements, T, max_rank] floats
     poison = torch.full((slices * num_tokens * max_rank,), float("nan"), device="cuda")
     del poison
-    _run(y, x, pool, tables, slots, max_rank)
+    _run(y, x, pool, tables, slots, max_rank, KernelConfig(fused=False))
     _assert_matches(y, y_in, expected, slots, tables.ranks, torch.bfloat16, f"seed {seed}")
 
 
@@ -242,11 +242,12 @@ def test_unchecked_entry_gives_the_same_bits(num_tokens, per_token_path):
     """``lora_add_unchecked`` (the hooks' entry) runs the same kernels as the checked ``lora_add``."""
     y, x, pool, (tables,), slots = _problem(num_tokens, 4096, 1024, 16, 8, "random", "mixed_rank0", torch.bfloat16,
                                             secrets.randbits(31))
-    segments = build_segments(slots, tables.ranks.shape[0], "cuda")
+    segments = build_segments(slots, tables.ranks.shape[0])
+    backend = cuda_ops.CudaLoraBackend(per_token_path)
     args = (x, pool, tables.a_offsets, tables.b_offsets, tables.ranks, segments, 16)
     checked, unchecked = y.clone(), y.clone()
-    cuda_ops.lora_add(checked, *args)
-    cuda_ops.lora_add_unchecked(unchecked, *args)
+    backend.lora_add(checked, *args)
+    backend.lora_add_unchecked(unchecked, *args)
     assert not torch.equal(checked, y), "the call must change y"
     assert torch.equal(checked, unchecked)
 
@@ -272,7 +273,7 @@ def test_repeated_calls_are_deterministic(num_tokens, per_token_path):
     outputs = []
     for _ in range(2):
         out = y.clone()
-        _run(out, x, pool, tables, slots, 16)
+        _run(out, x, pool, tables, slots, 16, per_token_path)
         outputs.append(out)
     assert torch.equal(outputs[0], outputs[1])
 
@@ -280,17 +281,16 @@ def test_repeated_calls_are_deterministic(num_tokens, per_token_path):
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] < 9, reason="needs sm_90")
 @pytest.mark.parametrize("written_last", ["x", "y", "ranks"])
 @pytest.mark.parametrize("hidden_in", [4096, 14336], ids=["cluster8", "cluster16"])
-def test_dependent_launch_reads_what_the_kernel_before_wrote(hidden_in, written_last, monkeypatch):
+def test_dependent_launch_reads_what_the_kernel_before_wrote(hidden_in, written_last):
     """In a CUDA graph (back-to-back launches), x, y or a rank table written by the kernel just before the fused
     call must be what the call reads, at every replay (with PDL allowed: the fused kernel must not be placed early
     without waiting, as a dependent launch would be)."""
-    monkeypatch.setenv("PUNICA_HF_PDL", "1")
-    monkeypatch.setenv("PUNICA_HF_FUSED", "1")
+    backend = cuda_ops.CudaLoraBackend(KernelConfig(programmatic_launch=True, fused=True))
     seed = secrets.randbits(31)
     num_slots, max_rank = 64, 16
     y, x, pool, (tables,), slots = _problem(32, hidden_in, 4096, max_rank, num_slots, "distinct", "mixed_rank0",
                                             torch.bfloat16, seed)
-    segments = build_segments(slots, num_slots, "cuda")
+    segments = build_segments(slots, num_slots)
     sources = {"x": x.clone(), "y": y.clone(), "ranks": tables.ranks.clone()}
     buffers = {name: torch.zeros_like(tensor) for name, tensor in sources.items()}
     order = [name for name in sources if name != written_last] + [written_last]
@@ -298,8 +298,8 @@ def test_dependent_launch_reads_what_the_kernel_before_wrote(hidden_in, written_
     def step():
         for name in order:  # kernels (not copies), so the LoRA launch directly follows one
             torch.mul(sources[name], 1, out=buffers[name])
-        cuda_ops.lora_add(buffers["y"], buffers["x"], pool, tables.a_offsets, tables.b_offsets, buffers["ranks"],
-                          segments, max_rank)
+        backend.lora_add(buffers["y"], buffers["x"], pool, tables.a_offsets, tables.b_offsets, buffers["ranks"],
+                         segments, max_rank)
 
     step()
     graph = torch.cuda.CUDAGraph()
@@ -321,9 +321,9 @@ def test_dependent_launch_reads_what_the_kernel_before_wrote(hidden_in, written_
 
 
 @pytest.mark.parametrize("num_tokens", [64, 512], ids=["per_token", "tiled"])
-def test_cuda_graph_replay_follows_new_slots_offsets_and_ranks(num_tokens, monkeypatch, per_token_path):
+def test_cuda_graph_replay_follows_new_slots_offsets_and_ranks(num_tokens, per_token_path):
     """A captured call reads the slots, offsets and ranks in place: new values in the same tensors are followed."""
-    monkeypatch.setenv("PUNICA_HF_BACKEND", "cuda")
+    backend = ops.backend_for("cuda", "cuda", per_token_path)
     seed = secrets.randbits(31)
     max_rank, num_slots = 32, 8
     y, x, pool, table_sets, slots = _problem(num_tokens, 2048, 4096, max_rank, num_slots, "random", "mixed_rank0",
@@ -334,7 +334,7 @@ def test_cuda_graph_replay_follows_new_slots_offsets_and_ranks(num_tokens, monke
 
     def step():
         segments = ops.build_segments(slot_buffer, num_slots)
-        ops.lora_add(y, x, pool, live.a_offsets, live.b_offsets, live.ranks, segments, max_rank)
+        backend.lora_add(y, x, pool, live.a_offsets, live.b_offsets, live.ranks, segments, max_rank)
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -360,16 +360,16 @@ def test_cuda_graph_replay_follows_new_slots_offsets_and_ranks(num_tokens, monke
 
 
 @pytest.mark.parametrize("num_tokens", [64, 512], ids=["per_token", "tiled"])
-def test_torch_compile_fullgraph_no_recompile(num_tokens, monkeypatch):
+def test_torch_compile_fullgraph_no_recompile(num_tokens):
     """torch.compile traces the op (fake impl) once; new slots and new table values reuse the compiled code."""
-    monkeypatch.setenv("PUNICA_HF_BACKEND", "cuda")
+    backend = ops.backend_for("cuda", "cuda")
     seed = secrets.randbits(31)
     max_rank, num_slots = 16, 8
     y, x, pool, table_sets, slots = _problem(num_tokens, 2048, 1024, max_rank, num_slots, "random", "mixed",
                                              torch.bfloat16, seed, table_sets=2)
 
     def step(y, x, tables, segments):
-        ops.lora_add(y, x, pool, tables.a_offsets, tables.b_offsets, tables.ranks, segments, max_rank)
+        backend.lora_add(y, x, pool, tables.a_offsets, tables.b_offsets, tables.ranks, segments, max_rank)
         return y
 
     torch._dynamo.reset()
@@ -381,7 +381,6 @@ def test_torch_compile_fullgraph_no_recompile(num_tokens, monkeypatch):
             new_slots = _slots(mapping, num_tokens, num_slots, gen).repeat(num_tokens)[:num_tokens]
             new_slots = new_slots.to(torch.int32).cuda()
             segments = ops.build_segments(new_slots, num_slots)
-            assert segments.backend == "cuda"
             out = compiled(y.clone(), x, tables, segments)
             expected = _reference(y, x, pool, tables, new_slots, max_rank)
             _assert_matches(out, y, expected, new_slots, tables.ranks, torch.bfloat16,
@@ -420,11 +419,12 @@ def test_lora_delta_matches_float64_reference(case, dtype, per_token_path):
     seed = secrets.randbits(31)
     widths, max_rank = case[2], case[3]
     x, pool, tables, stacked, slots = _group_problem(*case, dtype, seed)
-    segments = build_segments(slots, stacked.ranks.shape[1], "cuda")
+    segments = build_segments(slots, stacked.ranks.shape[1])
     poison = torch.full((x.shape[0], sum(widths)), float("nan"), dtype=dtype, device="cuda")
     del poison
-    delta = cuda_ops.lora_delta(x, pool, stacked.a_offsets, stacked.b_offsets, stacked.ranks, segments, max_rank,
-                                widths)
+    backend = cuda_ops.CudaLoraBackend(per_token_path)
+    delta = backend.lora_delta(x, pool, stacked.a_offsets, stacked.b_offsets, stacked.ranks, segments, max_rank,
+                               widths)
     assert delta.shape == (x.shape[0], sum(widths)) and delta.dtype == dtype
     first = 0
     for g, width in enumerate(widths):
@@ -440,20 +440,21 @@ def test_grouped_call_gives_the_bits_of_separate_calls(case, per_token_path):
     """Per-token path: output g of one grouped call is bit for bit ``lora_add`` into zeros with table row g."""
     x, pool, tables, stacked, slots = _group_problem(*case, torch.bfloat16, secrets.randbits(31))
     widths, max_rank = case[2], case[3]
-    segments = build_segments(slots, stacked.ranks.shape[1], "cuda")
-    delta = cuda_ops.lora_delta_unchecked(x, pool, stacked.a_offsets, stacked.b_offsets, stacked.ranks, segments,
-                                          max_rank, widths)
+    segments = build_segments(slots, stacked.ranks.shape[1])
+    backend = cuda_ops.CudaLoraBackend(per_token_path)
+    delta = backend.lora_delta_unchecked(x, pool, stacked.a_offsets, stacked.b_offsets, stacked.ranks, segments,
+                                         max_rank, widths)
     separate = []
     for g, width in enumerate(widths):
         y = torch.zeros(x.shape[0], width, dtype=torch.bfloat16, device="cuda")
-        cuda_ops.lora_add(y, x, pool, tables[g].a_offsets, tables[g].b_offsets, tables[g].ranks, segments, max_rank)
+        backend.lora_add(y, x, pool, tables[g].a_offsets, tables[g].b_offsets, tables[g].ranks, segments, max_rank)
         separate.append(y)
     assert torch.equal(delta, torch.cat(separate, dim=1))
 
 
-def test_lora_delta_in_a_cuda_graph_and_compiled_follows_new_tables(monkeypatch, per_token_path):
+def test_lora_delta_in_a_cuda_graph_and_compiled_follows_new_tables(per_token_path):
     """Captured once and compiled once: new slots and new table values in the same tensors are followed."""
-    monkeypatch.setenv("PUNICA_HF_BACKEND", "cuda")
+    backend = ops.backend_for("cuda", "cuda", per_token_path)
     seed = secrets.randbits(31)
     widths, max_rank, num_slots, num_tokens = [2048, 512, 512], 16, 8, 48
     x, pool, tables, stacked, slots = _group_problem(num_tokens, 1024, widths, max_rank, num_slots, "random",
@@ -465,7 +466,8 @@ def test_lora_delta_in_a_cuda_graph_and_compiled_follows_new_tables(monkeypatch,
 
     def step():
         segments = ops.build_segments(slot_buffer, num_slots)
-        return ops.lora_delta(x, pool, stacked.a_offsets, stacked.b_offsets, live_ranks, segments, max_rank, widths)
+        return backend.lora_delta(x, pool, stacked.a_offsets, stacked.b_offsets, live_ranks, segments, max_rank,
+                                  widths)
 
     torch._dynamo.reset()
     compiled = torch.compile(step, fullgraph=True)
@@ -515,19 +517,19 @@ def _kernel_names(call) -> set[str]:
     ids=["gate", "64_tokens", "q", "down", "switched_off", "rank128_too_large", "65_tokens"],
 )
 def test_decode_call_takes_the_fused_path_where_it_fits(setting, num_tokens, hidden_in, hidden_out, max_rank,
-                                                        kernel, monkeypatch):
+                                                        kernel):
     """Llama-3-8B projections at decode run one cluster kernel at rank 16 up to 64 tokens (their slices fit shared
     memory): clusters of 16 for the down projection (its A and x slices would take 72 KB per block in clusters of
     8), of 8 for q and gate, Bt staged in shared memory except for gate's wide output (read from L2: five blocks
     per multiprocessor rather than two); the shrink and expand kernels at rank 128, above 64 tokens or with
-    ``PUNICA_HF_FUSED=0``; each computes the right thing."""
-    monkeypatch.setenv("PUNICA_HF_FUSED", setting)
+    ``KernelConfig(fused=False)``; each computes the right thing."""
+    kernels = KernelConfig(fused=setting == "1")
     seed = secrets.randbits(31)
     y, x, pool, (tables,), slots = _problem(num_tokens, hidden_in, hidden_out, max_rank, 128, "distinct", "full",
                                             torch.bfloat16, seed)
     y_in = y.clone()
     expected = _reference(y, x, pool, tables, slots, max_rank)
-    names = " ".join(_kernel_names(lambda: _run(y, x, pool, tables, slots, max_rank)))
+    names = " ".join(_kernel_names(lambda: _run(y, x, pool, tables, slots, max_rank, kernels)))
     fused = kernel != "two"
     assert ("fused_chunk_kernel" in names) == fused, names
     assert ("shrink_chunk_kernel" in names) == (not fused), names
@@ -538,20 +540,44 @@ def test_decode_call_takes_the_fused_path_where_it_fits(setting, num_tokens, hid
 
 
 @pytest.mark.parametrize("setting", ["1", "0"], ids=["split", "all_tiled"])
-def test_a_mixed_step_call_splits_its_positions_between_the_paths(setting, monkeypatch):
+def test_a_mixed_step_call_splits_its_positions_between_the_paths(setting):
     """Above 256 tokens, the slots with more than ``SHORT_RUN_TOKENS`` tokens (prefill chunks) run on the tiled
-    kernels and the others (decode tokens) on the per-token ones; ``PUNICA_HF_SHORT_RUNS=0`` runs every position
-    tiled. Each computes the right thing."""
-    monkeypatch.setenv("PUNICA_HF_SHORT_RUNS", setting)
-    monkeypatch.setenv("PUNICA_HF_FUSED", "0")
+    kernels and the others (decode tokens) on the per-token ones; ``KernelConfig(short_runs=False)`` runs every
+    position tiled. Each computes the right thing."""
+    kernels = KernelConfig(short_runs=setting == "1", fused=False)
     seed = secrets.randbits(31)
     y, x, pool, (tables,), slots = _problem(900, 4096, 14336, 16, 64, "mixed_step", "full", torch.bfloat16, seed)
     y_in = y.clone()
     expected = _reference(y, x, pool, tables, slots, 16)
-    names = " ".join(_kernel_names(lambda: _run(y, x, pool, tables, slots, 16)))
+    names = " ".join(_kernel_names(lambda: _run(y, x, pool, tables, slots, 16, kernels)))
     assert "shrink_tiled_kernel" in names and "expand_tiled_kernel" in names, names
     assert ("shrink_chunk_kernel" in names) == (setting == "1"), names
     _assert_matches(y, y_in, expected, slots, tables.ranks, torch.bfloat16, f"seed {seed}")
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] < 9, reason="needs sm_90")
+def test_a_compiled_step_follows_the_kernel_config_it_is_called_with():
+    """The config's choices are arguments of the op, so constants of a compiled graph: a step compiled with the
+    fused kernel and then called with ``fused=False`` launches the shrink and expand kernels (it does not keep the
+    first config), and both compute the right thing."""
+    seed = secrets.randbits(31)
+    y, x, pool, (tables,), slots = _problem(32, 4096, 4096, 16, 64, "distinct", "full", torch.bfloat16, seed)
+    segments = build_segments(slots, 64)
+    expected = _reference(y, x, pool, tables, slots, 16)
+
+    def step(backend, out):
+        backend.lora_add(out, x, pool, tables.a_offsets, tables.b_offsets, tables.ranks, segments, 16)
+        return out
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True)
+    for fused in (True, False):
+        backend = cuda_ops.CudaLoraBackend(KernelConfig(fused=fused))
+        compiled(backend, y.clone())  # compiles outside the profiled call
+        out = y.clone()
+        names = " ".join(_kernel_names(lambda: compiled(backend, out)))
+        assert ("fused_chunk_kernel" in names) == fused and ("shrink_chunk_kernel" in names) != fused, names
+        _assert_matches(out, y, expected, slots, tables.ranks, torch.bfloat16, f"fused={fused}, seed {seed}")
 
 
 @pytest.mark.parametrize("num_tokens", [24, 600], ids=["per_token", "tiled"])
@@ -560,43 +586,45 @@ def test_tokens_in_leading_dimensions_are_flattened(num_tokens):
     leading dimensions, bit for bit as the same call on ``[B * T, H]`` views, and refuses mismatched counts."""
     seed = secrets.randbits(31)
     y, x, pool, (tables,), slots = _problem(num_tokens, 256, 512, 16, 8, "random", "random", torch.bfloat16, seed)
-    segments = build_segments(slots, 8, "cuda")
+    segments = build_segments(slots, 8)
+    backend = cuda_ops.CudaLoraBackend()
     args = (pool, tables.a_offsets, tables.b_offsets, tables.ranks, segments, 16)
     flat = y.clone()
-    cuda_ops.lora_add_unchecked(flat, x, *args)
+    backend.lora_add_unchecked(flat, x, *args)
     batched = y.clone().view(4, num_tokens // 4, 512)
-    cuda_ops.lora_add_unchecked(batched, x.view(4, num_tokens // 4, 256), *args)
+    backend.lora_add_unchecked(batched, x.view(4, num_tokens // 4, 256), *args)
     assert torch.equal(batched.view(num_tokens, 512), flat), f"seed {seed}"
     _assert_matches(flat, y, _reference(y, x, pool, tables, slots, 16), slots, tables.ranks, torch.bfloat16,
                     f"seed {seed}")
     with pytest.raises(ValueError, match="different token counts"):
-        cuda_ops.lora_add_unchecked(y.view(2, num_tokens // 2, 512)[:1], x.view(2, num_tokens // 2, 256), *args)
+        backend.lora_add_unchecked(y.view(2, num_tokens // 2, 512)[:1], x.view(2, num_tokens // 2, 256), *args)
 
 
 def test_unsupported_inputs_raise_value_error():
     y, x, pool, (tables,), slots = _problem(4, 64, 64, 8, 2, "random", "full", torch.bfloat16, 0)
-    segments = build_segments(slots, 2, "cuda")
+    segments = build_segments(slots, 2)
+    backend = cuda_ops.CudaLoraBackend()
     args = (tables.a_offsets, tables.b_offsets, tables.ranks, segments)
     with pytest.raises(ValueError, match="multiples of 8"):
-        cuda_ops.lora_add(y[:, :60].contiguous(), x, pool, *args, 8)
+        backend.lora_add(y[:, :60].contiguous(), x, pool, *args, 8)
     with pytest.raises(ValueError, match="one dtype"):
-        cuda_ops.lora_add(y, x, pool.half(), *args, 8)
+        backend.lora_add(y, x, pool.half(), *args, 8)
     with pytest.raises(ValueError, match="not supported"):
-        cuda_ops.lora_add(y.double(), x.double(), pool.double(), *args, 8)
+        backend.lora_add(y.double(), x.double(), pool.double(), *args, 8)
     with pytest.raises(ValueError, match="int32"):
-        cuda_ops.lora_add(y, x, pool, tables.a_offsets, tables.b_offsets, tables.ranks.long(), segments, 8)
+        backend.lora_add(y, x, pool, tables.a_offsets, tables.b_offsets, tables.ranks.long(), segments, 8)
     with pytest.raises(ValueError, match="int64"):
-        cuda_ops.lora_add(y, x, pool, tables.a_offsets.int(), tables.b_offsets, tables.ranks, segments, 8)
+        backend.lora_add(y, x, pool, tables.a_offsets.int(), tables.b_offsets, tables.ranks, segments, 8)
     with pytest.raises(ValueError, match=r"shape \[2\]"):
-        cuda_ops.lora_add(y, x, pool, tables.a_offsets[:1], tables.b_offsets, tables.ranks, segments, 8)
+        backend.lora_add(y, x, pool, tables.a_offsets[:1], tables.b_offsets, tables.ranks, segments, 8)
     with pytest.raises(ValueError, match="max_rank"):
-        cuda_ops.lora_add(y, x, pool, *args, cuda_ops.MAX_RANK + 1)
+        backend.lora_add(y, x, pool, *args, cuda_ops.MAX_RANK + 1)
     with pytest.raises(ValueError, match="aligned"):  # checked in C++: a view starting mid-vector
-        cuda_ops.lora_add(y, x, pool[1:], *args, 8)
+        backend.lora_add(y, x, pool[1:], *args, 8)
     # The unchecked entry keeps the binding's memory-safety checks.
     stray = dataclasses.replace(segments, sorted_slots=segments.sorted_slots.cpu())
     with pytest.raises(ValueError, match="sorted_slots"):
-        cuda_ops.lora_add_unchecked(y, x, pool, tables.a_offsets, tables.b_offsets, tables.ranks, stray, 8)
+        backend.lora_add_unchecked(y, x, pool, tables.a_offsets, tables.b_offsets, tables.ranks, stray, 8)
 
 
 # One call of the unchecked entry with one table made wrong, in a process of its own: a crash must not take the
@@ -612,7 +640,8 @@ pool = torch.zeros(8192, dtype=torch.bfloat16, device="cuda")
 tables = {"a_offsets": torch.zeros(2, dtype=torch.int64, device="cuda"),
           "b_offsets": torch.full((2,), 4096, dtype=torch.int64, device="cuda"),
           "lora_ranks": torch.full((2,), 8, dtype=torch.int32, device="cuda")}
-segments = build_segments(torch.tensor([0, 1, 0, -1], dtype=torch.int32, device="cuda"), 2, "cuda")
+segments = build_segments(torch.tensor([0, 1, 0, -1], dtype=torch.int32, device="cuda"), 2)
+backend = cuda_ops.CudaLoraBackend()
 name, change, entry = sys.argv[1], sys.argv[2], sys.argv[3]
 if entry == "delta":  # two outputs of 32 columns: [2, S] tables
     tables = {key: torch.stack([table, table]) for key, table in tables.items()}
@@ -620,11 +649,11 @@ tables[name] = {"dtype": lambda t: t.to(torch.int32 if t.dtype == torch.int64 el
                 "length": lambda t: t[:1], "device": lambda t: t.cpu()}[change](tables[name])
 try:
     if entry == "delta":
-        cuda_ops.lora_delta_unchecked(x, pool, tables["a_offsets"], tables["b_offsets"], tables["lora_ranks"],
-                                      segments, 8, [32, 32])
+        backend.lora_delta_unchecked(x, pool, tables["a_offsets"], tables["b_offsets"], tables["lora_ranks"],
+                                     segments, 8, [32, 32])
     else:
-        cuda_ops.lora_add_unchecked(y, x, pool, tables["a_offsets"], tables["b_offsets"], tables["lora_ranks"],
-                                    segments, 8)
+        backend.lora_add_unchecked(y, x, pool, tables["a_offsets"], tables["b_offsets"], tables["lora_ranks"],
+                                   segments, 8)
     torch.cuda.synchronize()
     print("returned")
 except Exception as error:

@@ -20,7 +20,7 @@ ROW_ADAPTERS = ["attn", None, "all", "mlp_layer1", "regex", "attn"]
 @pytest.fixture(autouse=True)
 def cuda_kernels_in_use():
     # Under the default backend choice a failed kernel build falls back to PyTorch: that must fail here.
-    assert ops.backend_for(torch.device("cuda")) == "cuda"
+    assert isinstance(ops.backend_for(torch.device("cuda")), ops.CudaLoraBackend)
 
 
 def _wrapped(base, paths, device, dtype):
@@ -109,10 +109,10 @@ def test_a_forward_captured_in_a_cuda_graph_groups_its_projections_and_replays_n
         row_slots = torch.full((6,), -1, dtype=torch.int32, device="cuda")
         calls = {"add": 0, "delta": 0}
         for kind, name in (("add", "lora_add_unchecked"), ("delta", "lora_delta_unchecked")):
-            def counted(*args, _kind=kind, _op=getattr(cuda_ops, name), **kwargs):
+            def counted(*args, _kind=kind, _op=getattr(cuda_ops.CudaLoraBackend, name), **kwargs):
                 calls[_kind] += 1
-                return _op(*args, **kwargs)
-            monkeypatch.setattr(cuda_ops, name, counted)
+                return _op(*args, **kwargs)  # args[0]: the backend (a method of the class)
+            monkeypatch.setattr(cuda_ops.CudaLoraBackend, name, counted)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # the warm-up PyTorch asks for before a capture

@@ -1,0 +1,35 @@
+"""Which kernel paths the CUDA ops take: an explicit value passed to every op call, never read from the environment.
+
+A model's config is fixed when it is made (``MultiLoraModel(kernels=...)``); the hooks pass it to each op as
+arguments of the op itself, so a compiled step or a captured CUDA graph is keyed by the config it was made with
+instead of silently keeping whatever a global switch said at capture time. The defaults are the fastest paths;
+the others exist to compare against them (benchmarks) and to test each path (tests/gpu).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Kernel choices of the LoRA ops on the CUDA backend (each needs sm_90 or newer; older GPUs ignore it).
+
+    Attributes:
+        programmatic_launch: the two-launch paths start their expand kernel before the shrink ends (programmatic
+            dependent launch), so the launch gap overlaps the shrink's tail.
+        fused: per-token calls whose factor slices fit shared memory run as one launch of a thread-block cluster
+            kernel instead of a shrink and an expand launch.
+        short_runs: where the tiled tensor-core path runs (prefill sizes), slots with few tokens go to the
+            per-token kernels instead (a tiled block would make one pass per such slot).
+    """
+
+    programmatic_launch: bool = True
+    fused: bool = True
+    short_runs: bool = True
+
+    def __post_init__(self) -> None:
+        for field in fields(self):
+            value = getattr(self, field.name)
+            if not isinstance(value, bool):
+                raise ValueError(f"KernelConfig.{field.name} must be a bool, got {value!r}")
