@@ -22,10 +22,10 @@ import re
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import peft
-from peft import LoraConfig
+if TYPE_CHECKING:
+    from peft import LoraConfig
 
 # Config keys of PEFT features punica_hf does not implement. Flags must be true/false/null; the other settings
 # are refused whenever set (null, [] and {} mean unset, as in PEFT).
@@ -240,6 +240,10 @@ def _refuse_unsupported_features(raw: dict[str, Any]) -> None:
 
 def _read_with_peft(raw: dict[str, Any]) -> LoraConfig:
     """``raw`` as peft's ``LoraConfig``, built from the dict (peft's ``from_pretrained`` could reach the Hub)."""
+    # Imported here: peft (and the bitsandbytes it loads) takes seconds to import, a cost for PEFT configs only
+    import peft
+    from peft import LoraConfig
+
     known = {item.name for item in dataclasses.fields(LoraConfig) if item.init} - _RUNTIME_ONLY
     unknown = sorted(key for key in raw if key not in known and key not in _RUNTIME_ONLY and _is_set(raw[key]))
     if unknown:

@@ -13,8 +13,6 @@ import copy
 import dataclasses
 from dataclasses import dataclass
 
-from peft.tuners.tuners_utils import check_target_module_exists
-from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
@@ -62,6 +60,8 @@ def select_modules(config: LoraAdapterConfig, model: ModelModules) -> set[str]:
     Raises ``ValueError`` where PEFT refuses to load the adapter onto such a model: no module selected, or no
     targets and no default targets for its type.
     """
+    from peft.tuners.tuners_utils import check_target_module_exists  # imported late: see config._read_with_peft
+
     if config.peft_config is None:
         raise ValueError("a LoRA config made in code has no module selection: its weights say which modules it changes")
     selection = copy.copy(config.peft_config)  # resolved targets go into a copy: the config stays as it was read
@@ -114,6 +114,8 @@ def _resolved_targets(targets, model: ModelModules):
     if isinstance(targets, str) and targets.lower() == ALL_LINEAR:
         return set(model.linear) - {model.output}
     if targets is None:
+        from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
+
         default = TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING.get(model.model_type)
         if default is None:
             raise ValueError(
