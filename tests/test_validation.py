@@ -115,6 +115,8 @@ MALFORMED_CONFIGS = {
         {"lora_future_trick": {"depth": 2}, "peft_version": "9.0.0"},
         "settings ['lora_future_trick'] are unknown to the installed peft",
     ),
+    # peft <= 0.2's LoRA on part of a fused layer's outputs (MergedLinear): gone from peft, and not plain LoRA
+    "enable-lora": ({"enable_lora": [True, False, True]}, "settings ['enable_lora'] are unknown to the installed peft"),
 }
 
 
@@ -223,7 +225,7 @@ def test_a_config_made_in_code_is_checked_too(kwargs, problem):
 
 def test_the_configs_peft_writes_still_load(adapters):
     """Nulls for optional settings, integer alphas, an empty modules_to_save, bias "none", lowercase peft_type, a
-    regex for target_modules, a dropout, alphas at the limit, a setting unknown to this peft left unset; and one
+    regex for target_modules, a dropout, alphas at the limit, settings unknown to this peft left unset; and one
     layer index for layers_to_transform (beside a list of targets: peft refuses it beside a regex)."""
     raw = {
         **good_config(adapters), "peft_type": "lora", "r": 4, "lora_alpha": 6, "use_rslora": None,
@@ -231,6 +233,7 @@ def test_the_configs_peft_writes_still_load(adapters):
         "use_dora": False, "bias": "none", "layer_replication": None, "base_model_name_or_path": None,
         "target_modules": r".*\.(q|v)_proj", "exclude_modules": None, "layers_to_transform": None,
         "layers_pattern": None, "lora_dropout": 0.05, "fan_in_fan_out": None, "lora_future_trick": None,
+        "merge_weights": False, "enable_lora": None,  # keys of peft <= 0.2, unset
     }
     config = LoraAdapterConfig.from_dict(raw)
     assert config.scaling_for("model.layers.0.self_attn.q_proj") == 6 / 4
