@@ -1,9 +1,9 @@
 """Which modules of a base model an adapter changes: PEFT's module selection, applied to the model's module names.
 
 PEFT puts LoRA on the modules its config selects (``target_modules``, ``exclude_modules``, ``layers_to_transform``
-/ ``layers_pattern``) and then loads the checkpoint's weights of those modules: weights of other modules are
-ignored, a selected module without weights keeps its initial LoRA (zero for the default initialisations), and a
-config that selects nothing is refused. Serving does the same, each name decided by peft's own
+/ ``layers_pattern``) and then loads the checkpoint's weights of those modules: weights of the model's other
+modules are ignored, a selected module without weights keeps its initial LoRA (zero for the default
+initialisations), and a config that selects nothing is refused. Serving does the same, each name decided by peft's own
 ``check_target_module_exists``, so that an adapter changes exactly what it changes under ``PeftModel``.
 """
 
@@ -89,21 +89,27 @@ def select_modules(config: LoraAdapterConfig, model: ModelModules) -> set[str]:
 
 
 def weights_for_model(weights: AdapterWeights, model: ModelModules) -> AdapterWeights:
-    """``weights`` less the modules PEFT would not put this adapter on in ``model``; the same object when every
-    module stays. Adapters whose config was made in code keep all their modules. ``ValueError`` where PEFT refuses the adapter, or where a selected module has
-    no weights and PEFT would start it with non-zero factors (a value serving cannot reproduce)."""
+    """``weights`` less those of ``model``'s modules that PEFT would not put this adapter on; the same object when
+    nothing is dropped. Adapters whose config was made in code keep all their modules.
+
+    Weights naming a module that ``model`` lacks or that PEFT has no LoRA layer for are kept: PEFT cannot have
+    saved them for this model (a checkpoint of another model, or a broken one), and the adapter store refuses
+    them by name. ``ValueError`` where PEFT refuses the adapter, or where a selected module has no weights and
+    PEFT would start it from non-zero factors (random ones, which serving cannot reproduce).
+    """
     config = weights.config
     if config.peft_config is None:
         return weights
     selected = select_modules(config, model)
+    strays = {name for name in weights.modules if name not in model.adaptable}
     without_weights = sorted(selected - weights.modules.keys())
     init = config.peft_config.init_lora_weights
-    if without_weights and init not in _ZERO_DELTA_INITS:
+    if without_weights and init not in _ZERO_DELTA_INITS and not strays:  # strays: the store's error comes first
         raise ValueError(
             f"its config selects modules it has no weights for ({without_weights[:3]}), "
             f"which PEFT would start from init_lora_weights={init!r}, not from zero"
         )
-    kept = {name: factors for name, factors in weights.modules.items() if name in selected}
+    kept = {name: factors for name, factors in weights.modules.items() if name in selected or name in strays}
     if len(kept) == len(weights.modules):
         return weights
     return dataclasses.replace(weights, modules=kept)
