@@ -165,3 +165,12 @@ def test_selection_is_peft_s_on_module_names(base, templates):
         for layer in (0, 1) for module in ("self_attn.q_proj", "self_attn.v_proj", "mlp.down_proj")
     }
     assert model.output == "lm_head" and "lm_head" in model.linear and model.model_type == "llama"
+
+
+def test_no_targets_on_a_model_type_without_peft_defaults_is_refused(templates):
+    """PEFT fills absent target_modules from its table of model types, and refuses a type the table lacks."""
+    raw = {**json.loads((templates["attn_mlp"] / "adapter_config.json").read_text()), "target_modules": None}
+    names = ("", "blocks.0.proj", "blocks.1.proj")
+    unknown_type = ModelModules(names=names, linear=frozenset(names[1:]), adaptable=frozenset(names[1:]))
+    with pytest.raises(ValueError, match="names no target_modules and PEFT has no default targets for model type None"):
+        select_modules(LoraAdapterConfig.from_dict(raw), unknown_type)
