@@ -100,6 +100,23 @@ MALFORMED_CONFIGS = {
     "dropout-above-one": ({"lora_dropout": 1.5}, "lora_dropout must be a number from 0 to 1, got 1.5"),
     "nan-dropout": ({"lora_dropout": NAN}, "lora_dropout must be a number from 0 to 1, got nan"),
     "string-fan-in-fan-out": ({"fan_in_fan_out": "false"}, "fan_in_fan_out must be true or false, got 'false'"),
+    # LoRA variants whose forward differs from plain LoRA
+    "qalora": ({"use_qalora": True}, "QALoRA (use_qalora=True) is not supported"),
+    "kasa": ({"kasa_config": {"beta": 0.1}}, "KaSA (kasa_config) is not supported"),
+    # refused by peft's own LoraConfig
+    "layers-with-regex-targets": (
+        {"target_modules": ".*q_proj", "layers_to_transform": [0]},
+        "peft refuses this LoRA config: `layers_to_transform` cannot be used when `target_modules` is a str",
+    ),
+    "layers-pattern-alone": ({"layers_pattern": "layers"}, "`layers_to_transform` must also be specified"),
+    "unknown-task-type": ({"task_type": "TRANSLATE_POEMS"}, "Invalid task type: 'TRANSLATE_POEMS'"),
+    # a setting this peft does not know, set: it may change the math
+    "unknown-setting": (
+        {"lora_future_trick": {"depth": 2}, "peft_version": "9.0.0"},
+        "settings ['lora_future_trick'] are unknown to the installed peft",
+    ),
+    # peft <= 0.2's LoRA on part of a fused layer's outputs (MergedLinear): gone from peft, and not plain LoRA
+    "enable-lora": ({"enable_lora": [True, False, True]}, "settings ['enable_lora'] are unknown to the installed peft"),
 }
 
 
@@ -208,18 +225,23 @@ def test_a_config_made_in_code_is_checked_too(kwargs, problem):
 
 def test_the_configs_peft_writes_still_load(adapters):
     """Nulls for optional settings, integer alphas, an empty modules_to_save, bias "none", lowercase peft_type, a
-    regex for target_modules, one layer index for layers_to_transform, a dropout, alphas at the limit."""
+    regex for target_modules, a dropout, alphas at the limit, settings unknown to this peft left unset; and one
+    layer index for layers_to_transform (beside a list of targets: peft refuses it beside a regex)."""
     raw = {
         **good_config(adapters), "peft_type": "lora", "r": 4, "lora_alpha": 6, "use_rslora": None,
         "rank_pattern": None, "alpha_pattern": {r"layers\.1\..*q_proj": 3.0, "k_proj": -1e6}, "modules_to_save": [],
         "use_dora": False, "bias": "none", "layer_replication": None, "base_model_name_or_path": None,
-        "target_modules": r".*\.(q|v)_proj", "exclude_modules": None, "layers_to_transform": 1, "layers_pattern": None,
-        "lora_dropout": 0.05, "fan_in_fan_out": None,
+        "target_modules": r".*\.(q|v)_proj", "exclude_modules": None, "layers_to_transform": None,
+        "layers_pattern": None, "lora_dropout": 0.05, "fan_in_fan_out": None, "lora_future_trick": None,
+        "merge_weights": False, "enable_lora": None,  # keys of peft <= 0.2, unset
     }
     config = LoraAdapterConfig.from_dict(raw)
     assert config.scaling_for("model.layers.0.self_attn.q_proj") == 6 / 4
     assert config.scaling_for("model.layers.1.self_attn.q_proj") == 3.0 / 4
     assert not config.use_rslora and config.rank_pattern == {}
+    assert config.peft_config.target_modules == r".*\.(q|v)_proj"
+    one_layer = LoraAdapterConfig.from_dict({**raw, "target_modules": ["q_proj"], "layers_to_transform": 1})
+    assert one_layer.peft_config.layers_to_transform == 1
 
 
 # --------------------------------------------------------------------------------------- non-finite factors

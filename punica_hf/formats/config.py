@@ -1,22 +1,31 @@
 """PEFT ``adapter_config.json`` -> the few settings serving needs, with PEFT's scaling rules.
 
-Which modules an adapter changes is read off its weights (that is what PEFT loads too); the config decides
-each module's rank and alpha (``rank_pattern`` / ``alpha_pattern``) and thus its scaling. Every field read here
-is type-checked (a ``ValueError`` names the field and the value it got), as are the settings PEFT used to pick the
-modules (``target_modules``, ``layers_to_transform``, ...), which serving does not need but a malformed one marks a
-broken config; features that would change the math and are not implemented are refused by name rather than
-silently ignored.
+The config decides each module's rank and alpha (``rank_pattern`` / ``alpha_pattern``) and thus its scaling, and
+with PEFT's module selection (``target_modules``, ``exclude_modules``, ``layers_to_transform`` / ``layers_pattern``,
+applied to a base model's module names by ``matching``) which of the checkpoint's weights apply. Every field read
+here is type-checked (a ``ValueError`` names the field and the value it got); features that would change the math
+and are not implemented are refused by name rather than silently ignored.
+
+The config is also read by peft's own ``LoraConfig``: settings it knows are checked by its rules (and its
+module selection decides which modules of a base model the adapter changes, see ``matching``); a setting it does
+not know (written by a newer peft) is ignored when unset and refused when set, since serving cannot tell whether
+it changes the math. Only the JSON is read: nothing in a checkpoint is run, and nothing is fetched.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import numbers
 import re
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from peft import LoraConfig
 
 # Config keys of PEFT features punica_hf does not implement. Flags must be true/false/null; the other settings
 # are refused whenever set (null, [] and {} mean unset, as in PEFT).
@@ -31,7 +40,15 @@ _REFUSED_SETTINGS = {
     "trainable_token_indices": "trainable_token_indices",
     "alora_invocation_tokens": "aLoRA (alora_invocation_tokens)",
     "megatron_config": "Megatron layers (megatron_config)",
+    # LoRA variants whose forward is not plain LoRA (peft's lora_variants); VeLoRA and MiCA change training only
+    "use_qalora": "QALoRA (use_qalora=True)",
+    "arrow_config": "Arrow routing (arrow_config)",
+    "use_bdlora": "block-diagonal LoRA (use_bdlora)",
+    "monteclora_config": "MonteCLoRA (monteclora_config)",
+    "kasa_config": "KaSA (kasa_config)",
 }
+# Read by peft's LoraConfig itself only at run time and dropped from saved configs; peft ignores it when loading too.
+_RUNTIME_ONLY = {"runtime_config"}
 
 # Far beyond any trained adapter (ranks up to a few thousand, alphas up to a few thousand): a larger value is a
 # corrupt or mistyped config, and an alpha near the float range gives factors that overflow the model's dtype.
@@ -51,6 +68,9 @@ class LoraAdapterConfig:
     alpha_pattern: dict[str, float] = field(default_factory=dict)
     base_model_name_or_path: str | None = None
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    # The config as peft reads it (from_dict); None for a config made in code, whose adapter's weights alone say
+    # which modules it changes.
+    peft_config: LoraConfig | None = field(default=None, compare=False, repr=False)
     # (compiled pattern, value) per rank_pattern / alpha_pattern entry, in order: a bad regex fails at load
     _rank_rules: tuple[tuple[re.Pattern, int], ...] = field(init=False, compare=False, repr=False)
     _alpha_rules: tuple[tuple[re.Pattern, float], ...] = field(init=False, compare=False, repr=False)
@@ -82,7 +102,7 @@ class LoraAdapterConfig:
             raise ValueError(f"only LoRA adapters are supported, this config has peft_type={peft_type!r}")
         _refuse_unsupported_features(raw)
         _check_selection_settings(raw)
-        return cls(
+        checked = cls(
             r=raw.get("r", 8),  # PEFT's defaults for keys that are absent; null stays null and is refused
             lora_alpha=raw.get("lora_alpha", 8),
             use_rslora=_unless_null(raw, "use_rslora", False),
@@ -91,6 +111,8 @@ class LoraAdapterConfig:
             base_model_name_or_path=raw.get("base_model_name_or_path"),
             raw=dict(raw),
         )
+        # peft's rules after ours: ours name the field and the value it got
+        return dataclasses.replace(checked, peft_config=_read_with_peft(raw))
 
     @classmethod
     def from_file(cls, path: str | Path) -> "LoraAdapterConfig":
@@ -152,8 +174,8 @@ def _is_dropout(value: Any) -> bool:
     return _is_finite_number(value) and 0 <= value <= 1
 
 
-# Settings PEFT used to choose the targeted modules, and its training-only dropout: {key: (what a valid value is,
-# its check)}. Serving reads the modules off the weights; a malformed value marks a broken config. Null is unset.
+# Settings PEFT chooses the targeted modules with, and its training-only dropout: {key: (what a valid value is,
+# its check)}. Null is unset.
 _SELECTION_SETTINGS = {
     "target_modules": ("a string (a regular expression) or a list of strings", _is_names),
     "exclude_modules": ("a string (a regular expression) or a list of strings", _is_names),
@@ -214,3 +236,31 @@ def _refuse_unsupported_features(raw: dict[str, Any]) -> None:
     _require(bias is None or isinstance(bias, str), "bias", "a string ('none')", bias)
     if bias not in (None, "none"):
         raise ValueError(f"bias={bias!r} is not supported by punica_hf yet (only bias='none')")
+
+
+def _read_with_peft(raw: dict[str, Any]) -> LoraConfig:
+    """``raw`` as peft's ``LoraConfig``, built from the dict (peft's ``from_pretrained`` could reach the Hub)."""
+    # Imported here: peft (and the bitsandbytes it loads) takes seconds to import, a cost for PEFT configs only
+    import peft
+    from peft import LoraConfig
+
+    known = {item.name for item in dataclasses.fields(LoraConfig) if item.init} - _RUNTIME_ONLY
+    unknown = sorted(key for key in raw if key not in known and key not in _RUNTIME_ONLY and _is_set(raw[key]))
+    if unknown:
+        written_by = raw.get("peft_version") or "an unknown version"
+        raise ValueError(
+            f"settings {unknown} are unknown to the installed peft {peft.__version__} (the adapter was saved by peft "
+            f"{written_by}); they may change the adapter's math: install a peft that knows them"
+        )
+    try:
+        with warnings.catch_warnings():
+            # peft warns about settings it ignores when loading (an unused loftq_config, say): nothing to act on
+            warnings.simplefilter("ignore")
+            return LoraConfig(**{key: value for key, value in raw.items() if key in known})
+    except (ValueError, TypeError, ImportError) as error:
+        raise ValueError(f"peft refuses this LoRA config: {error}") from None
+
+
+def _is_set(value: Any) -> bool:
+    # As in PEFT's configs, null, false, [] and {} leave a feature off
+    return value not in (None, False, [], {}, "")

@@ -60,7 +60,7 @@ def save_converted(
         shapes[module_name] = [factors.lora_a.shape[1], factors.lora_b.shape[0], factors.rank]
     metadata = {
         "format": FORMAT,
-        "adapter_config": json.dumps(_config_dict(weights.config)),
+        "adapter_config": json.dumps(_config_dict(weights)),
         "modules": json.dumps(shapes),
         "dtype": str(dtype).removeprefix("torch."),
         "source": weights.source,
@@ -173,8 +173,10 @@ def _module_factors(
     return modules
 
 
-def _config_dict(config: LoraAdapterConfig) -> dict:
-    """The config as ``adapter_config.json`` text holds it; rebuilt from the fields for hand-made configs."""
+def _config_dict(weights: AdapterWeights) -> dict:
+    """The config as ``adapter_config.json`` text holds it; rebuilt from the fields for hand-made configs, with their
+    modules as the targets (read back, PEFT's selection then keeps exactly those)."""
+    config = weights.config
     if config.raw:
         return config.raw
     return {
@@ -185,5 +187,5 @@ def _config_dict(config: LoraAdapterConfig) -> dict:
         "rank_pattern": config.rank_pattern,
         "alpha_pattern": config.alpha_pattern,
         "base_model_name_or_path": config.base_model_name_or_path,
+        "target_modules": sorted(weights.modules),
     }
-

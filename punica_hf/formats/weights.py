@@ -44,7 +44,8 @@ class AdapterWeights:
 
     @property
     def max_rank(self) -> int:
-        return max(m.rank for m in self.modules.values())
+        # 0 for an adapter that changes no module of its base model (see matching.weights_for_model)
+        return max((m.rank for m in self.modules.values()), default=0)
 
 
 def _all_finite(tensor: torch.Tensor) -> bool:

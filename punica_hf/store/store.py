@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from ..base_layers import check_servable, linear_features, lora_device, lora_dtype
-from ..formats import AdapterWeights, ModuleLora, load_adapter_weights
+from ..formats import AdapterWeights, ModelModules, ModuleLora, load_adapter_weights, weights_for_model
 from ..layers import LoraContext, LoraHook, ProjectionGroup, find_projection_groups
 from .host import HostCopy, HostTier
 from .pool import ChunkLayout, DevicePool
@@ -51,6 +51,14 @@ CAPACITY_WAIT_S = 60.0  # default time a call waits for the device room that oth
 # A waiting call looks again this often for leases the garbage collector ended: a finalizer cannot wake it (it may
 # run inside a store method of the waiter's own lock-holding thread, where it must not touch the store).
 _COLLECTED_LEASE_POLL_S = 0.05
+
+
+def _peft_selection(name: str, weights: AdapterWeights, model: ModelModules) -> AdapterWeights:
+    """The part of ``weights`` that PEFT would load into ``model`` (see ``formats.weights_for_model``)."""
+    try:
+        return weights_for_model(weights, model)
+    except ValueError as error:
+        raise ValueError(f"adapter {name!r}: {error}") from None
 
 
 class AdapterCapacityError(ValueError):
@@ -202,6 +210,11 @@ class AdapterStore:
             for name in adapters:
                 self._check_new_name(name)
             modules = self._base_modules()
+            selectable = ModelModules.of(self.model)
+            adapters = {
+                name: (_peft_selection(name, weights, selectable), source, source_kwargs)
+                for name, (weights, source, source_kwargs) in adapters.items()
+            }
             for name, (weights, _, _) in adapters.items():
                 self._check_fits(name, weights, modules)
             undo = _Undo()
@@ -561,6 +574,7 @@ class AdapterStore:
             weights = source
         else:
             weights = load_adapter_weights(source, **adapter.source_kwargs)
+            weights = _peft_selection(adapter.name, weights, ModelModules.of(self.model))
             with self.lock:
                 self.counters["disk_loads"] += 1
             dims = {m: (f.lora_a.shape[1], f.lora_b.shape[0], f.rank) for m, f in weights.modules.items()}
