@@ -4,6 +4,7 @@ Hub repo id, paths with a NUL byte; and concurrent load/unload/complete churn an
 """
 
 import random
+import re
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 
@@ -32,6 +33,14 @@ def server(tmp_path_factory, lora_dir):
     process = start_demo_server(API_KEY, lora_dir, tmp_path_factory.mktemp("logs") / "requests_server.log")
     yield process
     process.stop()
+
+
+def test_the_server_says_how_big_its_host_tier_is(server):
+    """One line at start: the CPU memory that holds adapters not on the device (``--max-adapters`` beyond)."""
+    sizes = re.findall(r"adapter host tier: ([\d.]+) GiB \((\d+) bytes\)", server.log_text())
+    assert len(sizes) == 1, server.log_text()
+    gib, size = sizes[0]
+    assert int(size) > 0 and float(gib) == round(int(size) / 2**30, 1)
 
 
 def post(server, route: str, body, headers=AUTH) -> httpx.Response:

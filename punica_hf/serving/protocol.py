@@ -10,12 +10,11 @@ Types follow OpenAI's schema strictly: numbers are JSON numbers (not strings), b
 Unicode (a lone surrogate, which JSON's ``\ud800`` escapes can carry, cannot be encoded and is refused).
 
 Adapter names (``lora_name``, ``punica-hf serve --adapter NAME=...``) follow a Hugging Face Hub repo id's
-characters and length: ``ADAPTER_NAME_RULES``.
+characters and length: ``names.ADAPTER_NAME_RULES``.
 """
 
 from __future__ import annotations
 
-import re
 import time
 import uuid
 from typing import Annotated, Any, Literal
@@ -23,22 +22,9 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from .engine import Completion, SamplingParams
+from .names import check_adapter_name
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions (also when null)
-ADAPTER_NAME_RULES = (
-    "letters, digits, '-', '_' and '.', in one part or two joined by '/'; each part 1 to 96 characters, not "
-    "starting or ending with '-' or '.', without '--' or '..'"
-)
-_NAME_PART = re.compile(r"(?![-.])(?!.*(?:--|\.\.))[A-Za-z0-9_.-]{1,96}(?<![-.])", re.ASCII)
-
-
-def check_adapter_name(name: str) -> str:
-    """``name`` if it is an allowed adapter name (``ADAPTER_NAME_RULES``), else ``ValueError`` saying why."""
-    parts = name.split("/") if isinstance(name, str) else []
-    if not 1 <= len(parts) <= 2 or not all(_NAME_PART.fullmatch(part) for part in parts):
-        shown = repr(name) if len(repr(name)) <= 120 else repr(name)[:100] + "..."
-        raise ValueError(f"the adapter name {shown} is not allowed: use {ADAPTER_NAME_RULES}")
-    return name
 
 
 def _encodable(text: str) -> str:
