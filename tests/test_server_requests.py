@@ -118,6 +118,22 @@ def test_a_nul_byte_in_lora_path_is_a_400(server, lora_dir):
     assert response.json()["error"]["param"] == "lora_path"
 
 
+@pytest.mark.parametrize(
+    ("route", "body", "param"),
+    [
+        ("completions", '{"model": "up\\ud800", "prompt": "lora="}', "model"),
+        ("completions", '{"model": "upper", "prompt": "lora=", "user": "\\udfff"}', "user"),
+        ("unload_lora_adapter", '{"lora_name": "x\\ud800"}', "lora_name"),
+        ("load_lora_adapter", '{"lora_name": "x", "lora_path": "/tmp/\\ud800"}', "lora_path"),
+    ],
+)
+def test_a_lone_surrogate_anywhere_is_a_400(server, route, body, param):
+    """Text that cannot be encoded would fail the answer that echoes it back: refused up front."""
+    response = httpx.post(f"{server.url}/{route}", content=body, headers={**AUTH, "Content-Type": "application/json"})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+
+
 def test_load_unload_complete_churn_never_answers_500(server, lora_dir):
     """Threads load, unload and use the same two names at once: every answer is a success or a 400 / 404 about
     that name alone, never a 500, and the server logs no traceback."""

@@ -9,10 +9,10 @@ model (or an adapter unloaded while the request waited), 413 body too large, 429
 generation failed (the others go on) or an unexpected error (no internals shown), 503 the engine is not running;
 every answer, 500s too, is JSON. Text prompts are tokenized on a few threads, off the event loop, so a long prompt
 does not hold up the other clients; one longer than the tokenizer could ever make fit (``max_chars_per_token``) is
-refused before it is tokenized. A client that disconnects has its requests
-cancelled (their KV blocks freed). The app starts the engine and, when the server shuts down (SIGTERM), lets it
-finish the requests in flight. With an API key, ``/openapi.json`` needs it too and ``/docs`` and ``/redoc`` are
-off (a browser page cannot send the key). No response shows a file system path.
+refused before it is tokenized. A client that disconnects has its requests cancelled (their KV blocks freed). The
+app starts the engine and, when the server shuts down (SIGTERM), lets it finish the requests in flight. With an API
+key, ``/openapi.json`` needs it too and ``/docs`` and ``/redoc`` are off (a browser page cannot send the key). No
+response shows a file system path.
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ def _without_nul(path: str) -> str:
     return path
 
 
-Text = Annotated[str, AfterValidator(_encodable)]  # text that reaches a tokenizer
+Text = Annotated[str, AfterValidator(_encodable)]  # text that reaches a tokenizer, or is echoed in an answer
 AdapterName = Annotated[str, AfterValidator(check_adapter_name)]
 
 
@@ -56,7 +56,7 @@ class StreamOptions(_Body):
 class _SamplingFields(_Body):
     """What completions and chat completions share: the model (adapter) and how to generate."""
 
-    model: str
+    model: Text
     temperature: float | None = Field(default=None, ge=0)
     top_p: float | None = Field(default=None, gt=0, le=1)
     top_k: int | None = Field(default=None, ge=-1)  # vLLM: -1 or 0 = off
@@ -66,7 +66,7 @@ class _SamplingFields(_Body):
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: Text | None = None
     # OpenAI fields this server does not implement: only their neutral values are accepted
     n: int = 1
     logprobs: Any = None
@@ -169,13 +169,13 @@ class LoadLoraAdapterRequest(_Body):
     """vLLM's ``POST /v1/load_lora_adapter`` body."""
 
     lora_name: AdapterName
-    lora_path: Annotated[str, Field(min_length=1), AfterValidator(_without_nul)]
+    lora_path: Annotated[str, Field(min_length=1), AfterValidator(_without_nul), AfterValidator(_encodable)]
 
 
 class UnloadLoraAdapterRequest(_Body):
     """vLLM's ``POST /v1/unload_lora_adapter`` body."""
 
-    lora_name: str = Field(min_length=1)  # any name: one that is not loaded is a 404
+    lora_name: Annotated[Text, Field(min_length=1)]  # any name: one that is not loaded is a 404
 
 
 # ---------------------------------------------------------------------- responses
