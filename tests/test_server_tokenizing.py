@@ -14,7 +14,7 @@ import pytest
 from fastapi.testclient import TestClient
 from helpers import tiny_llama
 from server_process import Server
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
 from punica_hf import MultiLoraModel, demo
@@ -45,6 +45,17 @@ def byte_level_bpe() -> PreTrainedTokenizerFast:
     return tokenizer
 
 
+def sentencepiece_style_bpe() -> PreTrainedTokenizerFast:
+    """A Llama-2-style tokenizer: '▁' for spaces (a normalizer), BPE with byte fallback, no pre-tokenizer."""
+    backend = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    byte_tokens = [f"<0x{byte:02X}>" for byte in range(256)]
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", "<s>", "</s>", *byte_tokens])
+    backend.train_from_iterator([text.replace(" ", "▁") for text in CORPUS] * 20, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
 @pytest.fixture(scope="module")
 def tokenizer():
     return byte_level_bpe()
@@ -62,9 +73,11 @@ def server(tmp_path_factory, tokenizer):
     process.stop()
 
 
-def test_every_token_stands_for_at_most_max_chars_per_token(tokenizer):
+@pytest.mark.parametrize("make", [byte_level_bpe, sentencepiece_style_bpe])
+def test_every_token_stands_for_at_most_max_chars_per_token(make):
     """The bound the server refuses long prompts by: no text has fewer tokens than its characters divided by
     ``max_chars_per_token``, however its characters are drawn (words of the corpus, spaces, emoji, specials)."""
+    tokenizer = make()
     per_token = HFTokenizer(tokenizer).max_chars_per_token
     longest = max(tokenizer.get_vocab(), key=len)
     assert per_token == len(longest)
@@ -77,11 +90,17 @@ def test_every_token_stands_for_at_most_max_chars_per_token(tokenizer):
 
 
 def test_tokenizers_without_a_bound_say_so():
-    """A word-level tokenizer maps a whole unknown word of any length to one token: no character bound."""
-    backend = Tokenizer(models.WordLevel({"<unk>": 0, "a": 1}, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    assert HFTokenizer(PreTrainedTokenizerFast(tokenizer_object=backend)).max_chars_per_token is None
-    assert len(backend.encode("x" * 10_000).ids) == 1
+    """A word-level tokenizer maps a whole unknown word of any length to one token; a Whitespace pre-tokenizer
+    deletes spaces; NFC joins characters: texts of any length can then have few tokens, so no character bound."""
+    word_level = Tokenizer(models.WordLevel({"<unk>": 0, "a": 1}, unk_token="<unk>"))
+    word_level.pre_tokenizer = pre_tokenizers.Whitespace()
+    assert len(word_level.encode("x" * 10_000).ids) == 1 and not word_level.encode(" " * 10_000).ids
+    dropping_spaces = byte_level_bpe().backend_tokenizer
+    dropping_spaces.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Whitespace(), pre_tokenizers.ByteLevel()])
+    joining = byte_level_bpe().backend_tokenizer
+    joining.normalizer = normalizers.NFC()
+    for backend in (word_level, dropping_spaces, joining):
+        assert HFTokenizer(PreTrainedTokenizerFast(tokenizer_object=backend)).max_chars_per_token is None
 
 
 def test_a_prompt_that_fits_exactly_is_served(server, tokenizer):

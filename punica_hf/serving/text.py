@@ -86,7 +86,7 @@ def as_tokenizer(tokenizer) -> Tokenizer:
     return HFTokenizer(tokenizer) if isinstance(tokenizer, PreTrainedTokenizerBase) else tokenizer
 
 
-# Parts of a fast tokenizer's pipeline (its tokenizer.json) after which every character of the text is still there
+# Steps of a fast tokenizer's pipeline (its tokenizer.json) after which every character of the text is still there
 # to be covered by some token: none is deleted (as Whitespace deletes spaces, or NFC joins two into one).
 _KEEPING_NORMALIZERS = {"Prepend", "Lowercase"}  # Prepend adds; lowercasing never shortens a character
 _KEEPING_PRE_TOKENIZERS = {"ByteLevel", "Metaspace", "Digits", "Punctuation", "Split"}  # unless behavior "Removed"
@@ -112,7 +112,7 @@ def _max_chars_per_token(tokenizer) -> int | None:
     model = config["model"]
     if model.get("type") != "BPE" or model.get("fuse_unk") or not _keeps_every_character(config):
         return None
-    if not (model.get("byte_fallback") or model.get("unk_token") is not None or _covers_every_byte(config)):
+    if not (model.get("unk_token") is not None or _covers_every_byte(config)):
         return None  # a character outside the vocabulary would be dropped
     added = config.get("added_tokens") or []
     if any(token.get("lstrip") or token.get("rstrip") for token in added):
@@ -122,27 +122,40 @@ def _max_chars_per_token(tokenizer) -> int | None:
 
 
 def _covers_every_byte(config: dict) -> bool:
-    """Byte-level BPE whose vocabulary has every byte's character: no text is outside it."""
+    """A vocabulary with a token for every byte, that a character outside it falls back to: byte-level BPE with
+    every byte's character (GPT-2), or BPE with ``byte_fallback`` and every ``<0xNN>`` token (Llama 2)."""
     from tokenizers.pre_tokenizers import ByteLevel
 
-    byte_level = "ByteLevel" in _parts(config.get("pre_tokenizer"), "pretokenizers")
-    return byte_level and all(char in config["model"]["vocab"] for char in ByteLevel.alphabet())
+    vocab = config["model"]["vocab"]
+    byte_level = any(step["type"] == "ByteLevel" for step in _steps(config.get("pre_tokenizer"), "pretokenizers"))
+    if byte_level and all(char in vocab for char in ByteLevel.alphabet()):
+        return True
+    return bool(config["model"].get("byte_fallback")) and all(f"<0x{byte:02X}>" in vocab for byte in range(256))
 
 
 def _keeps_every_character(config: dict) -> bool:
-    normalizers = _parts(config.get("normalizer"), "normalizers")
-    pre_tokenizers = _parts(config.get("pre_tokenizer"), "pretokenizers")
-    removing = '"behavior": "Removed"' in json.dumps(config.get("pre_tokenizer"))
-    return normalizers <= _KEEPING_NORMALIZERS and pre_tokenizers <= _KEEPING_PRE_TOKENIZERS and not removing
+    return all(map(_normalizer_keeps, _steps(config.get("normalizer"), "normalizers"))) and all(
+        step["type"] in _KEEPING_PRE_TOKENIZERS and step.get("behavior") != "Removed"
+        for step in _steps(config.get("pre_tokenizer"), "pretokenizers")
+    )
 
 
-def _parts(step: dict | None, sequence_key: str) -> set[str]:
-    """The types of a normalizer or pre-tokenizer, inside a Sequence too."""
+def _normalizer_keeps(step: dict) -> bool:
+    """True for a normalizer that never makes a text shorter: those above, and a Replace of a plain string by one
+    at least as long (Llama 2's ' ' -> '▁')."""
+    if step["type"] == "Replace":
+        pattern = step.get("pattern", {}).get("String")
+        return bool(pattern) and len(step.get("content", "")) >= len(pattern)
+    return step["type"] in _KEEPING_NORMALIZERS
+
+
+def _steps(step: dict | None, sequence_key: str) -> list[dict]:
+    """A normalizer's or pre-tokenizer's steps, a Sequence's unrolled."""
     if step is None:
-        return set()
+        return []
     if step.get("type") == "Sequence":
-        return set().union(*(_parts(inner, sequence_key) for inner in step.get(sequence_key, [])))
-    return {step.get("type")}
+        return [leaf for inner in step.get(sequence_key, []) for leaf in _steps(inner, sequence_key)]
+    return [step]
 
 
 class TextStream:
