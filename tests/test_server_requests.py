@@ -101,7 +101,7 @@ def test_runtime_adapter_names_follow_hub_repo_id_rules(server, lora_dir, name):
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == "lora_name" and len(error["message"]) < 1000
-    assert name not in httpx.get(f"{server.url}/models", headers=AUTH).text or not name
+    assert name not in {card["id"] for card in httpx.get(f"{server.url}/models", headers=AUTH).json()["data"]}
 
 
 def test_a_hub_style_adapter_name_loads(server, lora_dir):
@@ -138,7 +138,7 @@ def test_load_unload_complete_churn_never_answers_500(server, lora_dir):
     """Threads load, unload and use the same two names at once: every answer is a success or a 400 / 404 about
     that name alone, never a 500, and the server logs no traceback."""
     path = str(lora_dir / "sort_copy")
-    others = [name for name in demo.TASKS]
+    others = list(demo.TASKS)  # loaded all along: no answer about a churned name should list them
 
     def operation(seed: int) -> tuple[str, int, str]:
         rng = random.Random(seed)
