@@ -112,6 +112,42 @@ def test_adapter_names_the_prompts_could_not_tell_apart_are_usage_errors(capsys,
     assert err.strip().count("\n") == 0 and f"argument --adapter: {problem}" in err
 
 
+@pytest.mark.parametrize(
+    "adapter, problem",
+    [
+        pytest.param("base=./a", "the name 'base' is reserved for the base model", id="reserved-name"),
+        pytest.param("bad\x00name=./a", "the adapter name 'bad\\x00name' is not allowed", id="nul"),
+        pytest.param("emoji-\U0001f600=./a", "is not allowed: use letters, digits", id="emoji"),
+        pytest.param("a/b/c=./a", "'a/b/c' is not allowed", id="two-slashes"),
+        pytest.param(f"{'x' * 97}=./a", "is not allowed", id="too-long"),
+    ],
+)
+def test_serve_refuses_adapter_names_it_could_not_serve(capsys, adapter, problem):
+    """Refused by the parser, before the port is bound or anything loads (none of the paths exists)."""
+    code, out, err = run(capsys, "serve", "--model", "demo", "--adapter", adapter, "--port", "0")
+    assert code == 2 and out == ""
+    assert err.strip().count("\n") == 0 and "argument --adapter: " in err and problem in err
+
+
+@pytest.mark.parametrize("command", ["serve", "generate"])
+@pytest.mark.parametrize("kind", ["absolute", "relative", "home", "inside-a-folder", "a-file"])
+def test_a_model_path_that_is_not_a_folder_says_so(capsys, tmp_path, monkeypatch, command, kind):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models").mkdir()
+    (tmp_path / "weights.bin").write_bytes(b"")
+    model, problem = {
+        "absolute": (str(tmp_path / "missing"), "no such folder"),
+        "relative": ("./missing", "no such folder"),
+        "home": ("~/punica-hf-surely-missing-folder", "no such folder"),
+        "inside-a-folder": ("models/missing", "no such folder"),
+        "a-file": ("./weights.bin", "a file, not a model folder"),
+    }[kind]
+    extra = ["--port", "0"] if command == "serve" else ["--prompt", "base:hello"]
+    code, _, err = run(capsys, command, "--model", model, *extra)
+    assert code == 1 and err.strip().count("\n") == 0
+    assert f"--model {model}: {problem}" in err and "repo" not in err.lower(), err
+
+
 def test_prompt_for_an_adapter_that_is_not_loaded(capsys, demo_shaped_adapters):
     code, _, err = run(
         capsys, "generate", "--model", "demo", "--adapter", f"reverse={demo_shaped_adapters['reverse']}",

@@ -43,6 +43,14 @@ def name_and_path(value: str) -> tuple[str, str]:
     return name, path
 
 
+def adapter_name_and_path(value: str) -> tuple[str, str]:
+    """``NAME=PATH`` with a NAME other than ``BASE``, the base model's."""
+    name, path = name_and_path(value)
+    if name == BASE:
+        raise argparse.ArgumentTypeError(f"the name {BASE!r} is reserved for the base model; pick another name")
+    return name, path
+
+
 class AppendUniqueName(argparse.Action):
     """``action="append"`` for ``NAME=...`` options whose ``type`` makes ``(name, value)`` pairs: a name given
     twice is a usage error, since one of its two values would be silently dropped."""
@@ -77,6 +85,7 @@ def load_model(model_id: str, device: torch.device, dtype: torch.dtype, chat_tem
         )
         return load_demo_model(device, dtype), codec
 
+    check_model_folder(model_id)
     transformers_logging.set_verbosity_error()  # keep the live view free of generation-config chatter
     tokenizer = AutoTokenizer.from_pretrained(model_id)
     tokenizer.padding_side = "left"  # decoder-only batches generate from the right end of every row
@@ -104,6 +113,18 @@ def load_model(model_id: str, device: torch.device, dtype: torch.dtype, chat_tem
         pad_token_id=tokenizer.pad_token_id,
     )
     return model, codec
+
+
+def check_model_folder(model_id: str) -> None:
+    """``FileNotFoundError`` naming the folder when ``model_id`` is meant as a path (it starts with '/', './', '../'
+    or '~', or its first part is on disk) and is not a folder: transformers would say it is not a valid Hub repo id.
+    """
+    path = Path(model_id).expanduser()
+    first_part_exists = len(path.parts) > 1 and Path(path.parts[0]).exists()
+    meant_as_path = model_id.startswith(("/", "./", "../", "~")) or first_part_exists
+    if meant_as_path and not path.is_dir():
+        problem = "a file, not a model folder" if path.exists() else "no such folder"
+        raise FileNotFoundError(f"--model {model_id}: {problem}")
 
 
 def demo_input(prompt: str) -> str:

@@ -16,7 +16,7 @@ from ..formats import load_adapter_weights
 from ..formats.jsonl import read_jsonl
 from ..model import MultiLoraModel
 from .common import (
-    BASE, DEMO_MODEL, AppendUniqueName, add_device_arguments, demo_adapter_sources, load_model, name_and_path,
+    BASE, DEMO_MODEL, AppendUniqueName, adapter_name_and_path, add_device_arguments, demo_adapter_sources, load_model,
     positive_int, resolve_device, resolve_dtype,
 )
 from .streaming import BatchStreamer, BatchView, Request
@@ -102,9 +102,7 @@ def _add_generation_arguments(parser: argparse.ArgumentParser, model_default: st
 
 def _adapter_option(value: str) -> tuple[str, str]:
     """``NAME=PATH``, with a NAME that ``--prompt NAME:TEXT`` can address: not the base model's, without ':'."""
-    name, path = name_and_path(value)
-    if name == BASE:
-        raise argparse.ArgumentTypeError(f"the name {BASE!r} is reserved for the base model; pick another name")
+    name, path = adapter_name_and_path(value)
     if ":" in name:
         raise argparse.ArgumentTypeError(f"adapter names cannot hold ':' (--prompt NAME:TEXT), got {name!r}")
     return name, path

@@ -9,9 +9,11 @@ from pathlib import Path
 
 from rich.console import Console
 
+from ..serving.names import ADAPTER_NAME_RULES, check_adapter_name
+
 from .common import (
-    DEMO_MODEL, AppendUniqueName, add_device_arguments, demo_adapter_sources, load_model, name_and_path, positive_int,
-    resolve_device, resolve_dtype,
+    BASE, DEMO_MODEL, AppendUniqueName, adapter_name_and_path, add_device_arguments, demo_adapter_sources, load_model,
+    positive_int, resolve_device, resolve_dtype,
 )
 
 
@@ -38,9 +40,9 @@ def register(command: Callable[..., argparse.ArgumentParser]) -> None:
         "packaged demo model, served with its adapters reverse, upper and sort",
     )
     parser.add_argument(
-        "--adapter", action=AppendUniqueName, default=[], metavar="NAME=SOURCE", type=name_and_path,
+        "--adapter", action=AppendUniqueName, default=[], metavar="NAME=SOURCE", type=_served_adapter,
         help="serve an adapter under NAME, from a PEFT folder, Hub repo id or converted .safetensors file "
-        "(repeatable)",
+        f"(repeatable); NAME as a Hub repo id: {ADAPTER_NAME_RULES}; not '{BASE}'",
     )
     parser.add_argument(
         "--served-model-name", metavar="NAME",
@@ -152,6 +154,9 @@ def run(args: argparse.Namespace, console: Console) -> None:
         f"http://{args.host}:{args.port}/v1" + (" (API key required)" if args.api_key else ""),
         highlight=False,
     )
+    host_budget = model.adapter_stats["host_bytes_budget"]
+    console.print(f"adapter host tier: {host_budget / 2**30:.1f} GiB ({host_budget} bytes) of CPU memory",
+                  highlight=False)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=None)
     uvicorn.Server(config).run(sockets=[listener])
 
@@ -173,6 +178,17 @@ def bind_listener(host: str, port: int) -> socket.socket:
         address = f"[{host}]:{port}" if family == socket.AF_INET6 else f"{host}:{port}"
         raise OSError(f"cannot listen on {address}: {getattr(error, 'strerror', None) or error}") from error
     return listener
+
+
+def _served_adapter(value: str) -> tuple[str, str]:
+    """``NAME=SOURCE`` with a NAME the server can serve (the runtime loads' rules) and not ``BASE``, which
+    ``generate`` reserves: one adapter folder then works with both commands."""
+    name, source = adapter_name_and_path(value)
+    try:
+        check_adapter_name(name)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from error
+    return name, source
 
 
 def _hf_tokenizer(model_id: str):

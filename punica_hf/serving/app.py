@@ -6,10 +6,13 @@ runtime loading is on, and only from paths under the allowed directories), ``GET
 The request's ``model`` names an adapter, or the base model. Errors are OpenAI's error JSON: 400 bad body, too
 long or beyond the ``RequestLimits``, 401 wrong or missing API key (every route but ``/health``), 404 unknown
 model (or an adapter unloaded while the request waited), 413 body too large, 429 queue full, 500 this request's
-generation failed (the others go on), 503 the engine is not running. A client that disconnects has its requests
-cancelled (their KV blocks freed). The app starts the engine and, when the server shuts down (SIGTERM), lets it
-finish the requests in flight. With an API key, ``/openapi.json`` needs it too and ``/docs`` and ``/redoc`` are
-off (a browser page cannot send the key). No response shows a file system path.
+generation failed (the others go on) or an unexpected error (no internals shown), 503 the engine is not running;
+every answer, 500s too, is JSON. Text prompts are tokenized on a few threads, off the event loop, so a long prompt
+does not hold up the other clients; one longer than the tokenizer could ever make fit (``max_chars_per_token``) is
+refused before it is tokenized. A client that disconnects has its requests cancelled (their KV blocks freed). The
+app starts the engine and, when the server shuts down (SIGTERM), lets it finish the requests in flight. With an API
+key, ``/openapi.json`` needs it too and ``/docs`` and ``/redoc`` are off (a browser page cannot send the key). No
+response shows a file system path.
 """
 
 from __future__ import annotations
@@ -18,9 +21,11 @@ import asyncio
 import os
 import secrets
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -59,8 +64,10 @@ from .protocol import (
     Usage,
     new_id,
 )
+from .text import PromptTooLong, check_prompt_chars
 
 DISCONNECT_POLL_SECONDS = 0.25  # how often a non-streaming request checks that its client is still there
+TOKENIZER_THREADS = 2  # prompts tokenized at once (HF tokenizers release the GIL while they work); others wait
 
 
 @dataclass(frozen=True)
@@ -139,6 +146,7 @@ def create_app(
     async def lifespan(app: FastAPI):
         engine.start()
         yield
+        server.tokenizer_threads.shutdown(wait=False, cancel_futures=True)
         await asyncio.to_thread(engine.shutdown, True)
 
     # With a key, the schema is served by the keyed router below; the docs pages are off (a browser sends no key).
@@ -154,8 +162,9 @@ def create_app(
     def check_api_key(request: Request) -> None:
         if api_key is None:
             return
-        given = request.headers.get("authorization", "")
-        if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+        scheme, _, credentials = request.headers.get("authorization", "").partition(" ")
+        key_matches = secrets.compare_digest(credentials.strip(" ").encode(), api_key.encode())
+        if not (scheme.lower() == "bearer" and key_matches):  # auth schemes are case-insensitive (RFC 7235)
             raise APIError(401, "missing or wrong API key (send 'Authorization: Bearer <key>')", code="invalid_api_key")
 
     api = APIRouter(dependencies=[Depends(check_api_key)])
@@ -166,6 +175,7 @@ def create_app(
         prompts = _bad_request_on_value_error(body.prompts)
         _bad_request_on_value_error(lambda: limits.check(body, prompts=len(prompts)))
         params = _bad_request_on_value_error(lambda: body.sampling_params(body.max_new_tokens()))
+        prompts = await server.prompt_ids(prompts, params.max_new_tokens)
         handles = server.submit([(prompt, adapter, params) for prompt in prompts])
         response_id = new_id("cmpl")
         if body.stream:
@@ -180,7 +190,8 @@ def create_app(
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         adapter = server.adapter_for(body.model)
         _bad_request_on_value_error(lambda: limits.check(body))
-        prompt_ids = _bad_request_on_value_error(lambda: server.chat_prompt(body.chat()))
+        messages = _bad_request_on_value_error(body.chat)
+        prompt_ids = await server.chat_prompt_ids(messages, body.requested_max_tokens() or 1)
         max_tokens = body.requested_max_tokens() or max(engine.max_model_len - len(prompt_ids), 1)
         params = _bad_request_on_value_error(lambda: body.sampling_params(max_tokens))
         handles = server.submit([(prompt_ids, adapter, params)])
@@ -235,15 +246,17 @@ def create_app(
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, error: RequestValidationError):
-        problems = "; ".join(
-            f"{'.'.join(str(part) for part in problem['loc'] if part != 'body') or 'body'}: {problem['msg']}"
-            for problem in error.errors()
-        )
-        return APIError(400, f"invalid request: {problems}").response()
+        problems = [(_field_path(problem["loc"]), problem["msg"]) for problem in error.errors()]
+        described = "; ".join(f"{path or 'body'}: {message}" for path, message in problems)
+        return APIError(400, f"invalid request: {described}", param=problems[0][0] if problems else None).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, error: StarletteHTTPException):
         return APIError(error.status_code, str(error.detail), code=str(error.status_code)).response()
+
+    @app.exception_handler(Exception)
+    async def unexpected_error(request: Request, error: Exception):  # the traceback goes to the log, not the client
+        return APIError(500, "internal server error", type="server_error", code="internal_error").response()
 
     return app
 
@@ -257,6 +270,7 @@ class _Server:
         self.lora_dirs = None if lora_dirs is None else [Path(os.path.realpath(d)) for d in lora_dirs]
         self.metrics = ServingMetrics(engine)
         self.created = int(time.time())
+        self.tokenizer_threads = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenize")
 
     # -------------------------------------------------------------- models
     def adapter_for(self, model: str) -> str | None:
@@ -291,16 +305,59 @@ class _Server:
             raise APIError(400, f"could not load '{path}': {error}", param="lora_path") from error
 
     def unload_adapter(self, name: str) -> None:
-        if name not in self.engine.model.adapters:
+        # One call that checks and removes: a check before it could pass for two concurrent unloads of one name.
+        try:
+            self.engine.model.unload_adapter(name)  # requests using it finish first; its name is free at once
+        except KeyError:  # its message lists every adapter loaded: not for this client
             raise APIError(404, f"The lora adapter '{name}' cannot be found.", param="lora_name",
-                           code="model_not_found")
-        self.engine.model.unload_adapter(name)  # requests using it finish first; its name is free at once
+                           code="model_not_found") from None
 
     # -------------------------------------------------------------- requests
-    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
-        if self.engine.tokenizer is None:
-            raise ValueError("this server has no tokenizer: chat needs one")
-        return self.engine.tokenizer.encode_chat(messages)
+    async def prompt_ids(self, prompts: list[str | list[int]], max_new_tokens: int) -> list[str | list[int]]:
+        """The prompts with each text tokenized (off the event loop); 400 for one that cannot fit, refused by its
+        length before any is tokenized. Without a tokenizer texts stay texts: the engine refuses them."""
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            return prompts
+        max_chars = self._max_prompt_chars(max_new_tokens)
+        try:
+            for text in (prompt for prompt in prompts if isinstance(prompt, str)):
+                check_prompt_chars(text, max_chars)
+        except PromptTooLong as error:
+            raise self._refusal(error, max_new_tokens) from error
+        return [
+            await self._tokenized(tokenizer.encode, prompt, max_new_tokens) if isinstance(prompt, str) else prompt
+            for prompt in prompts
+        ]
+
+    async def chat_prompt_ids(self, messages: list[Mapping[str, str]], max_new_tokens: int) -> list[int]:
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            raise APIError(400, "this server has no tokenizer: chat needs one")
+        max_chars = self._max_prompt_chars(max_new_tokens)
+        encode = tokenizer.encode_chat if max_chars is None else partial(tokenizer.encode_chat, max_chars=max_chars)
+        return await self._tokenized(encode, messages, max_new_tokens)
+
+    def _max_prompt_chars(self, max_new_tokens: int) -> int | None:
+        """The longest text that could fit beside ``max_new_tokens`` (None: not known for this tokenizer)."""
+        per_token = getattr(self.engine.tokenizer, "max_chars_per_token", None)
+        return None if per_token is None else max(self.engine.max_model_len - max_new_tokens, 0) * per_token
+
+    async def _tokenized(self, encode, prompt, max_new_tokens: int) -> list[int]:
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.tokenizer_threads, encode, prompt)
+        except ValueError as error:
+            raise self._refusal(error, max_new_tokens) from error
+
+    def _refusal(self, error: ValueError, max_new_tokens: int) -> APIError:
+        """The 400 of a prompt refused; one too long in the words of the engine's own refusal."""
+        if not isinstance(error, PromptTooLong):
+            return APIError(400, str(error))
+        limit = self.engine.max_model_len
+        return APIError(
+            400, f"the prompt ({error.chars} characters: over {max(limit - max_new_tokens, 0)} tokens) plus "
+            f"max_new_tokens ({max_new_tokens}) exceeds the {limit}-token limit of this engine",
+        )
 
     def submit(self, requests: list[tuple[str | list[int], str | None, SamplingParams]]) -> list[RequestHandle]:
         """Submit all (one choice each) or none."""
@@ -358,6 +415,19 @@ def _bad_request_on_value_error(make):
         return make()
     except ValueError as error:
         raise APIError(400, str(error)) from error
+
+
+def _field_path(location: Sequence[str | int]) -> str:
+    """A validation error's field, as ``messages.0.content``: its location without "body" and without the names
+    pydantic gives the branches of a union (``str``, ``list[int]``, ``ContentPart``...)."""
+    parts = []
+    for part in location[1:] if location[:1] == ("body",) else location:
+        if isinstance(part, str) and not part.isidentifier() or part in ("str", "int", "float", "bool", "none"):
+            break
+        if isinstance(part, str) and part[:1].isupper():
+            continue  # a model's name in a union: the fields inside it follow
+        parts.append(str(part))
+    return ".".join(parts)
 
 
 def _model_not_found(model: str) -> APIError:

@@ -4,23 +4,49 @@ Field names and defaults follow OpenAI's completions and chat completions APIs, 
 clients send (``top_k``, ``stop_token_ids``, ``ignore_eos``) and vLLM's runtime LoRA bodies. Fields OpenAI
 defines that this server does not implement are accepted only at their neutral value (``n=1``, no ``logprobs``,
 no ``echo``, ...): anything else is a 400 naming the field. Unknown fields are ignored, as OpenAI does.
+
+Types follow OpenAI's schema strictly: numbers are JSON numbers (not strings), booleans are JSON booleans, a
+``prompt`` is a string, a list of strings, a list of token ids or a list of lists of token ids. Text must be valid
+Unicode (a lone surrogate, which JSON's ``\ud800`` escapes can carry, cannot be encoded and is refused).
+
+Adapter names (``lora_name``, ``punica-hf serve --adapter NAME=...``) follow a Hugging Face Hub repo id's
+characters and length: ``names.ADAPTER_NAME_RULES``.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from .engine import Completion, SamplingParams
+from .names import check_adapter_name
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions (also when null)
 
 
+def _encodable(text: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ValueError(f"text holds a lone surrogate (U+{ord(text[error.start]):04X}): not valid Unicode") from None
+    return text
+
+
+def _without_nul(path: str) -> str:
+    if "\0" in path:
+        raise ValueError("a path cannot hold a NUL character")
+    return path
+
+
+Text = Annotated[str, AfterValidator(_encodable)]  # text that reaches a tokenizer, or is echoed in an answer
+AdapterName = Annotated[str, AfterValidator(check_adapter_name)]
+
+
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class StreamOptions(_Body):
@@ -30,17 +56,17 @@ class StreamOptions(_Body):
 class _SamplingFields(_Body):
     """What completions and chat completions share: the model (adapter) and how to generate."""
 
-    model: str
+    model: Text
     temperature: float | None = Field(default=None, ge=0)
     top_p: float | None = Field(default=None, gt=0, le=1)
     top_k: int | None = Field(default=None, ge=-1)  # vLLM: -1 or 0 = off
     seed: int | None = None
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: Text | None = None
     # OpenAI fields this server does not implement: only their neutral values are accepted
     n: int = 1
     logprobs: Any = None
@@ -85,7 +111,7 @@ class _SamplingFields(_Body):
 class CompletionRequest(_SamplingFields):
     """``POST /v1/completions``: ``prompt`` is a text, a list of texts, token ids, or a list of token id lists."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Text | list[Text] | list[int] | list[list[int]]
     max_tokens: int | None = Field(default=DEFAULT_COMPLETION_TOKENS, ge=1)
     echo: bool = False
     best_of: int | None = None
@@ -107,17 +133,22 @@ class CompletionRequest(_SamplingFields):
         return list(prompt)
 
 
+class ContentPart(_Body):
+    type: str
+    text: Text | None = None
+
+
 class ChatMessage(_Body):
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[dict[str, Any]] | None = None
+    content: Text | list[ContentPart] | None = None
 
     def text(self) -> str:
         """The message's text; a list of content parts must hold text parts only."""
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
-        if any(part.get("type") != "text" for part in self.content):
+        if any(part.type != "text" for part in self.content):
             raise ValueError("only text content parts are supported")
-        return "".join(str(part.get("text", "")) for part in self.content)
+        return "".join(part.text or "" for part in self.content)
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -137,14 +168,14 @@ class ChatCompletionRequest(_SamplingFields):
 class LoadLoraAdapterRequest(_Body):
     """vLLM's ``POST /v1/load_lora_adapter`` body."""
 
-    lora_name: str = Field(min_length=1)
-    lora_path: str = Field(min_length=1)
+    lora_name: AdapterName
+    lora_path: Annotated[str, Field(min_length=1), AfterValidator(_without_nul), AfterValidator(_encodable)]
 
 
 class UnloadLoraAdapterRequest(_Body):
     """vLLM's ``POST /v1/unload_lora_adapter`` body."""
 
-    lora_name: str = Field(min_length=1)
+    lora_name: Annotated[Text, Field(min_length=1)]  # any name: one that is not loaded is a 404
 
 
 # ---------------------------------------------------------------------- responses

@@ -3,10 +3,14 @@
 The engine works on token ids; text only enters through a tokenizer: an object with ``encode(text) -> ids`` and
 ``decode(ids) -> text`` (``encode_chat(messages) -> ids`` for chat requests). ``as_tokenizer`` wraps a transformers
 tokenizer that way; ``DemoTokenizer`` is the packaged demo model's byte tokenizer.
+
+A tokenizer may also say ``max_chars_per_token``: the most characters of text one token can stand for (None: no
+such bound is known). A server uses it to refuse a prompt that cannot fit before spending the time to tokenize it.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
@@ -20,7 +24,21 @@ class Tokenizer(Protocol):
 
     def decode(self, token_ids: Sequence[int]) -> str: ...
 
-    def encode_chat(self, messages: Sequence[Mapping[str, str]]) -> list[int]: ...
+    def encode_chat(self, messages: Sequence[Mapping[str, str]], max_chars: int | None = None) -> list[int]: ...
+
+
+class PromptTooLong(ValueError):
+    """A prompt with more characters than could ever fit, found before it was tokenized."""
+
+    def __init__(self, chars: int, max_chars: int) -> None:
+        super().__init__(f"the prompt has {chars} characters: more than {max_chars}, the most that could fit")
+        self.chars = chars
+
+
+def check_prompt_chars(text: str, max_chars: int | None) -> None:
+    """``PromptTooLong`` if ``text`` has more than ``max_chars`` characters (None: no bound)."""
+    if max_chars is not None and len(text) > max_chars:
+        raise PromptTooLong(len(text), max_chars)
 
 
 class HFTokenizer:
@@ -28,6 +46,7 @@ class HFTokenizer:
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
+        self.max_chars_per_token = _max_chars_per_token(tokenizer)
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text)["input_ids"])
@@ -35,16 +54,20 @@ class HFTokenizer:
     def decode(self, token_ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
 
-    def encode_chat(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
-        """The prompt of a chat: the tokenizer's chat template, ending with the assistant's turn."""
+    def encode_chat(self, messages: Sequence[Mapping[str, str]], max_chars: int | None = None) -> list[int]:
+        """The prompt of a chat: the tokenizer's chat template, ending with the assistant's turn; ``ValueError``
+        before tokenizing if that text is longer than ``max_chars``."""
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise ValueError("this model's tokenizer has no chat template: use /v1/completions")
         text = self.tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+        check_prompt_chars(text, max_chars)
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])  # the template holds BOS
 
 
 class DemoTokenizer:
     """The demo model's tokenizer: BOS, then the UTF-8 bytes of the text. It has no chat template."""
+
+    max_chars_per_token = 1  # a token per byte, and a character is one byte or more
 
     def encode(self, text: str) -> list[int]:
         return [demo.BOS_ID, *demo.encode(text)]
@@ -52,7 +75,7 @@ class DemoTokenizer:
     def decode(self, token_ids: Sequence[int]) -> str:
         return demo.decode(list(token_ids))
 
-    def encode_chat(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
+    def encode_chat(self, messages: Sequence[Mapping[str, str]], max_chars: int | None = None) -> list[int]:
         raise ValueError("the demo model has no chat template: use /v1/completions with a prompt like 'lora='")
 
 
@@ -61,6 +84,78 @@ def as_tokenizer(tokenizer) -> Tokenizer:
     from transformers import PreTrainedTokenizerBase
 
     return HFTokenizer(tokenizer) if isinstance(tokenizer, PreTrainedTokenizerBase) else tokenizer
+
+
+# Steps of a fast tokenizer's pipeline (its tokenizer.json) after which every character of the text is still there
+# to be covered by some token: none is deleted (as Whitespace deletes spaces, or NFC joins two into one).
+_KEEPING_NORMALIZERS = {"Prepend", "Lowercase"}  # Prepend adds; lowercasing never shortens a character
+_KEEPING_PRE_TOKENIZERS = {"ByteLevel", "Metaspace", "Digits", "Punctuation", "Split"}  # unless behavior "Removed"
+
+
+def _max_chars_per_token(tokenizer) -> int | None:
+    """The most characters of text one token of ``tokenizer`` can stand for, or None where it is unbounded or not
+    known. Only a fast tokenizer of a BPE model whose pipeline keeps every character has the bound.
+
+    Why it is safe: after such a pipeline every character of the text is covered by exactly one token, whether an
+    added token (matched in the text as its content), a vocabulary entry, an unknown-token standing for one
+    character (BPE without ``fuse_unk``), a byte-fallback token (one byte of a character), or a byte-level token
+    (one character of its string per byte, and a text character has one byte or more). Each token's string is at
+    least as long as the text it covers (markers like '##' only lengthen it), so a text of C characters has at
+    least C / (longest token string) tokens: a longer text than ``max tokens * longest`` cannot fit.
+    Unknown-tokens that swallow a whole word (WordLevel, WordPiece, Unigram, ``fuse_unk``) or added tokens that
+    swallow the whitespace around them (``lstrip``/``rstrip``) have no bound.
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    config = json.loads(backend.to_str())
+    model = config["model"]
+    if model.get("type") != "BPE" or model.get("fuse_unk") or not _keeps_every_character(config):
+        return None
+    if not (model.get("unk_token") is not None or _covers_every_byte(config)):
+        return None  # a character outside the vocabulary would be dropped
+    added = config.get("added_tokens") or []
+    if any(token.get("lstrip") or token.get("rstrip") for token in added):
+        return None
+    strings = [*model["vocab"], *(token["content"] for token in added)]
+    return max(map(len, strings), default=1)
+
+
+def _covers_every_byte(config: dict) -> bool:
+    """A vocabulary with a token for every byte, that a character outside it falls back to: byte-level BPE with
+    every byte's character (GPT-2), or BPE with ``byte_fallback`` and every ``<0xNN>`` token (Llama 2)."""
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    vocab = config["model"]["vocab"]
+    byte_level = any(step["type"] == "ByteLevel" for step in _steps(config.get("pre_tokenizer"), "pretokenizers"))
+    if byte_level and all(char in vocab for char in ByteLevel.alphabet()):
+        return True
+    return bool(config["model"].get("byte_fallback")) and all(f"<0x{byte:02X}>" in vocab for byte in range(256))
+
+
+def _keeps_every_character(config: dict) -> bool:
+    return all(map(_normalizer_keeps, _steps(config.get("normalizer"), "normalizers"))) and all(
+        step["type"] in _KEEPING_PRE_TOKENIZERS and step.get("behavior") != "Removed"
+        for step in _steps(config.get("pre_tokenizer"), "pretokenizers")
+    )
+
+
+def _normalizer_keeps(step: dict) -> bool:
+    """True for a normalizer that never makes a text shorter: those above, and a Replace of a plain string by one
+    at least as long (Llama 2's ' ' -> '▁')."""
+    if step["type"] == "Replace":
+        pattern = step.get("pattern", {}).get("String")
+        return bool(pattern) and len(step.get("content", "")) >= len(pattern)
+    return step["type"] in _KEEPING_NORMALIZERS
+
+
+def _steps(step: dict | None, sequence_key: str) -> list[dict]:
+    """A normalizer's or pre-tokenizer's steps, a Sequence's unrolled."""
+    if step is None:
+        return []
+    if step.get("type") == "Sequence":
+        return [leaf for inner in step.get(sequence_key, []) for leaf in _steps(inner, sequence_key)]
+    return [step]
 
 
 class TextStream:
