@@ -47,7 +47,7 @@ def run(args: argparse.Namespace, console: Console) -> None:
 
     table = Table(
         title="punica-hf demo: one batch, one adapter per row",
-        caption=f"{len(rows)} rows in {seconds:.2f} s on {device} (LoRA ops: {ops.backend_for(device)})",
+        caption=f"{len(rows)} rows in {seconds:.2f} s on {device} (LoRA ops: {ops.backend_for(device, ops.requested_backend())})",
     )
     for column in ("prompt", "adapter", "task", "answer", "expected"):
         table.add_column(column)
