@@ -14,15 +14,13 @@ with its own mapping; generate() calls that keep a cache on the model (static ca
 from __future__ import annotations
 
 import inspect
-import weakref
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from contextlib import contextmanager, nullcontext
+from collections.abc import Iterable, Mapping, Sequence
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
-from torch._dynamo.utils import counters as _dynamo_counters
 
 from .formats import AdapterWeights, load_adapter_weights
 from .layers import LoraContext
@@ -192,12 +190,10 @@ class MultiLoraModel(nn.Module):
         # A static cache lives on the model between calls: two such calls at once would share it.
         keeps_cache = _keeps_cache_on_model(self.model, kwargs)
         cache_lock = self._store.cache_generate_lock if keeps_cache else nullcontext()
-        # Static caches compile the decode step; its later steps in this call check fewer guards (CompiledSteps).
-        decode_steps = _steps_check_changed_guards_only(self.model) if keeps_cache else nullcontext()
         # The adapters first, then the cache: a call holding the cache lock never waits for device room that a
         # call queued behind that lock holds.
         lease = nullcontext() if entries is None else self._store.acquire(entries)
-        with lease, cache_lock, decode_steps:
+        with lease, cache_lock:
             if entries is None:
                 return self.model.generate(*args, **kwargs)
             return self.model.generate(*args, adapter_ids=self._slot_tensor(lease, shape), **kwargs)
@@ -315,107 +311,6 @@ def _keys_of_the_wrapped_model(state_dict: dict, prefix: str, *args: Any) -> Non
     for them under ``model.``, so they are renamed so."""
     for key in [key for key in state_dict if key.startswith(prefix)]:
         state_dict[f"{prefix}model.{key[len(prefix):]}"] = state_dict.pop(key)
-
-
-@contextmanager
-def _steps_check_changed_guards_only(model: nn.Module):
-    """For one static-cache generate() call: its compiled decode steps (``model.get_compiled_call``) are wrapped in
-    ``CompiledSteps``. The model's own method is shadowed by an instance attribute for the call and put back after."""
-    shadowed = model.__dict__.get("get_compiled_call")
-    own = shadowed or getattr(model, "get_compiled_call", None)
-    if own is None:  # not a transformers model: nothing compiles its steps
-        yield
-        return
-    model.get_compiled_call = lambda *args, **kwargs: CompiledSteps(own(*args, **kwargs))
-    try:
-        yield
-    finally:
-        if shadowed is None:
-            del model.get_compiled_call
-        else:
-            model.get_compiled_call = shadowed
-
-
-class CompiledSteps:
-    """A compiled decode step whose calls after the first check only the guards that tell compiled versions apart.
-
-    Dynamo checks every guard of a compiled frame at every call: ~15,000 for an 8B Llama with LoRA hooks, 1-3 ms of
-    host time per decode step on the H200's host, while the GPU waits (generate() reads each step's tokens). Within one
-    generate() call, a step whose inputs have the shapes, strides, dtypes and plain values of the step before it
-    runs what that step ran: the model's Python state that the guards cover does not change under a running call
-    (its adapters are leased; an adapter loaded meanwhile adds hooks whose rows are zero for this call's slots). So
-    such a step runs under ``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``, which still picks between
-    compiled versions. Any other call, the first included, checks every guard (and recompiles where they fail).
-
-    Only for a step that compiled to one graph: with graph breaks, frames shared by all layers can need more
-    versions than Dynamo keeps (they then run eagerly), and that stance raises instead. The stance is process-wide
-    while a step runs: compiled code that another thread enters at that moment is checked the same way.
-    """
-
-    # Compiled callables (model._compiled_call) seen to compile to one graph: frames and graphs counted by Dynamo
-    # when they compiled. Unknown (compiled before, or elsewhere) counts as not one graph. The counters are the
-    # process's: another thread compiling during a first call can mislabel it (a wrong "one graph" makes a later
-    # step raise Dynamo's recompilation error rather than run a wrong graph).
-    one_graph: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-    def __init__(self, compiled: Callable[..., Any]) -> None:
-        self.compiled = compiled
-        self.last_inputs: tuple | None = None
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        inputs = _input_signature(args, kwargs)
-        unchanged, self.last_inputs = inputs == self.last_inputs, inputs
-        if unchanged and self.one_graph.get(self.compiled, False) and _default_stance():
-            with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
-                return self.compiled(*args, **kwargs)
-        frames, graphs = _dynamo_counts()
-        outputs = self.compiled(*args, **kwargs)
-        new_frames, new_graphs = _dynamo_counts()
-        if new_frames > frames:  # it compiled: one frame, one graph, or more
-            self.one_graph[self.compiled] = (new_frames - frames, new_graphs - graphs) == (1, 1)
-        return outputs
-
-
-def _dynamo_counts() -> tuple[int, int]:
-    """Frames Dynamo has compiled and the graphs they gave, in this process so far."""
-    return _dynamo_counters["frames"]["total"], _dynamo_counters["stats"]["unique_graphs"]
-
-
-def _input_signature(args: tuple, kwargs: dict) -> tuple:
-    """What the guards of a step see of its direct inputs: tensor metadata, plain values, other objects by identity."""
-
-    def describe(value: Any) -> Any:
-        if isinstance(value, torch.Tensor):
-            return ("tensor", value.shape, value.stride(), value.dtype, value.device, value.requires_grad)
-        if value is None or isinstance(value, (bool, int, float, str)):
-            return (type(value), value)
-        if isinstance(value, (tuple, list)):
-            return (type(value), tuple(describe(item) for item in value))
-        if isinstance(value, dict):
-            return (type(value), tuple((key, describe(item)) for key, item in value.items()))
-        return _Identity(value)
-
-    return describe(args), tuple((key, describe(value)) for key, value in sorted(kwargs.items()))
-
-
-class _Identity:
-    """Equal only to a wrapper of the very same object (which it keeps alive, so its id is not reused)."""
-
-    __slots__ = ("value",)
-
-    def __init__(self, value: Any) -> None:
-        self.value = value
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _Identity) and other.value is self.value
-
-    __hash__ = None
-
-
-def _default_stance() -> bool:
-    """Whether the compiler runs in its default stance (a stance the user set, say ``force_eager``, is kept)."""
-    stance = getattr(torch._dynamo.eval_frame, "_stance", None)
-    return stance is not None and stance.stance == "default" and not stance.skip_guard_eval_unsafe
 
 
 def _keeps_cache_on_model(model: nn.Module, kwargs: dict) -> bool:
