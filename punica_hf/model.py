@@ -25,12 +25,13 @@ from torch import nn
 from .formats import AdapterWeights, load_adapter_weights
 from .layers import LoraContext
 from .store import AdapterLease, AdapterStore
+from .torch_compat import FollowsModuleMoves
 from .store.store import CAPACITY_WAIT_S, check_wait
 
 AdapterIds = torch.Tensor | Sequence[str | int | None]
 
 
-class MultiLoraModel(nn.Module):
+class MultiLoraModel(FollowsModuleMoves):
     """Wraps a causal LM in place so that each row (or token) of a batch can use a different LoRA adapter.
 
     Args:
@@ -78,7 +79,7 @@ class MultiLoraModel(nn.Module):
         )
         model.forward = AdapterForward(model, context, self._store)
         # Within a parent module's load_state_dict, this one's keys are the wrapped model's (see state_dict).
-        self._register_load_state_dict_pre_hook(_keys_of_the_wrapped_model)
+        self.register_load_state_dict_pre_hook(_keys_of_the_wrapped_model)
 
     # ----------------------------------------------------------------------------------------------- adapters
     @property
@@ -229,10 +230,9 @@ class MultiLoraModel(nn.Module):
     def _slot_tensor(self, lease: AdapterLease, shape: tuple[int, ...]) -> torch.Tensor:
         return torch.tensor(lease.slots, dtype=torch.int32).reshape(shape).to(self.model.device)
 
-    def _apply(self, fn, recurse: bool = True):
-        super()._apply(fn, recurse)
+    def after_module_moved(self, fn) -> None:
+        """``.to()`` / ``.cuda()`` / ``.half()`` moved the model: the adapter pools follow it."""
         self._store.apply(fn)
-        return self
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """The wrapped model's state dict: its keys (no ``model.`` prefix), no LoRA state."""
@@ -305,7 +305,7 @@ class AdapterForward:
             self.context.end()
 
 
-def _keys_of_the_wrapped_model(state_dict: dict, prefix: str, *args: Any) -> None:
+def _keys_of_the_wrapped_model(wrapper: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
     """A load_state_dict pre-hook for a wrapper inside another module: the parent's state dict holds the wrapper's
     entries under the wrapped model's keys, as ``state_dict()`` gives them; the wrapper's submodule ``model`` looks
     for them under ``model.``, so they are renamed so."""
