@@ -23,10 +23,10 @@ import torch
 from torch import nn
 
 from .formats import AdapterWeights, load_adapter_weights
+from .injection import LoraInjection
 from .layers import LoraContext
-from .store import AdapterLease, AdapterStore
+from .store import CAPACITY_WAIT_S, AdapterLease, AdapterStore, check_wait
 from .torch_compat import FollowsModuleMoves
-from .store.store import CAPACITY_WAIT_S, check_wait
 
 AdapterIds = torch.Tensor | Sequence[str | int | None]
 
@@ -74,8 +74,9 @@ class MultiLoraModel(FollowsModuleMoves):
             raise ValueError("this model is already wrapped by a MultiLoraModel")
         self.model = model
         context = LoraContext()
+        self._injection = LoraInjection(model, context, max_rank)
         self._store = AdapterStore(
-            model, context, max_adapters, max_rank, gpu_pool_bytes, host_pool_bytes, capacity_wait_s
+            self._injection, max_adapters, max_rank, gpu_pool_bytes, host_pool_bytes, capacity_wait_s
         )
         model.forward = AdapterForward(model, context, self._store)
         # Within a parent module's load_state_dict, this one's keys are the wrapped model's (see state_dict).
@@ -94,6 +95,12 @@ class MultiLoraModel(FollowsModuleMoves):
     @property
     def max_rank(self) -> int:
         return self._store.max_rank
+
+    @property
+    def layout_version(self) -> int:
+        """Bumped whenever a LoRA hook or a device pool is added (or a hook removed): CUDA graphs captured before
+        then run another set of hooks and must be captured again."""
+        return self._injection.layout_version
 
     @property
     def adapter_stats(self) -> dict[str, int]:
@@ -158,6 +165,7 @@ class MultiLoraModel(FollowsModuleMoves):
         adapters (``adapter_ids``, ``load_adapters``, ``acquire``, ...) raises ``RuntimeError``."""
         with self._store.lock:
             self._store.unwrap()
+            self._injection.detach_all()
             installed = self.model.__dict__.get("forward")
             if isinstance(installed, AdapterForward):
                 if installed.original is None:

@@ -44,7 +44,7 @@ def _(x, pool, a_offsets, b_offsets, lora_ranks, token_slots, num_slots, max_ran
 
 def route_to_opaque_kernels(wrapped: MultiLoraModel, monkeypatch) -> None:
     """The hooks take their CUDA route, with the opaque CPU ops above standing in for the kernels."""
-    monkeypatch.setattr(wrapped._store.context, "backend", lambda device: "cuda")
+    monkeypatch.setattr(wrapped._injection.context, "backend", lambda device: "cuda")
     monkeypatch.setattr(cuda_ops, "DTYPES", (torch.float32,))
 
     def opaque_kernels(y, x, pool, a_offsets, b_offsets, ranks, segments, max_rank):

@@ -205,3 +205,38 @@ def test_a_load_during_generate_leaves_the_running_outputs_unchanged(base, paths
         done.set()
         thread.join()
     assert torch.equal(out, expected)
+
+
+def test_layout_version_counts_new_hooks_and_an_interrupted_load_leaves_none(base, paths, peft_logits, monkeypatch):
+    """``layout_version`` (what the engine's CUDA graphs are keyed on) moves when a load hooks new modules, not when
+    it reuses hooked ones; a load interrupted while hooking removes the hooks it made and leaves the version ahead
+    (graphs captured in between saw them)."""
+    import punica_hf.injection as injection
+
+    model = wrap(base, max_adapters=3)
+    assert model.layout_version == 0
+    model.load_adapters({"r2": paths["r2"]})  # q_proj, v_proj
+    hooked = model.layout_version
+    assert hooked > 0
+    model.load_adapters({"r2b": paths["r2"]})  # the same modules
+    assert model.layout_version == hooked
+    hooks_before = dict(model._injection.hooks)
+    real_hook, made = injection.LoraHook, []
+
+    def interrupted_hook(*args, **kwargs):
+        if len(made) == 3:
+            raise KeyboardInterrupt
+        made.append(real_hook(*args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(injection, "LoraHook", interrupted_hook)
+    with pytest.raises(KeyboardInterrupt):
+        model.load_adapters({"r4": paths["r4"]})  # k_proj, o_proj, down_proj: new hooks
+    monkeypatch.setattr(injection, "LoraHook", real_hook)
+    assert model._injection.hooks == hooks_before and model.layout_version > hooked
+    assert all(not hook.installed for hook in made)
+    forwards = {name: module.__dict__.get("forward") for name, module in model.model.named_modules() if name}
+    assert {name for name, forward in forwards.items() if forward is not None} == set(hooks_before)
+    assert sorted(model.adapters) == ["r2", "r2b"]
+    model.load_adapters({"r4": paths["r4"]})
+    check_rows(model, ["r4", "r2", None], peft_logits)
