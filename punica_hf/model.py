@@ -43,12 +43,17 @@ class MultiLoraModel(FollowsModuleMoves):
             Default: room for ``max_adapters`` adapters of ``max_rank`` on every linear layer, at most 20% of the
             device memory free when the first adapter is loaded (at most 1 GiB on the CPU).
         host_pool_bytes: budget of the host tier (pinned memory) holding adapters off the device; past it, adapters
-            are read again from their files when needed. Default 16 GiB.
+            are read again from their files when needed. Default: a quarter of the memory available when the model
+            is wrapped (``MemAvailable``), at least 1 GiB and at most 64 GiB; ``adapter_stats["host_bytes_budget"]``
+            says what it is.
         capacity_wait_s: how long a call (``forward``, ``generate``, ``acquire``) waits for device room that other
             calls hold (slots or pool bytes) before it raises ``AdapterCapacityError``. Default 60 s. A call whose
             adapters could not fit even alone fails at once.
 
-    ``state_dict()`` and ``load_state_dict()`` are the wrapped model's: its keys, no LoRA state. Copies
+    ``state_dict()`` and ``load_state_dict()`` are the wrapped model's: its keys, no LoRA state. ``named_parameters()``,
+    ``named_buffers()``, ``named_modules()`` and ``get_submodule()`` use the same names (``model.layers.0...`` for a
+    Llama, not ``model.model.layers.0...``); the attribute ``model`` is still the wrapped model, so code that walks
+    attributes by those names (``torch.func.functional_call``) takes ``wrapper.model``. Copies
     (``copy.deepcopy``, pickle, ``torch.save``) carry the registered adapters, not the memory set aside for more.
     """
 
@@ -249,6 +254,33 @@ class MultiLoraModel(FollowsModuleMoves):
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False):
         """Load a state dict of the wrapped model (as ``state_dict()`` gives it) into it; adapters stay as they are."""
         return self.model.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    # Names: the wrapped model's, as in state_dict(), so that whatever pairs names with tensors (optimizers' param
+    # groups by name, checkpoint and sharding tools, accelerate) sees one set of keys. The wrapper holds no
+    # parameter or buffer of its own; its module tree (children(), .to(), train()) is unchanged.
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        """The wrapped model's parameters under its names (the keys of ``state_dict()``)."""
+        return self.model.named_parameters(prefix, recurse, remove_duplicate)
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        """The wrapped model's buffers under its names (the keys of ``state_dict()``)."""
+        return self.model.named_buffers(prefix, recurse, remove_duplicate)
+
+    def named_modules(self, memo: set | None = None, prefix: str = "", remove_duplicate: bool = True):
+        """This wrapper, then the wrapped model's modules under its names (the wrapped model itself under the same
+        prefix as the wrapper), so a parent module's ``named_parameters()`` agrees with its ``state_dict()`` too."""
+        if memo is None:
+            memo = set()
+        if not remove_duplicate or self not in memo:
+            if remove_duplicate:
+                memo.add(self)
+            yield prefix, self
+        yield from self.model.named_modules(memo, prefix, remove_duplicate)
+
+    def get_submodule(self, target: str) -> nn.Module:
+        """The module a name of ``named_modules()`` names (so ``get_parameter`` / ``get_buffer`` take the names of
+        ``named_parameters()`` / ``named_buffers()``); "" is this wrapper."""
+        return self if target == "" else self.model.get_submodule(target)
 
     def __getattr__(self, name: str) -> Any:
         try:

@@ -101,3 +101,32 @@ def test_compiled_generate_applies_an_adapter_that_hooks_new_modules(tmp_path):
         torch._dynamo.reset()
 
 
+
+
+def test_names_of_parameters_buffers_and_modules_are_the_state_dicts(wrapped):
+    """One view of names: named_parameters()/named_buffers() give the wrapped model's keys, those of state_dict(),
+    alone and inside a parent module; get_parameter takes them; an optimizer over parameters() trains the wrapped
+    model's weights (the adapters' pools are no parameters)."""
+    model, untouched = wrapped
+    state = model.state_dict()
+    parameters = dict(model.named_parameters())
+    assert list(parameters) == [name for name, _ in untouched.named_parameters()]
+    assert set(parameters) <= set(state) and all(state[name].data_ptr() == p.data_ptr() for name, p in parameters.items())
+    persistent = {name for name, _ in model.named_buffers()} & set(state)
+    assert set(state) == set(parameters) | persistent
+    assert all(model.get_parameter(name) is p for name, p in parameters.items())
+    assert [p for p in model.parameters()] == list(parameters.values())
+    assert next(name for name, m in model.named_modules() if m is model.model.model.layers[0]) == "model.layers.0"
+
+    parent = torch.nn.ModuleDict({"lm": model})
+    assert {name for name, _ in parent.named_parameters()} == {f"lm.{name}" for name in parameters}
+    assert set(parent.state_dict()) == {f"lm.{name}" for name in state}
+
+    ids = INPUT_IDS[:1]
+    with torch.no_grad():
+        before = model(ids, adapter_ids=["qv"]).logits
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(ids, adapter_ids=["qv"]).logits.sum().backward()
+    optimizer.step()
+    with torch.no_grad():
+        assert not torch.allclose(model(ids, adapter_ids=["qv"]).logits, before)

@@ -4,6 +4,7 @@ reads, counters and rank-proportional memory; outputs equal PEFT's row by row th
 from __future__ import annotations
 
 import copy
+import os
 import shutil
 import threading
 import time
@@ -15,6 +16,7 @@ from peft import PeftModel
 
 from punica_hf import MultiLoraModel
 from punica_hf.store import AdapterCapacityError, AdapterNotReady
+from punica_hf.store import host as host_module
 
 IDS = torch.tensor([[5, 17, 42, 8, 99, 3], [1, 2, 3, 4, 5, 6], [60, 61, 62, 63, 64, 65]])
 SPECS = {  # name -> (rank, targets): mixed ranks and target sets
@@ -240,3 +242,21 @@ def test_layout_version_counts_new_hooks_and_an_interrupted_load_leaves_none(bas
     assert sorted(model.adapters) == ["r2", "r2b"]
     model.load_adapters({"r4": paths["r4"]})
     check_rows(model, ["r4", "r2", None], peft_logits)
+
+
+@pytest.mark.parametrize(
+    "available, budget",
+    [(8 << 30, 2 << 30), (512 << 20, 1 << 30), (1 << 40, 64 << 30), (None, 1 << 30)],
+    ids=["quarter", "floor", "cap", "unknown"],
+)
+def test_the_default_host_budget_follows_the_available_memory(base, monkeypatch, available, budget):
+    """Without host_pool_bytes the host tier takes a quarter of the memory available when the model is wrapped,
+    within 1 GiB and 64 GiB; adapter_stats reports it; a given budget wins."""
+    monkeypatch.setattr(host_module, "available_memory_bytes", lambda: available)
+    assert wrap(base).adapter_stats["host_bytes_budget"] == budget
+    assert wrap(base, host_pool_bytes=12345).adapter_stats["host_bytes_budget"] == 12345
+
+
+def test_available_memory_is_read_from_the_system():
+    available = host_module.available_memory_bytes()
+    assert available is not None and 0 < available <= os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

@@ -37,14 +37,13 @@ import torch
 from ..base_layers import LinearModule
 from ..formats import AdapterWeights, ModuleLora, load_adapter_weights
 from ..layers import DeviceTables
-from .host import HostCopy, HostTier
+from .host import HostCopy, HostTier, default_host_budget
 from .pool import ChunkLayout, DevicePool
 
 # Default pool: room for max_adapters adapters of max_rank on every linear layer, at most this share of the device
 # memory free when the pool is made (on the CPU, at most this many bytes of address space).
 GPU_POOL_FRACTION = 0.2
 CPU_POOL_BYTES = 1 << 30
-HOST_POOL_BYTES = 16 << 30  # default host tier budget
 CAPACITY_WAIT_S = 60.0  # default time a call waits for the device room that other calls hold
 # A waiting call looks again this often for leases the garbage collector ended: a finalizer cannot wake it (it may
 # run inside a store method of the waiter's own lock-holding thread, where it must not touch the store).
@@ -166,7 +165,7 @@ class AdapterStore:
         self.room_freed = threading.Condition(self.lock)  # notified when a lease ends or an adapter is unloaded
         self._collected_leases: deque[list[Adapter]] = deque()  # adapters of leases the garbage collector ended
         self.unwrapped = False  # set by unwrap(): the model gave its hooks up, and with them every use of adapters
-        self.host = HostTier(HOST_POOL_BYTES if host_pool_bytes is None else host_pool_bytes)
+        self.host = HostTier(default_host_budget() if host_pool_bytes is None else host_pool_bytes)
         self.pools: dict[torch.device, DevicePool] = {}
         self._by_name: dict[str, Adapter] = {}
         self._by_index: dict[int, Adapter] = {}  # registered, plus unloaded ones still held
