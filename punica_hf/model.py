@@ -7,6 +7,10 @@ and ``num_return_sequences`` and hands it to every step. That keyword takes devi
 and not unloaded under it) and pass their slots in. Each forward groups the tokens by slot once (``LoraSegments``)
 and shares the grouping with every LoRA hook through the ``LoraContext``.
 
+The wrapper composes two parts that do not know each other: the adapter store (``punica_hf.store``: registration,
+device pools, host tier, leases) and the model surgery (``punica_hf.injection``: which modules get a hook, installing
+and removing hooks, projection groups). The store reaches the hooks only through the ``ModuleHooks`` it is given.
+
 Threads: every eager forward runs under the store's lock, so concurrent calls interleave whole forward steps, each
 with its own mapping; generate() calls that keep a cache on the model (static caches) run one at a time.
 """
@@ -324,8 +328,8 @@ class AdapterForward:
     def _forward(self, *args: Any, **kwargs: Any):
         if self.original is not None:
             return self.original(*args, **kwargs)
-        # The class's function called with the model, not a bound method made here: Dynamo in torch 2.11 cannot
-        # trace ``function.__get__``, and a graph break at the top of every compiled call costs host time.
+        # The class's function called with the model, not a bound method made here: Dynamo may not trace
+        # ``function.__get__``, and a graph break at the top of every compiled call costs host time.
         return type(self.model).forward(self.model, *args, **kwargs)
 
     def _run(self, args: tuple, adapter_ids: torch.Tensor | None, kwargs: dict):

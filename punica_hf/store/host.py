@@ -2,9 +2,9 @@
 
 A host copy holds, per device the adapter has modules on, the chunk exactly as the device pool stores it (dtype
 and layout), so bringing it onto the GPU is one asynchronous copy. Copies are carved from pinned segments of
-``SEGMENT_BYTES`` with the same first-fit allocator as the device pools: page-locking memory is slow (tens of
-milliseconds for an 8B adapter) and CUDA's pinned allocator rounds each block up to a power of two, so one call per
-segment, reused for every adapter after, keeps loads fast and the budget exact. Plain memory without CUDA. Past the
+``SEGMENT_BYTES`` with the same first-fit allocator as the device pools: page-locking memory is slow (it grows with
+the bytes locked) and CUDA's pinned allocator rounds each block up to a power of two, so one call per segment,
+reused for every adapter after, keeps loads fast and the budget exact. Plain memory without CUDA. Past the
 budget the least recently used copies are dropped; their adapters are read again from their source when needed.
 
 A copy of the tier (``copy.deepcopy``, pickle) carries the kept copies' bytes only, not the segments' free space, and
