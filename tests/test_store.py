@@ -14,8 +14,9 @@ import torch
 from helpers import save_peft_adapter
 from peft import PeftModel
 
-from punica_hf import MultiLoraModel
-from punica_hf.store import AdapterCapacityError, AdapterNotReady
+from punica_hf import AdapterWeights, MultiLoraModel, load_adapter_weights
+from punica_hf.base_layers import LinearModule
+from punica_hf.store import AdapterCapacityError, AdapterNotReady, AdapterStore
 from punica_hf.store import host as host_module
 
 IDS = torch.tensor([[5, 17, 42, 8, 99, 3], [1, 2, 3, 4, 5, 6], [60, 61, 62, 63, 64, 65]])
@@ -260,3 +261,51 @@ def test_the_default_host_budget_follows_the_available_memory(base, monkeypatch,
 def test_available_memory_is_read_from_the_system():
     available = host_module.available_memory_bytes()
     assert available is not None and 0 < available <= os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+class PlainModuleHooks:
+    """A ``ModuleHooks`` with no model behind it: the modules as plain data, and a record of the hooks asked for."""
+
+    def __init__(self, linear: dict[str, LinearModule]) -> None:
+        self.linear = linear
+        self.hooked: dict[str, tuple] = {}  # module name -> (the tables its hook reads, its row)
+
+    def linear_modules(self) -> dict[str, LinearModule]:
+        return dict(self.linear)
+
+    def check_targets(self, adapter, module_names) -> None:
+        for name in module_names:
+            if name not in self.linear:
+                raise ValueError(f"adapter {adapter!r}: no module {name}")
+
+    def attach(self, module_names, tables, rows) -> list[str]:
+        new = [name for name in module_names if name not in self.hooked]
+        self.hooked.update({name: (tables[self.linear[name].device], rows[name]) for name in new})
+        return new
+
+    def detach(self, module_names) -> None:
+        for name in module_names:
+            self.hooked.pop(name, None)
+
+
+def test_the_store_manages_adapter_memory_from_plain_module_data(base, paths):
+    """The store needs no module of the model: given the linear modules as plain data it registers adapters, asks
+    for hooks by name and fills the slot tables those hooks read; a refused adapter asks for none."""
+    linear = {
+        name: LinearModule(module.in_features, module.out_features, torch.device("cpu"), torch.float32)
+        for name, module in base.named_modules() if isinstance(module, torch.nn.Linear)
+    }
+    hooks = PlainModuleHooks(linear)
+    store = AdapterStore(hooks, max_adapters=2, max_rank=8, gpu_pool_bytes=None, host_pool_bytes=None)
+    weights = load_adapter_weights(paths["r4"])
+    assert store.add({"r4": (weights, weights, {})}) == {"r4": 0}
+    assert sorted(hooks.hooked) == sorted(weights.modules)
+    with store.acquire(["r4", None]) as lease:
+        slot = lease.slots[0]
+        for tables, row in hooks.hooked.values():
+            assert tables.ranks[row, slot] == 4
+    stray = AdapterWeights({"no.such.module": next(iter(weights.modules.values()))}, weights.config, "memory")
+    r2 = load_adapter_weights(paths["r2"])
+    with pytest.raises(ValueError, match="no module no.such.module"):
+        store.add({"r2": (r2, r2, {}), "stray": (stray, stray, {})})
+    assert sorted(hooks.hooked) == sorted(weights.modules) and store.indices == {"r4": 0}
