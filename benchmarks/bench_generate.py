@@ -36,7 +36,6 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
-from unittest import mock
 from pathlib import Path
 
 import torch
@@ -45,7 +44,6 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.generation.streamers import BaseStreamer
 
 from punica_hf import MultiLoraModel
-from punica_hf.model import CompiledSteps
 from punica_hf.formats import AdapterWeights, LoraAdapterConfig, ModuleLora
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -199,13 +197,12 @@ class StepTimer:
     """Times the model's compiled decode steps without a profiler, whichever system runs them.
 
     Installed on the model for the whole run, before any system compiles: every compiled step, warm-ups included,
-    goes through the one wrapper it returns per compiled callable. (A wrapper made only for the timed call would be a
-    new callable to ``CompiledSteps``, which keeps per callable what it learned at compile time, and the timed steps
-    would check every guard.) While ``record`` runs a call, each step records the host time inside the call, the
-    GPU time from the call's entry to the end of the work it enqueued (CUDA events: kernels plus any wait for the host
-    inside the call, as generate() leaves the GPU idle between steps) and when it began (the step period). The
-    profiler is no use for these: CUPTI's per-kernel records add host time to every node of a graph launch, so a
-    profiled step's host time is mostly the profiler's.
+    goes through the one wrapper it returns per compiled callable, so timed and untimed steps run the same code.
+    While ``record`` runs a call, each step records the host time inside the call, the GPU time from the call's entry
+    to the end of the work it enqueued (CUDA events: kernels plus any wait for the host inside the call, as generate()
+    leaves the GPU idle between steps) and when it began (the step period). The profiler is no use for these: CUPTI's
+    per-kernel records add host time to every node of a graph launch, so a profiled step's host time is mostly the
+    profiler's.
     """
 
     def __init__(self, model: torch.nn.Module) -> None:
@@ -373,9 +370,6 @@ def parse_args() -> argparse.Namespace:
                         help="PEFT systems (one adapter; mixed batch), eager, on a second copy of the model")
     parser.add_argument("--peft-mixed-new-tokens", type=int, default=4, help="new tokens for PEFT's slow mixed batch")
     parser.add_argument("--output", type=Path, default=Path("benchmarks/results/bench_generate_h200.json"))
-    parser.add_argument("--every-guard", action="store_true",
-                        help="also time compiled decode at the most distinct adapters with every Dynamo guard checked "
-                             "at every step (what CompiledSteps saves)")
     parser.add_argument("--wrapped-base", action="store_true",
                         help="also time the wrapped model called without adapter_ids (base math through the wrapper)")
     parser.add_argument("--trace-dir", type=Path, help="keep each profile's chrome trace here (gzip)")
@@ -477,14 +471,6 @@ def main() -> None:
             for mode in args.modes:  # the base model's math through the wrapper: what it saves the base itself
                 measure(f"punica_hf wrapper, no adapter_ids, {mode}, decode", "wrapper, no adapters", mode, "decode",
                         served.generate)
-        if args.every_guard and "compiled" in args.modes:
-            # The same compiled decode with Dynamo's guards checked at every step, as before CompiledSteps.
-            distinct = max(args.distinct)
-            rows = [f"a{i % distinct}" for i in range(args.batch)]
-            with mock.patch.object(CompiledSteps, "__call__", lambda steps, *a, **k: steps.compiled(*a, **k)):
-                measure(f"punica_hf, {distinct} distinct, every guard checked, compiled, decode",
-                        f"{distinct} distinct, every guard", "compiled", "decode",
-                        lambda **kwargs: served.generate(adapter_ids=rows, **kwargs))
         step_costs(report, args, factor_bytes(adapters["a0"]))
 
     if args.peft:

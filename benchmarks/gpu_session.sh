@@ -22,7 +22,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD PUNICA_HF_CACHE=${PUNICA_HF_CACHE:-/tm
 OUT=${OUT:-/tmp/punica_out}
 ONLY=${ONLY:-build tests ops adapters generate step}
 [ -n "$SKIP_TESTS" ] && ONLY=${ONLY//tests/}
-GEN_FLAGS=${GEN_FLAGS:---modes eager,compiled --distinct 1,8,32 --prefill-heavy eager --profile eager,compiled --every-guard}
+GEN_FLAGS=${GEN_FLAGS:---modes eager,compiled --distinct 1,8,32 --prefill-heavy eager --profile eager,compiled}
 BUDGET_S=${BUDGET_S:-530}
 mkdir -p "$OUT"
 LOG="$OUT/session.log"

@@ -10,6 +10,7 @@ torchao, fp8 or other quantized layers, tensor-parallel weights) is refused by i
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -19,6 +20,16 @@ from transformers.pytorch_utils import Conv1D
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 _SERVABLE_KINDS = "nn.Linear, Conv1D and bitsandbytes Linear4bit / Linear8bitLt layers"
+
+
+@dataclass(frozen=True)
+class LinearModule:
+    """What the adapter store needs to know of one linear module of the base model, as plain data."""
+
+    in_features: int
+    out_features: int
+    device: torch.device | None  # where its LoRA factors live; None: the module cannot be served (check_servable)
+    dtype: torch.dtype | None  # the dtype its LoRA runs in (lora_dtype); None when it cannot be served
 
 
 def linear_features(module: nn.Module) -> tuple[int, int] | None:

@@ -28,6 +28,7 @@ from torch import nn
 
 from . import ops
 from .ops import KernelConfig, LoraBackend, LoraSegments, build_segments
+from .torch_compat import mark_static_address
 
 # Most tokens of a forward whose grouped projections share one lora_delta call (the per-token kernels' range);
 # above it (prefill) each projection's own call runs the tiled tensor-core path.
@@ -167,7 +168,7 @@ class DeviceTables:
         # not copy them into the graph's own inputs at every replay: the pool alone can be gigabytes.
         if self.pool.is_cuda:
             for tensor in (self.pool, self.a_offsets, self.b_offsets, self.ranks):
-                torch._dynamo.mark_static_address(tensor)
+                mark_static_address(tensor)
 
 
 class ProjectionGroup:

@@ -7,6 +7,10 @@ and ``num_return_sequences`` and hands it to every step. That keyword takes devi
 and not unloaded under it) and pass their slots in. Each forward groups the tokens by slot once (``LoraSegments``)
 and shares the grouping with every LoRA hook through the ``LoraContext``.
 
+The wrapper composes two parts that do not know each other: the adapter store (``punica_hf.store``: registration,
+device pools, host tier, leases) and the model surgery (``punica_hf.injection``: which modules get a hook, installing
+and removing hooks, projection groups). The store reaches the hooks only through the ``ModuleHooks`` it is given.
+
 Threads: every eager forward runs under the store's lock, so concurrent calls interleave whole forward steps, each
 with its own mapping; generate() calls that keep a cache on the model (static caches) run one at a time.
 """
@@ -14,26 +18,25 @@ with its own mapping; generate() calls that keep a cache on the model (static ca
 from __future__ import annotations
 
 import inspect
-import weakref
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from contextlib import contextmanager, nullcontext
+from collections.abc import Iterable, Mapping, Sequence
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
-from torch._dynamo.utils import counters as _dynamo_counters
 
 from .formats import AdapterWeights, load_adapter_weights
+from .injection import LoraInjection
 from .layers import LoraContext
 from .ops import KernelConfig
-from .store import AdapterLease, AdapterStore
-from .store.store import CAPACITY_WAIT_S, check_wait
+from .store import CAPACITY_WAIT_S, AdapterLease, AdapterStore, check_wait
+from .torch_compat import FollowsModuleMoves
 
 AdapterIds = torch.Tensor | Sequence[str | int | None]
 
 
-class MultiLoraModel(nn.Module):
+class MultiLoraModel(FollowsModuleMoves):
     """Wraps a causal LM in place so that each row (or token) of a batch can use a different LoRA adapter.
 
     Args:
@@ -45,14 +48,19 @@ class MultiLoraModel(nn.Module):
             Default: room for ``max_adapters`` adapters of ``max_rank`` on every linear layer, at most 20% of the
             device memory free when the first adapter is loaded (at most 1 GiB on the CPU).
         host_pool_bytes: budget of the host tier (pinned memory) holding adapters off the device; past it, adapters
-            are read again from their files when needed. Default 16 GiB.
+            are read again from their files when needed. Default: a quarter of the memory available when the model
+            is wrapped (``MemAvailable``), at least 1 GiB and at most 64 GiB; ``adapter_stats["host_bytes_budget"]``
+            says what it is.
         capacity_wait_s: how long a call (``forward``, ``generate``, ``acquire``) waits for device room that other
             calls hold (slots or pool bytes) before it raises ``AdapterCapacityError``. Default 60 s. A call whose
             adapters could not fit even alone fails at once.
         kernels: the CUDA kernels' paths (``punica_hf.ops.KernelConfig``), fixed for the model's life.
         backend: the LoRA ops, ``"auto"``, ``"cuda"`` or ``"torch"``; default ``$PUNICA_HF_BACKEND``, else ``"auto"``.
 
-    ``state_dict()`` and ``load_state_dict()`` are the wrapped model's: its keys, no LoRA state. Copies
+    ``state_dict()`` and ``load_state_dict()`` are the wrapped model's: its keys, no LoRA state. ``named_parameters()``,
+    ``named_buffers()``, ``named_modules()`` and ``get_submodule()`` use the same names (``model.layers.0...`` for a
+    Llama, not ``model.model.layers.0...``); the attribute ``model`` is still the wrapped model, so code that walks
+    attributes by those names (``torch.func.functional_call``) takes ``wrapper.model``. Copies
     (``copy.deepcopy``, pickle, ``torch.save``) carry the registered adapters, not the memory set aside for more.
     """
 
@@ -79,12 +87,13 @@ class MultiLoraModel(nn.Module):
             raise ValueError("this model is already wrapped by a MultiLoraModel")
         self.model = model
         context = LoraContext(kernels, backend)
+        self._injection = LoraInjection(model, context, max_rank)
         self._store = AdapterStore(
-            model, context, max_adapters, max_rank, gpu_pool_bytes, host_pool_bytes, capacity_wait_s
+            self._injection, max_adapters, max_rank, gpu_pool_bytes, host_pool_bytes, capacity_wait_s
         )
         model.forward = AdapterForward(model, context, self._store)
         # Within a parent module's load_state_dict, this one's keys are the wrapped model's (see state_dict).
-        self._register_load_state_dict_pre_hook(_keys_of_the_wrapped_model)
+        self.register_load_state_dict_pre_hook(_keys_of_the_wrapped_model)
 
     # ----------------------------------------------------------------------------------------------- adapters
     @property
@@ -99,6 +108,12 @@ class MultiLoraModel(nn.Module):
     @property
     def max_rank(self) -> int:
         return self._store.max_rank
+
+    @property
+    def layout_version(self) -> int:
+        """Bumped whenever a LoRA hook or a device pool is added (or a hook removed): CUDA graphs captured before
+        then run another set of hooks and must be captured again."""
+        return self._injection.layout_version
 
     @property
     def adapter_stats(self) -> dict[str, int]:
@@ -163,6 +178,7 @@ class MultiLoraModel(nn.Module):
         adapters (``adapter_ids``, ``load_adapters``, ``acquire``, ...) raises ``RuntimeError``."""
         with self._store.lock:
             self._store.unwrap()
+            self._injection.detach_all()
             installed = self.model.__dict__.get("forward")
             if isinstance(installed, AdapterForward):
                 if installed.original is None:
@@ -196,12 +212,10 @@ class MultiLoraModel(nn.Module):
         # A static cache lives on the model between calls: two such calls at once would share it.
         keeps_cache = _keeps_cache_on_model(self.model, kwargs)
         cache_lock = self._store.cache_generate_lock if keeps_cache else nullcontext()
-        # Static caches compile the decode step; its later steps in this call check fewer guards (CompiledSteps).
-        decode_steps = _steps_check_changed_guards_only(self.model) if keeps_cache else nullcontext()
         # The adapters first, then the cache: a call holding the cache lock never waits for device room that a
         # call queued behind that lock holds.
         lease = nullcontext() if entries is None else self._store.acquire(entries)
-        with lease, cache_lock, decode_steps:
+        with lease, cache_lock:
             if entries is None:
                 return self.model.generate(*args, **kwargs)
             return self.model.generate(*args, adapter_ids=self._slot_tensor(lease, shape), **kwargs)
@@ -237,10 +251,9 @@ class MultiLoraModel(nn.Module):
     def _slot_tensor(self, lease: AdapterLease, shape: tuple[int, ...]) -> torch.Tensor:
         return torch.tensor(lease.slots, dtype=torch.int32).reshape(shape).to(self.model.device)
 
-    def _apply(self, fn, recurse: bool = True):
-        super()._apply(fn, recurse)
+    def after_module_moved(self, fn) -> None:
+        """``.to()`` / ``.cuda()`` / ``.half()`` moved the model: the adapter pools follow it."""
         self._store.apply(fn)
-        return self
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """The wrapped model's state dict: its keys (no ``model.`` prefix), no LoRA state."""
@@ -249,6 +262,33 @@ class MultiLoraModel(nn.Module):
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False):
         """Load a state dict of the wrapped model (as ``state_dict()`` gives it) into it; adapters stay as they are."""
         return self.model.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    # Names: the wrapped model's, as in state_dict(), so that whatever pairs names with tensors (optimizers' param
+    # groups by name, checkpoint and sharding tools, accelerate) sees one set of keys. The wrapper holds no
+    # parameter or buffer of its own; its module tree (children(), .to(), train()) is unchanged.
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        """The wrapped model's parameters under its names (the keys of ``state_dict()``)."""
+        return self.model.named_parameters(prefix, recurse, remove_duplicate)
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        """The wrapped model's buffers under its names (the keys of ``state_dict()``)."""
+        return self.model.named_buffers(prefix, recurse, remove_duplicate)
+
+    def named_modules(self, memo: set | None = None, prefix: str = "", remove_duplicate: bool = True):
+        """This wrapper, then the wrapped model's modules under its names (the wrapped model itself under the same
+        prefix as the wrapper), so a parent module's ``named_parameters()`` agrees with its ``state_dict()`` too."""
+        if memo is None:
+            memo = set()
+        if not remove_duplicate or self not in memo:
+            if remove_duplicate:
+                memo.add(self)
+            yield prefix, self
+        yield from self.model.named_modules(memo, prefix, remove_duplicate)
+
+    def get_submodule(self, target: str) -> nn.Module:
+        """The module a name of ``named_modules()`` names (so ``get_parameter`` / ``get_buffer`` take the names of
+        ``named_parameters()`` / ``named_buffers()``); "" is this wrapper."""
+        return self if target == "" else self.model.get_submodule(target)
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -292,8 +332,8 @@ class AdapterForward:
     def _forward(self, *args: Any, **kwargs: Any):
         if self.original is not None:
             return self.original(*args, **kwargs)
-        # The class's function called with the model, not a bound method made here: Dynamo in torch 2.11 cannot
-        # trace ``function.__get__``, and a graph break at the top of every compiled call costs host time.
+        # The class's function called with the model, not a bound method made here: Dynamo may not trace
+        # ``function.__get__``, and a graph break at the top of every compiled call costs host time.
         return type(self.model).forward(self.model, *args, **kwargs)
 
     def _run(self, args: tuple, adapter_ids: torch.Tensor | None, kwargs: dict):
@@ -313,113 +353,12 @@ class AdapterForward:
             self.context.end()
 
 
-def _keys_of_the_wrapped_model(state_dict: dict, prefix: str, *args: Any) -> None:
+def _keys_of_the_wrapped_model(wrapper: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
     """A load_state_dict pre-hook for a wrapper inside another module: the parent's state dict holds the wrapper's
     entries under the wrapped model's keys, as ``state_dict()`` gives them; the wrapper's submodule ``model`` looks
     for them under ``model.``, so they are renamed so."""
     for key in [key for key in state_dict if key.startswith(prefix)]:
         state_dict[f"{prefix}model.{key[len(prefix):]}"] = state_dict.pop(key)
-
-
-@contextmanager
-def _steps_check_changed_guards_only(model: nn.Module):
-    """For one static-cache generate() call: its compiled decode steps (``model.get_compiled_call``) are wrapped in
-    ``CompiledSteps``. The model's own method is shadowed by an instance attribute for the call and put back after."""
-    shadowed = model.__dict__.get("get_compiled_call")
-    own = shadowed or getattr(model, "get_compiled_call", None)
-    if own is None:  # not a transformers model: nothing compiles its steps
-        yield
-        return
-    model.get_compiled_call = lambda *args, **kwargs: CompiledSteps(own(*args, **kwargs))
-    try:
-        yield
-    finally:
-        if shadowed is None:
-            del model.get_compiled_call
-        else:
-            model.get_compiled_call = shadowed
-
-
-class CompiledSteps:
-    """A compiled decode step whose calls after the first check only the guards that tell compiled versions apart.
-
-    Dynamo checks every guard of a compiled frame at every call: ~15,000 for an 8B Llama with LoRA hooks, 1-3 ms of
-    host time per decode step on the H200's host, while the GPU waits (generate() reads each step's tokens). Within one
-    generate() call, a step whose inputs have the shapes, strides, dtypes and plain values of the step before it
-    runs what that step ran: the model's Python state that the guards cover does not change under a running call
-    (its adapters are leased; an adapter loaded meanwhile adds hooks whose rows are zero for this call's slots). So
-    such a step runs under ``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``, which still picks between
-    compiled versions. Any other call, the first included, checks every guard (and recompiles where they fail).
-
-    Only for a step that compiled to one graph: with graph breaks, frames shared by all layers can need more
-    versions than Dynamo keeps (they then run eagerly), and that stance raises instead. The stance is process-wide
-    while a step runs: compiled code that another thread enters at that moment is checked the same way.
-    """
-
-    # Compiled callables (model._compiled_call) seen to compile to one graph: frames and graphs counted by Dynamo
-    # when they compiled. Unknown (compiled before, or elsewhere) counts as not one graph. The counters are the
-    # process's: another thread compiling during a first call can mislabel it (a wrong "one graph" makes a later
-    # step raise Dynamo's recompilation error rather than run a wrong graph).
-    one_graph: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-    def __init__(self, compiled: Callable[..., Any]) -> None:
-        self.compiled = compiled
-        self.last_inputs: tuple | None = None
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        inputs = _input_signature(args, kwargs)
-        unchanged, self.last_inputs = inputs == self.last_inputs, inputs
-        if unchanged and self.one_graph.get(self.compiled, False) and _default_stance():
-            with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
-                return self.compiled(*args, **kwargs)
-        frames, graphs = _dynamo_counts()
-        outputs = self.compiled(*args, **kwargs)
-        new_frames, new_graphs = _dynamo_counts()
-        if new_frames > frames:  # it compiled: one frame, one graph, or more
-            self.one_graph[self.compiled] = (new_frames - frames, new_graphs - graphs) == (1, 1)
-        return outputs
-
-
-def _dynamo_counts() -> tuple[int, int]:
-    """Frames Dynamo has compiled and the graphs they gave, in this process so far."""
-    return _dynamo_counters["frames"]["total"], _dynamo_counters["stats"]["unique_graphs"]
-
-
-def _input_signature(args: tuple, kwargs: dict) -> tuple:
-    """What the guards of a step see of its direct inputs: tensor metadata, plain values, other objects by identity."""
-
-    def describe(value: Any) -> Any:
-        if isinstance(value, torch.Tensor):
-            return ("tensor", value.shape, value.stride(), value.dtype, value.device, value.requires_grad)
-        if value is None or isinstance(value, (bool, int, float, str)):
-            return (type(value), value)
-        if isinstance(value, (tuple, list)):
-            return (type(value), tuple(describe(item) for item in value))
-        if isinstance(value, dict):
-            return (type(value), tuple((key, describe(item)) for key, item in value.items()))
-        return _Identity(value)
-
-    return describe(args), tuple((key, describe(value)) for key, value in sorted(kwargs.items()))
-
-
-class _Identity:
-    """Equal only to a wrapper of the very same object (which it keeps alive, so its id is not reused)."""
-
-    __slots__ = ("value",)
-
-    def __init__(self, value: Any) -> None:
-        self.value = value
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _Identity) and other.value is self.value
-
-    __hash__ = None
-
-
-def _default_stance() -> bool:
-    """Whether the compiler runs in its default stance (a stance the user set, say ``force_eager``, is kept)."""
-    stance = getattr(torch._dynamo.eval_frame, "_stance", None)
-    return stance is not None and stance.stance == "default" and not stance.skip_guard_eval_unsafe
 
 
 def _keeps_cache_on_model(model: nn.Module, kwargs: dict) -> bool:

@@ -65,5 +65,5 @@ def route_to_opaque_kernels(wrapped: MultiLoraModel, monkeypatch) -> OpaqueKerne
     """The hooks take their CUDA route, with the opaque CPU ops above standing in for the kernels; returns the
     backend they call."""
     backend = OpaqueKernelBackend()
-    monkeypatch.setattr(wrapped._store.context, "backend", lambda device: backend)
+    monkeypatch.setattr(wrapped._injection.context, "backend", lambda device: backend)
     return backend

@@ -188,7 +188,7 @@ def test_a_nested_list_of_adapter_ids_is_refused(served, call):
 def test_an_error_inside_forward_leaves_no_adapter_mapping_behind(unchanged, base):
     with pytest.raises(ValueError, match="batch_size"):  # raised by the loss, after the LoRA layers ran
         unchanged(INPUT_IDS, adapter_ids=MIXED, labels=torch.zeros(2, 6, dtype=torch.long))
-    assert unchanged._store.context.segments is None
+    assert unchanged._injection.context.segments is None
     with torch.no_grad():
         torch.testing.assert_close(unchanged(INPUT_IDS).logits, base(INPUT_IDS).logits, rtol=0, atol=0)
 

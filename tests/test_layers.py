@@ -220,25 +220,21 @@ def test_above_decode_sizes_each_member_computes_its_own():
     assert group.shares_input
 
 
-def test_grouping_can_be_turned_off_and_changes_no_output(base, tmp_path, monkeypatch):
-    """PUNICA_HF_GROUP_PROJECTIONS=0 (read when the hooks are made) gives every projection its own call, and the
-    same logits as the grouped calls."""
+def test_projections_are_grouped_whatever_the_environment(base, tmp_path, monkeypatch):
+    """Grouping is always on (no environment switch): q/k/v and up get their groups, and the grouped calls give
+    the adapter's update to the rows that use it and none to the others."""
     adapter = save_peft_adapter(base, tmp_path / "a", r=4, target_modules=["q_proj", "k_proj", "v_proj", "up_proj"])
     input_ids = torch.tensor([[5, 17, 42, 8], [61, 2, 9, 77]])
-    logits = {}
-    for setting in ("1", "0"):
-        monkeypatch.setenv("PUNICA_HF_GROUP_PROJECTIONS", setting)
-        wrapped = MultiLoraModel(copy.deepcopy(base), max_adapters=2, max_rank=8)
-        wrapped.load_adapters({"a": adapter})
-        grouped = {name: hook.group for name, hook in wrapped._store.hooks.items()}
-        assert all(g is not None for g in grouped.values()) == (setting == "1"), grouped
-        with torch.no_grad():
-            logits[setting] = wrapped(input_ids=input_ids, adapter_ids=["a", None]).logits
-    torch.testing.assert_close(logits["1"], logits["0"], atol=1e-5, rtol=1e-5)
+    monkeypatch.setenv("PUNICA_HF_GROUP_PROJECTIONS", "0")  # the switch that was: no longer read
+    wrapped = MultiLoraModel(copy.deepcopy(base), max_adapters=2, max_rank=8)
+    wrapped.load_adapters({"a": adapter})
+    grouped = {name: hook.group for name, hook in wrapped._injection.hooks.items()}
+    assert grouped and all(group is not None for group in grouped.values()), grouped
     with torch.no_grad():
+        logits = wrapped(input_ids=input_ids, adapter_ids=["a", None]).logits
         plain = base(input_ids=input_ids).logits
-    assert not torch.allclose(logits["1"][0], plain[0], atol=1e-3)  # row 0's adapter changed it
-    torch.testing.assert_close(logits["1"][1], plain[1], atol=1e-5, rtol=1e-5)  # row 1 has none
+    assert not torch.allclose(logits[0], plain[0], atol=1e-3)  # row 0's adapter changed it
+    torch.testing.assert_close(logits[1], plain[1], atol=1e-5, rtol=1e-5)  # row 1 has none
 
 
 def test_members_with_different_inputs_compute_their_own():
@@ -334,7 +330,7 @@ def test_hooks_keep_no_instance_dict_and_survive_a_deep_copy(base, tmp_path):
     wrapped = MultiLoraModel(copy.deepcopy(base), max_adapters=2, max_rank=8)
     targets = ["q_proj", "k_proj", "v_proj"]
     wrapped.load_adapters({"a": save_peft_adapter(base, tmp_path / "a", r=4, target_modules=targets)})
-    hooks = list(wrapped._store.hooks.values())
+    hooks = list(wrapped._injection.hooks.values())
     assert hooks and all(not hasattr(hook, "__dict__") for hook in hooks)
     assert all(hook.group is not None and not hasattr(hook.group, "__dict__") for hook in hooks)
     ids = torch.tensor([[1, 2, 3], [4, 5, 6]])
@@ -370,7 +366,7 @@ def test_eager_forward_on_the_kernels_adds_in_place_once_per_projection(base, tm
         logits = wrapped(input_ids=ids, adapter_ids=["a", None]).logits
         expected = reference(input_ids=ids, adapter_ids=["a", None]).logits
     torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
-    assert len(calls) == len(wrapped._store.hooks) == 7 * base.config.num_hidden_layers, calls
+    assert len(calls) == len(wrapped._injection.hooks) == 7 * base.config.num_hidden_layers, calls
     assert all(call[0] == "add" and call[1][:2] == call[2][:2] == (2, 3) for call in calls), calls
 
 
@@ -397,7 +393,7 @@ def test_compiled_forward_takes_the_tables_once_not_per_hook(base, tmp_path, mon
     wrapped = MultiLoraModel(copy.deepcopy(base), max_adapters=4, max_rank=8)
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     wrapped.load_adapters({"a": save_peft_adapter(base, tmp_path / "a", r=4, target_modules=targets)})
-    num_hooks = len(wrapped._store.hooks)
+    num_hooks = len(wrapped._injection.hooks)
     assert num_hooks >= 7 * base.config.num_hidden_layers
 
     route_to_opaque_kernels(wrapped, monkeypatch)

@@ -12,7 +12,6 @@ from opaque_kernels import route_to_opaque_kernels
 from transformers import CompileConfig
 
 from punica_hf import MultiLoraModel
-from punica_hf.model import CompiledSteps
 
 INPUT_IDS = torch.tensor([[5, 17, 42, 8, 23], [61, 2, 9, 77, 30]])
 
@@ -102,99 +101,32 @@ def test_compiled_generate_applies_an_adapter_that_hooks_new_modules(tmp_path):
         torch._dynamo.reset()
 
 
-@torch.no_grad()
-def test_compiled_decode_steps_skip_guards_only_while_their_inputs_stay_the_same(tmp_path, monkeypatch):
-    """Once the decode step compiled to one graph (the opaque ops stand in for the kernels), static-cache generate()
-    runs each later step of a call whose inputs match the step before under Dynamo's skip_guard_eval_unsafe stance;
-    the first step of every call checks every guard. Tokens equal eager generate()'s across calls that change the
-    adapters, the hooked modules (between calls, and from a streamer in the middle of a call) and the batch size."""
-    base, paths = make_base_and_adapters("llama", tmp_path)
-    model = MultiLoraModel(copy.deepcopy(base), max_adapters=4, max_rank=8)
-    model.load_adapters({"attn": paths["attn"]})
-    route_to_opaque_kernels(model, monkeypatch)
-    compile_config = CompileConfig(backend="eager", mode=None)
-    compile_config._compile_all_devices = True
-    stances = []  # per compiled call: whether it ran with guard checks skipped
-    recorders = {}  # compiled call -> its recording wrapper (one per compiled call, as CompiledSteps keys on it)
-    wrap = CompiledSteps.__init__
-
-    def spy_on_calls(self, compiled):
-        def recorded(*args, **kwargs):
-            stances.append(torch._dynamo.eval_frame._stance.skip_guard_eval_unsafe)
-            return compiled(*args, **kwargs)
-
-        wrap(self, recorders.setdefault(compiled, recorded))
-
-    monkeypatch.setattr(CompiledSteps, "__init__", spy_on_calls)
-
-    class LoadMidCall:  # a streamer that loads an adapter with new hooks after the third step
-        def __init__(self):
-            self.puts = 0
-
-        def put(self, value):
-            self.puts += 1
-            if self.puts == 4:
-                model.load_adapters({"mlp": paths["all"]})
-
-        def end(self):
-            pass
-
-    kwargs = dict(max_new_tokens=5, do_sample=False)
-    cases = [([7, 4, 9, 9, 2, 6], ["attn", None, "attn", None, "attn", "attn"], None),
-             ([7, 4, 9, 9, 2, 6], ["attn", "attn", None, None, "attn", "attn"], LoadMidCall()),
-             ([7, 4, 9, 9, 2, 6], ["mlp", "attn", None, "mlp", "attn", "mlp"], None),
-             ([3, 8, 5], ["mlp", None, "attn"], None)]
-    try:
-        for lengths, adapters, streamer in cases:
-            input_ids, attention_mask = left_padded_batch(lengths, torch.Generator().manual_seed(len(lengths)))
-            eager = model.generate(input_ids, adapter_ids=adapters, attention_mask=attention_mask, **kwargs)
-            stances.clear()
-            compiled = model.generate(input_ids, adapter_ids=adapters, attention_mask=attention_mask,
-                                      cache_implementation="static", compile_config=compile_config,
-                                      streamer=streamer, **kwargs)
-            assert torch.equal(compiled, eager), adapters
-            assert stances == [False] + [True] * (kwargs["max_new_tokens"] - 2), stances
-        assert "get_compiled_call" not in model.model.__dict__
-        assert torch._dynamo.eval_frame._stance.skip_guard_eval_unsafe is False
-    finally:
-        torch._dynamo.reset()
 
 
-def test_a_compiled_step_whose_inputs_change_checks_every_guard():
-    """CompiledSteps skips guard checks only for a call whose inputs match the call before: a new shape must reach
-    Dynamo's full checks (here the traced graph bakes the row count in, so a skipped check gives a wrong result)."""
-    compiles = []
+def test_names_of_parameters_buffers_and_modules_are_the_state_dicts(wrapped):
+    """One view of names: named_parameters()/named_buffers() give the wrapped model's keys, those of state_dict(),
+    alone and inside a parent module; get_parameter takes them; an optimizer over parameters() trains the wrapped
+    model's weights (the adapters' pools are no parameters)."""
+    model, untouched = wrapped
+    state = model.state_dict()
+    parameters = dict(model.named_parameters())
+    assert list(parameters) == [name for name, _ in untouched.named_parameters()]
+    assert set(parameters) <= set(state) and all(state[name].data_ptr() == p.data_ptr() for name, p in parameters.items())
+    persistent = {name for name, _ in model.named_buffers()} & set(state)
+    assert set(state) == set(parameters) | persistent
+    assert all(model.get_parameter(name) is p for name, p in parameters.items())
+    assert [p for p in model.parameters()] == list(parameters.values())
+    assert next(name for name, m in model.named_modules() if m is model.model.model.layers[0]) == "model.layers.0"
 
-    def backend(graph_module, example_inputs):
-        compiles.append(graph_module)
-        return graph_module.forward
+    parent = torch.nn.ModuleDict({"lm": model})
+    assert {name for name, _ in parent.named_parameters()} == {f"lm.{name}" for name in parameters}
+    assert set(parent.state_dict()) == {f"lm.{name}" for name in state}
 
-    steps = CompiledSteps(torch.compile(lambda x: x * x.shape[0], backend=backend, dynamic=False))
-    try:
-        for rows in (2, 2, 2, 3, 3, 2):
-            x = torch.ones(rows)
-            assert torch.equal(steps(x), x * rows), rows
-        assert len(compiles) == 2
-        assert CompiledSteps.one_graph[steps.compiled]
-    finally:
-        torch._dynamo.reset()
-
-
-def test_a_step_that_raises_leaves_the_default_stance():
-    """The stance is process-wide: a step that raises while guard checks are skipped must not leave it set."""
-    calls = []
-
-    def step(x):
-        calls.append(torch._dynamo.eval_frame._stance.skip_guard_eval_unsafe)
-        if len(calls) == 2:
-            raise RuntimeError("failed step")
-        return x
-
-    steps = CompiledSteps(step)
-    CompiledSteps.one_graph[step] = True  # as if it had compiled to one graph
-    x = torch.ones(2)
-    steps(x)
-    with pytest.raises(RuntimeError, match="failed step"):
-        steps(x)
-    assert calls == [False, True]
-    assert torch._dynamo.eval_frame._stance.skip_guard_eval_unsafe is False
+    ids = INPUT_IDS[:1]
+    with torch.no_grad():
+        before = model(ids, adapter_ids=["qv"]).logits
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(ids, adapter_ids=["qv"]).logits.sum().backward()
+    optimizer.step()
+    with torch.no_grad():
+        assert not torch.allclose(model(ids, adapter_ids=["qv"]).logits, before)

@@ -4,6 +4,7 @@ reads, counters and rank-proportional memory; outputs equal PEFT's row by row th
 from __future__ import annotations
 
 import copy
+import os
 import shutil
 import threading
 import time
@@ -13,8 +14,10 @@ import torch
 from helpers import save_peft_adapter
 from peft import PeftModel
 
-from punica_hf import MultiLoraModel
-from punica_hf.store import AdapterCapacityError, AdapterNotReady
+from punica_hf import AdapterWeights, MultiLoraModel, load_adapter_weights
+from punica_hf.base_layers import LinearModule
+from punica_hf.store import AdapterCapacityError, AdapterNotReady, AdapterStore
+from punica_hf.store import host as host_module
 
 IDS = torch.tensor([[5, 17, 42, 8, 99, 3], [1, 2, 3, 4, 5, 6], [60, 61, 62, 63, 64, 65]])
 SPECS = {  # name -> (rank, targets): mixed ranks and target sets
@@ -205,3 +208,107 @@ def test_a_load_during_generate_leaves_the_running_outputs_unchanged(base, paths
         done.set()
         thread.join()
     assert torch.equal(out, expected)
+
+
+def test_layout_version_counts_new_hooks_and_an_interrupted_load_leaves_none(base, paths, peft_logits, monkeypatch):
+    """``layout_version`` (what the engine's CUDA graphs are keyed on) moves when a load hooks new modules, not when
+    it reuses hooked ones; a load interrupted while hooking removes the hooks it made and leaves the version ahead
+    (graphs captured in between saw them)."""
+    import punica_hf.injection as injection
+
+    model = wrap(base, max_adapters=3)
+    assert model.layout_version == 0
+    model.load_adapters({"r2": paths["r2"]})  # q_proj, v_proj
+    hooked = model.layout_version
+    assert hooked > 0
+    model.load_adapters({"r2b": paths["r2"]})  # the same modules
+    assert model.layout_version == hooked
+    hooks_before = dict(model._injection.hooks)
+    real_hook, made = injection.LoraHook, []
+
+    def interrupted_hook(*args, **kwargs):
+        if len(made) == 3:
+            raise KeyboardInterrupt
+        made.append(real_hook(*args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(injection, "LoraHook", interrupted_hook)
+    with pytest.raises(KeyboardInterrupt):
+        model.load_adapters({"r4": paths["r4"]})  # k_proj, o_proj, down_proj: new hooks
+    monkeypatch.setattr(injection, "LoraHook", real_hook)
+    assert model._injection.hooks == hooks_before and model.layout_version > hooked
+    assert all(not hook.installed for hook in made)
+    forwards = {name: module.__dict__.get("forward") for name, module in model.model.named_modules() if name}
+    assert {name for name, forward in forwards.items() if forward is not None} == set(hooks_before)
+    assert sorted(model.adapters) == ["r2", "r2b"]
+    model.load_adapters({"r4": paths["r4"]})
+    check_rows(model, ["r4", "r2", None], peft_logits)
+
+
+@pytest.mark.parametrize(
+    "available, budget",
+    [(8 << 30, 2 << 30), (512 << 20, 1 << 30), (1 << 40, 64 << 30), (None, 1 << 30)],
+    ids=["quarter", "floor", "cap", "unknown"],
+)
+def test_the_default_host_budget_follows_the_available_memory(base, monkeypatch, available, budget):
+    """Without host_pool_bytes the host tier takes a quarter of the memory available when the model is wrapped,
+    within 1 GiB and 64 GiB; adapter_stats reports it; a given budget wins."""
+    monkeypatch.setattr(host_module, "available_memory_bytes", lambda: available)
+    assert wrap(base).adapter_stats["host_bytes_budget"] == budget
+    assert wrap(base, host_pool_bytes=12345).adapter_stats["host_bytes_budget"] == 12345
+
+
+def test_available_memory_is_read_from_the_system():
+    available = host_module.available_memory_bytes()
+    assert available is not None and 0 < available <= os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+class PlainModuleHooks:
+    """A ``ModuleHooks`` with no model behind it: the modules as plain data, and a record of the hooks asked for."""
+
+    def __init__(self, linear: dict[str, LinearModule]) -> None:
+        self.linear = linear
+        self.hooked: dict[str, tuple] = {}  # module name -> (the tables its hook reads, its row)
+
+    def linear_modules(self) -> dict[str, LinearModule]:
+        return dict(self.linear)
+
+    def select(self, adapter, weights):
+        return weights  # every module of the adapter applies
+
+    def check_targets(self, adapter, module_names) -> None:
+        for name in module_names:
+            if name not in self.linear:
+                raise ValueError(f"adapter {adapter!r}: no module {name}")
+
+    def attach(self, module_names, tables, rows) -> list[str]:
+        new = [name for name in module_names if name not in self.hooked]
+        self.hooked.update({name: (tables[self.linear[name].device], rows[name]) for name in new})
+        return new
+
+    def detach(self, module_names) -> None:
+        for name in module_names:
+            self.hooked.pop(name, None)
+
+
+def test_the_store_manages_adapter_memory_from_plain_module_data(base, paths):
+    """The store needs no module of the model: given the linear modules as plain data it registers adapters, asks
+    for hooks by name and fills the slot tables those hooks read; a refused adapter asks for none."""
+    linear = {
+        name: LinearModule(module.in_features, module.out_features, torch.device("cpu"), torch.float32)
+        for name, module in base.named_modules() if isinstance(module, torch.nn.Linear)
+    }
+    hooks = PlainModuleHooks(linear)
+    store = AdapterStore(hooks, max_adapters=2, max_rank=8, gpu_pool_bytes=None, host_pool_bytes=None)
+    weights = load_adapter_weights(paths["r4"])
+    assert store.add({"r4": (weights, weights, {})}) == {"r4": 0}
+    assert sorted(hooks.hooked) == sorted(weights.modules)
+    with store.acquire(["r4", None]) as lease:
+        slot = lease.slots[0]
+        for tables, row in hooks.hooked.values():
+            assert tables.ranks[row, slot] == 4
+    stray = AdapterWeights({"no.such.module": next(iter(weights.modules.values()))}, weights.config, "memory")
+    r2 = load_adapter_weights(paths["r2"])
+    with pytest.raises(ValueError, match="no module no.such.module"):
+        store.add({"r2": (r2, r2, {}), "stray": (stray, stray, {})})
+    assert sorted(hooks.hooked) == sorted(weights.modules) and store.indices == {"r4": 0}

@@ -427,7 +427,7 @@ class Engine:
                 self._restore_attention()
                 raise
         self._processor = processor
-        self._graphs_layout = self.model._store.layout_version
+        self._graphs_layout = self.model.layout_version
         self.max_model_len = min(self.max_model_len, cb_config.num_blocks * _page_size(cb_config))
         self._accepting = True
         self._thread = threading.Thread(target=self._run, name="punica-hf-engine", daemon=True)
@@ -736,7 +736,7 @@ class Engine:
     def _step(self) -> None:
         """One forward over the scheduled requests, then each request's new token."""
         processor, io = self._processor, self._processor.inputs_and_outputs
-        layout = self.model._store.layout_version
+        layout = self.model.layout_version
         if layout != self._graphs_layout:  # a LoRA hook added since the graphs were captured: capture again
             graphs = getattr(io, "graphs", None)
             if graphs is not None:

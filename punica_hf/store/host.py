@@ -2,9 +2,9 @@
 
 A host copy holds, per device the adapter has modules on, the chunk exactly as the device pool stores it (dtype
 and layout), so bringing it onto the GPU is one asynchronous copy. Copies are carved from pinned segments of
-``SEGMENT_BYTES`` with the same first-fit allocator as the device pools: page-locking memory is slow (tens of
-milliseconds for an 8B adapter) and CUDA's pinned allocator rounds each block up to a power of two, so one call per
-segment, reused for every adapter after, keeps loads fast and the budget exact. Plain memory without CUDA. Past the
+``SEGMENT_BYTES`` with the same first-fit allocator as the device pools: page-locking memory is slow (it grows with
+the bytes locked) and CUDA's pinned allocator rounds each block up to a power of two, so one call per segment,
+reused for every adapter after, keeps loads fast and the budget exact. Plain memory without CUDA. Past the
 budget the least recently used copies are dropped; their adapters are read again from their source when needed.
 
 A copy of the tier (``copy.deepcopy``, pickle) carries the kept copies' bytes only, not the segments' free space, and
@@ -13,6 +13,7 @@ carves them into segments of its own.
 
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -22,6 +23,12 @@ import torch
 from .pool import ExtentAllocator
 
 SEGMENT_BYTES = 1 << 30
+# Default budget: a share of the memory available when the model is wrapped, so the tier leaves the process and its
+# neighbours room on a small machine and holds many adapters on a large one; at least one segment's worth (a tier
+# smaller than an adapter serves nothing), and capped where re-reading a file is cheap next to pinning more.
+HOST_BUDGET_SHARE = 0.25
+HOST_BUDGET_MIN = 1 << 30
+HOST_BUDGET_MAX = 64 << 30
 _ALIGN_BYTES = 256
 
 
@@ -158,6 +165,31 @@ class HostTier:
 
     def __contains__(self, index: int) -> bool:
         return index in self._copies
+
+
+def available_memory_bytes() -> int | None:
+    """Memory the system can give without swapping: ``MemAvailable`` of /proc/meminfo (Linux), else its free pages
+    (``os.sysconf``); None when neither is known."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # given in kB
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def default_host_budget() -> int:
+    """The host tier's budget when none is given: ``HOST_BUDGET_SHARE`` of the available memory, within
+    ``HOST_BUDGET_MIN`` and ``HOST_BUDGET_MAX`` (the minimum when the available memory is unknown)."""
+    available = available_memory_bytes()
+    if available is None:
+        return HOST_BUDGET_MIN
+    return int(min(max(available * HOST_BUDGET_SHARE, HOST_BUDGET_MIN), HOST_BUDGET_MAX))
 
 
 def _round_up(size: int, unit: int = _ALIGN_BYTES) -> int:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import math
 import numbers
-import os
 import threading
 import time
 import weakref
@@ -31,34 +30,24 @@ from collections import OrderedDict, deque
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
-from torch import nn
 
-from ..base_layers import check_servable, linear_features, lora_device, lora_dtype
-from ..formats import AdapterWeights, ModelModules, ModuleLora, load_adapter_weights, weights_for_model
-from ..layers import LoraContext, LoraHook, ProjectionGroup, find_projection_groups
-from .host import HostCopy, HostTier
+from ..base_layers import LinearModule
+from ..formats import AdapterWeights, ModuleLora, load_adapter_weights
+from ..layers import DeviceTables
+from .host import HostCopy, HostTier, default_host_budget
 from .pool import ChunkLayout, DevicePool
 
 # Default pool: room for max_adapters adapters of max_rank on every linear layer, at most this share of the device
 # memory free when the pool is made (on the CPU, at most this many bytes of address space).
 GPU_POOL_FRACTION = 0.2
 CPU_POOL_BYTES = 1 << 30
-HOST_POOL_BYTES = 16 << 30  # default host tier budget
 CAPACITY_WAIT_S = 60.0  # default time a call waits for the device room that other calls hold
 # A waiting call looks again this often for leases the garbage collector ended: a finalizer cannot wake it (it may
 # run inside a store method of the waiter's own lock-holding thread, where it must not touch the store).
 _COLLECTED_LEASE_POLL_S = 0.05
-
-
-def _peft_selection(name: str, weights: AdapterWeights, model: ModelModules) -> AdapterWeights:
-    """The part of ``weights`` that PEFT would load into ``model`` (see ``formats.weights_for_model``)."""
-    try:
-        return weights_for_model(weights, model)
-    except ValueError as error:
-        raise ValueError(f"adapter {name!r}: {error}") from None
 
 
 class AdapterCapacityError(ValueError):
@@ -90,6 +79,40 @@ class Adapter:
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "reading": None, "copies_done": {}}
+
+
+class ModuleHooks(Protocol):
+    """What the store asks of the model surgery (``punica_hf.injection.LoraInjection``): the base model's linear
+    modules as plain data, and hooks on them by name."""
+
+    def linear_modules(self) -> dict[str, LinearModule]:
+        """Every linear module, in model order."""
+
+    def select(self, adapter: str, weights: AdapterWeights) -> AdapterWeights:
+        """The part of ``weights`` that PEFT would load into the model; ValueError where PEFT refuses the adapter."""
+
+    def check_targets(self, adapter: str, module_names: Iterable[str]) -> None:
+        """Raise ValueError for a module name that cannot get a LoRA hook."""
+
+    def attach(
+        self, module_names: Iterable[str], tables: Mapping[torch.device, DeviceTables], rows: Mapping[str, int]
+    ) -> list[str]:
+        """Hook the modules without a hook yet (all or none); return the names hooked."""
+
+    def detach(self, module_names: Iterable[str]) -> None:
+        """Remove the hooks of these modules."""
+
+
+@dataclass
+class AdapterPlan:
+    """One adapter of a registration call, planned: its factors and chunk layout per device."""
+
+    weights: AdapterWeights
+    source: Any
+    source_kwargs: dict
+    factors_by_device: dict[torch.device, dict[str, ModuleLora]]
+    layouts: dict[torch.device, ChunkLayout]
+    device_bytes: int
 
 
 @dataclass
@@ -132,11 +155,10 @@ class AdapterStore:
     """All adapters of one model: registration, device pools, host tier, leases. See the module docstring."""
 
     def __init__(
-        self, model: nn.Module, context: LoraContext, max_adapters: int, max_rank: int,
+        self, module_hooks: ModuleHooks, max_adapters: int, max_rank: int,
         gpu_pool_bytes: int | None, host_pool_bytes: int | None, capacity_wait_s: float = CAPACITY_WAIT_S,
     ) -> None:
-        self.model = model
-        self.context = context
+        self.module_hooks = module_hooks
         self.max_adapters = max_adapters
         self.max_rank = max_rank
         self.gpu_pool_bytes = gpu_pool_bytes
@@ -145,18 +167,14 @@ class AdapterStore:
         self.capacity_wait_s = capacity_wait_s
         self.room_freed = threading.Condition(self.lock)  # notified when a lease ends or an adapter is unloaded
         self._collected_leases: deque[list[Adapter]] = deque()  # adapters of leases the garbage collector ended
-        self.unwrapped = False  # set by unwrap(): the hooks are gone, and with them every use of the adapters
-        self.host = HostTier(HOST_POOL_BYTES if host_pool_bytes is None else host_pool_bytes)
+        self.unwrapped = False  # set by unwrap(): the model gave its hooks up, and with them every use of adapters
+        self.host = HostTier(default_host_budget() if host_pool_bytes is None else host_pool_bytes)
         self.pools: dict[torch.device, DevicePool] = {}
-        self.hooks: dict[str, LoraHook] = {}
-        self._groups: dict[str, ProjectionGroup] | None = None  # module name -> its projection group
         self._by_name: dict[str, Adapter] = {}
         self._by_index: dict[int, Adapter] = {}  # registered, plus unloaded ones still held
         self._resident: OrderedDict[int, Adapter] = OrderedDict()  # least recently used first
         self._free_slots = list(range(max_adapters))
         self._reader: ThreadPoolExecutor | None = None
-        # Bumped when a hook or a pool is added: CUDA graphs captured before then miss it and must be captured again.
-        self.layout_version = 0
         self.counters = dict(hits=0, host_loads=0, disk_loads=0, evictions=0, bytes_to_gpu=0)
 
     @contextlib.contextmanager
@@ -209,17 +227,16 @@ class AdapterStore:
             self.check_wrapped()
             for name in adapters:
                 self._check_new_name(name)
-            modules = self._base_modules()
-            selectable = ModelModules.of(self.model)
             adapters = {
-                name: (_peft_selection(name, weights, selectable), source, source_kwargs)
+                name: (self.module_hooks.select(name, weights), source, source_kwargs)
                 for name, (weights, source, source_kwargs) in adapters.items()
             }
+            targets = self.module_hooks.linear_modules()
             for name, (weights, _, _) in adapters.items():
-                self._check_fits(name, weights, modules)
+                self._check_fits(name, weights, targets)
             undo = _Undo()
             try:
-                planned = self._plan(adapters, modules, undo)
+                planned = self._plan(adapters, targets, undo)
             except BaseException:
                 self._undo(undo)
                 raise
@@ -227,7 +244,7 @@ class AdapterStore:
         try:
             with torch.inference_mode(False), torch.no_grad():
                 for name, plan in planned.items():
-                    host_copies[name] = self._host_chunks(plan[4], plan[3])
+                    host_copies[name] = self._host_chunks(plan.layouts, plan.factors_by_device)
             with self.changing():
                 self.check_wrapped()  # unwrap() may have run meanwhile
                 for name in adapters:  # another thread may have taken a name meanwhile
@@ -240,48 +257,44 @@ class AdapterStore:
                 self._undo(undo)
             raise
 
-    def _plan(self, adapters, modules: dict[str, nn.Module], undo: "_Undo") -> dict[str, tuple]:
-        """Each adapter's chunk layout per device; makes the pools, table rows and hooks it needs (noted in
-        ``undo``)."""
+    def _plan(self, adapters, targets: dict[str, LinearModule], undo: "_Undo") -> dict[str, AdapterPlan]:
+        """Each adapter's chunk layout per device; makes the pools and hooks it needs (noted in ``undo``)."""
+        rows = {name: row for row, name in enumerate(targets)}  # model order: siblings get consecutive rows
         planned = {}
         for name, (weights, source, source_kwargs) in adapters.items():
             factors_by_device: dict[torch.device, dict[str, ModuleLora]] = {}
             for module_name in sorted(weights.modules):
-                module = modules[module_name]
-                pool = self._pool_for(module, undo.pools)
+                pool = self._pool_for(targets[module_name], targets, rows, undo.pools)
                 factors_by_device.setdefault(pool.device, {})[module_name] = weights.modules[module_name]
-                if module_name not in self.hooks:
-                    undo.hooks.append(module_name)
-                    self.hooks[module_name] = self._hook(module_name, module)
             layouts = {
                 device: ChunkLayout.plan(factors, self.pools[device].rows) for device, factors in factors_by_device.items()
             }
             device_bytes = sum(layout.size * self.pools[d].element_size for d, layout in layouts.items())
             self._check_sizes(name, layouts, device_bytes)
-            planned[name] = (weights, source, source_kwargs, factors_by_device, layouts, device_bytes)
+            planned[name] = AdapterPlan(weights, source, source_kwargs, factors_by_device, layouts, device_bytes)
+        targeted = sorted({m for plan in planned.values() for m in plan.weights.modules})
+        if targeted:
+            tables = {device: pool.tables for device, pool in self.pools.items()}
+            undo.hooks = self.module_hooks.attach(targeted, tables, rows)
         return planned
 
     def _undo(self, undo: "_Undo") -> None:
         """Remove the hooks and pools a failed call made, unless an adapter registered since uses them."""
         used_modules = {m for a in self._by_index.values() for layout in a.layouts.values() for m in layout.modules}
         used_devices = {d for a in self._by_index.values() for d in a.layouts}
-        for module_name in undo.hooks:
-            if module_name not in used_modules and module_name in self.hooks:  # unwrap() removes them all
-                self.hooks.pop(module_name).remove()
+        self.module_hooks.detach([m for m in undo.hooks if m not in used_modules])
         for device in undo.pools:
             if device not in used_devices:
                 del self.pools[device]
 
-    def _register(self, planned: dict[str, tuple], host_copies: dict, undo: "_Undo") -> dict[str, int]:
-        if undo.hooks or undo.pools:
-            self.layout_version += 1
+    def _register(self, planned: dict[str, AdapterPlan], host_copies: dict, undo: "_Undo") -> dict[str, int]:
         assigned = {}
-        for name, (weights, source, source_kwargs, _, layouts, device_bytes) in planned.items():
+        for name, plan in planned.items():
             index = self._free_index()
             adapter = Adapter(
-                name=name, index=index, source=source, source_kwargs=source_kwargs,
-                dims={m: (f.lora_a.shape[1], f.lora_b.shape[0], f.rank) for m, f in weights.modules.items()},
-                layouts=layouts, device_bytes=device_bytes,
+                name=name, index=index, source=plan.source, source_kwargs=plan.source_kwargs,
+                dims={m: (f.lora_a.shape[1], f.lora_b.shape[0], f.rank) for m, f in plan.weights.modules.items()},
+                layouts=plan.layouts, device_bytes=plan.device_bytes,
             )
             self._by_name[name] = self._by_index[index] = adapter
             self._keep_copy(adapter, host_copies[name])
@@ -574,7 +587,7 @@ class AdapterStore:
             weights = source
         else:
             weights = load_adapter_weights(source, **adapter.source_kwargs)
-            weights = _peft_selection(adapter.name, weights, ModelModules.of(self.model))
+            weights = self.module_hooks.select(adapter.name, weights)
             with self.lock:
                 self.counters["disk_loads"] += 1
             dims = {m: (f.lora_a.shape[1], f.lora_b.shape[0], f.rank) for m, f in weights.modules.items()}
@@ -628,18 +641,11 @@ class AdapterStore:
         if name in self._by_name:
             raise ValueError(f"an adapter named {name!r} is already loaded; unload_adapter({name!r}) first")
 
-    def _check_fits(self, name: str, weights: AdapterWeights, modules: dict[str, nn.Module]) -> None:
-        output_layer = self.model.get_output_embeddings() if hasattr(self.model, "get_output_embeddings") else None
+    def _check_fits(self, name: str, weights: AdapterWeights, targets: dict[str, LinearModule]) -> None:
         for module_name, factors in weights.modules.items():
-            module = modules.get(module_name)
-            if module is None:
-                raise ValueError(f"adapter {name!r} does not fit the base model: it has no module {module_name}")
-            if module is output_layer:
-                raise ValueError(f"adapter {name!r}: LoRA on the output layer ({module_name}) is not supported yet")
-            if isinstance(module, nn.Embedding):
-                raise ValueError(f"adapter {name!r}: LoRA on embedding layers ({module_name}) is not supported yet")
-            check_servable(module, module_name)
-            in_features, out_features = linear_features(module)
+            self.module_hooks.check_targets(name, [module_name])
+            target = targets[module_name]
+            in_features, out_features = target.in_features, target.out_features
             if factors.lora_a.shape[1] != in_features or factors.lora_b.shape[0] != out_features:
                 raise ValueError(
                     f"adapter {name!r} does not fit the base model: module {module_name} takes lora_A "
@@ -650,9 +656,8 @@ class AdapterStore:
                 raise ValueError(
                     f"adapter {name!r}: module {module_name} has rank {factors.rank} > max_rank={self.max_rank}"
                 )
-            dtype = lora_dtype(module, getattr(self.model, "dtype", torch.get_default_dtype()))
             for factor_name in ("lora_a", "lora_b"):
-                _check_in_range(name, module_name, factor_name, getattr(factors, factor_name), dtype)
+                _check_in_range(name, module_name, factor_name, getattr(factors, factor_name), target.dtype)
 
     def _check_sizes(self, name: str, layouts: dict[torch.device, ChunkLayout], device_bytes: int) -> None:
         for device, layout in layouts.items():
@@ -669,44 +674,22 @@ class AdapterStore:
                 f"{self.host.budget / 2**20:.1f} MiB"
             )
 
-    def _base_modules(self) -> dict[str, nn.Module]:
-        return dict(self.model.named_modules())
-
-    # ------------------------------------------------------------------------------------------ pools, hooks
-    def _pool_for(self, module: nn.Module, new_pools: list) -> DevicePool:
-        device = lora_device(module)
+    # ------------------------------------------------------------------------------------------ pools
+    def _pool_for(
+        self, target: LinearModule, targets: dict[str, LinearModule], rows: dict[str, int], new_pools: list
+    ) -> DevicePool:
+        """The pool on ``target``'s device, made (and noted in ``new_pools``) if there is none yet."""
+        device = target.device
         if device not in self.pools:
-            dtype = lora_dtype(module, getattr(self.model, "dtype", torch.get_default_dtype()))
-            element_size = torch.empty(0, dtype=dtype).element_size()
-            features = [linear_features(m) for m in self.model.modules()]
-            features = [f for f in features if f is not None]
+            element_size = torch.empty(0, dtype=target.dtype).element_size()
             pool_bytes = self.gpu_pool_bytes
             if pool_bytes is None:  # room for max_adapters adapters of max_rank on every linear layer, capped
-                most = self.max_adapters * self.max_rank * sum(i + o for i, o in features) * element_size
+                features = sum(m.in_features + m.out_features for m in targets.values())
+                most = self.max_adapters * self.max_rank * features * element_size
                 pool_bytes = min(most, _default_pool_cap(device))
-            rows = {name: row for row, name in enumerate(self._linear_modules())}
-            self.pools[device] = DevicePool(device, dtype, pool_bytes // element_size, rows, self.max_adapters)
+            self.pools[device] = DevicePool(device, target.dtype, pool_bytes // element_size, rows, self.max_adapters)
             new_pools.append(device)
         return self.pools[device]
-
-    def _linear_modules(self) -> dict[str, tuple[int, int]]:
-        """``{name: (in_features, out_features)}`` of every linear module of the model, in model order."""
-        features = ((name, linear_features(module)) for name, module in self.model.named_modules())
-        return {name: f for name, f in features if f is not None}
-
-    def _hook(self, module_name: str, module: nn.Module) -> LoraHook:
-        in_features, out_features = linear_features(module)
-        pool = self.pools[lora_device(module)]
-        if self._groups is None:  # once, when the first hook is made: every module's group, hooked or not
-            modules = self._base_modules()
-            devices = {name: lora_device(modules[name]) for name in pool.rows if _servable(modules[name], name)}
-            linear = {name: (*f, devices[name]) for name, f in self._linear_modules().items() if name in devices}
-            grouping = os.environ.get("PUNICA_HF_GROUP_PROJECTIONS", "1").strip() != "0"  # 0: for comparisons
-            self._groups = find_projection_groups(linear, pool.rows) if grouping else {}
-        return LoraHook(
-            module, in_features, out_features, pool.tables, pool.rows[module_name], self.context, self.max_rank,
-            self._groups.get(module_name),
-        )
 
     def _free_index(self) -> int:
         index = 0
@@ -737,12 +720,9 @@ class AdapterStore:
             self.host.rekey(moved)
 
     def unwrap(self) -> None:
-        """Remove every hook for good: from now on the store refuses every call that would use its adapters."""
+        """The model gave its hooks up for good: from now on the store refuses every call that would use adapters."""
         with self.lock:
             self.unwrapped = True
-            for hook in self.hooks.values():
-                hook.remove()
-            self.hooks.clear()
 
     def check_wrapped(self) -> None:
         if self.unwrapped:
@@ -794,14 +774,6 @@ def _adapter_list(adapters: Any) -> list:
     if not isinstance(adapters, Iterable):
         raise ValueError(f"expected an adapter name or a list of adapter names or indices, got {adapters!r}")
     return list(adapters)
-
-
-def _servable(module: nn.Module, name: str) -> bool:
-    try:
-        check_servable(module, name)
-    except ValueError:
-        return False
-    return True
 
 
 def _default_pool_cap(device: torch.device) -> int:
