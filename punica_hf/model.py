@@ -97,6 +97,11 @@ class MultiLoraModel(nn.Module):
         return self._store.max_rank
 
     @property
+    def layout_version(self) -> int:
+        """Bumped whenever a LoRA hook or a device pool is added: CUDA graphs captured before then are stale."""
+        return self._store.layout_version
+
+    @property
     def adapter_stats(self) -> dict[str, int]:
         """Counters and memory: registered, resident, hits, host_loads, disk_loads, evictions, bytes_to_gpu,
         gpu_bytes_used/total, host_bytes_used/budget."""

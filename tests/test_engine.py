@@ -129,7 +129,7 @@ def test_requests_join_and_leave_a_running_batch_with_outputs_unchanged(tiny_mod
 def test_key_slots_built_on_the_device_are_transformers_own(tiny_model, monkeypatch):
     """The engine builds each step's key slots from the requests' pages; they must equal the slot lists
     transformers builds itself (chunked prefills, decodes, requests of several pages, joining and leaving)."""
-    from punica_hf.serving.engine import _AdapterSlotIOs, _page_size
+    from punica_hf.serving.transformers_cb import _AdapterSlotIOs
 
     checked = []
     prepare = _AdapterSlotIOs.prepare_batch_tensors
@@ -160,7 +160,7 @@ def test_key_slots_built_on_the_device_are_transformers_own(tiny_model, monkeypa
     expected = [reference_tokens(tiny_model, prompt, adapter, n) for adapter, prompt, n in plan]
     config = EngineConfig(max_running=6, max_batch_tokens=64, kv_blocks=64)
     with Engine(tiny_model, config=config) as engine:
-        page = _page_size(engine._processor.cb_config)
+        page = engine._backend.page_size
         handles = [engine.submit(prompt, adapter, SamplingParams(max_new_tokens=n)) for adapter, prompt, n in plan]
         completions = [handle.result(timeout=60) for handle in handles]
     assert [list(c.token_ids) for c in completions] == expected
@@ -485,7 +485,7 @@ def test_the_paged_attention_kernel_serves_what_generate_gives(tmp_path):
         assert engine.attention.implementation == attention.NAME
         handles = [engine.submit(prompt, adapter, SamplingParams(max_new_tokens=n)) for adapter, prompt, n in plan]
         completions = [handle.result(timeout=120) for handle in handles]
-        assert engine._processor.model_runner.pad_inputs  # the steps ran padded, replayed from graphs
+        assert engine._backend.graphs_on  # the steps ran padded, replayed from graphs
     for (adapter, prompt, n), completion in zip(plan, completions):
         tokens = list(completion.token_ids)
         assert len(tokens) == n
