@@ -16,20 +16,18 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-import random
 import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 import torch
-from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from ..store import AdapterCapacityError, AdapterLease, AdapterNotReady
+from ..store import AdapterCapacityError, AdapterNotReady
 from . import attention, transformers_cb
 from .handles import RequestHandle
-from .text import TextStream, Tokenizer, as_tokenizer
+from .request_state import RequestState, eos_token_ids, sample_rows
+from .text import Tokenizer, as_tokenizer
 from .types import (  # noqa: F401  (the public types, importable from here as before)
     ADAPTER_NOT_FOUND,
     CPU_MAX_BATCH_TOKENS,
@@ -54,28 +52,6 @@ TESTED_TRANSFORMERS = transformers_cb.TESTED_TRANSFORMERS
 IDLE_POLL_SECONDS = 0.002  # how often a request waiting for its adapter to load retries
 
 
-@dataclass
-class _Request:
-    """The engine's record of one request, from submission to its completion."""
-
-    handle: RequestHandle
-    params: SamplingParams
-    stop_token_ids: frozenset[int]  # end-of-sequence ids (unless ignore_eos) and the request's stop ids
-    text: TextStream | None
-    submitted_at: float
-    generator: torch.Generator | None = None  # sampling requests only
-    warpers: tuple = ()
-    lease: AdapterLease | None = None  # pins the adapter on the GPU from admission to the end
-    slot: int = -1
-    seen_tokens: int = 0
-    token_ids: list[int] = field(default_factory=list)
-    token_times: list[float] = field(default_factory=list)
-
-    @property
-    def request_id(self) -> str:
-        return self.handle.request_id
-
-
 class Engine:
     """Continuous batching over a ``MultiLoraModel``: ``submit`` requests, each with its adapter (or None for the
     base model) and its ``SamplingParams``, from any thread; one engine thread runs the batch.
@@ -98,14 +74,14 @@ class Engine:
         self.config = config or EngineConfig()
         text_config = self.hf_model.config.get_text_config()
         self.vocab_size = text_config.vocab_size
-        self.eos_token_ids = frozenset(_eos_token_ids(self.hf_model, tokenizer))
+        self.eos_token_ids = frozenset(eos_token_ids(self.hf_model, tokenizer))
         self.max_model_len = min(
             self.config.max_model_len or math.inf, getattr(text_config, "max_position_embeddings", None) or math.inf
         )
         if self.max_model_len == math.inf:
             raise ValueError("the model config has no max_position_embeddings: give EngineConfig(max_model_len=...)")
-        self._requests: dict[str, _Request] = {}  # every request not yet finished, by id
-        self._queue: deque[_Request] = deque()  # submitted, not yet handed to transformers
+        self._requests: dict[str, RequestState] = {}  # every request not yet finished, by id
+        self._queue: deque[RequestState] = deque()  # submitted, not yet handed to transformers
         self._lock = threading.Lock()  # guards _queue, _requests (insertions) and _cancels
         self._cancels: set[str] = set()
         self._wake = threading.Event()
@@ -226,11 +202,6 @@ class Engine:
             )
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer: give the engine one, or use stop_token_ids")
-        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
-        generator = None
-        if not params.greedy:
-            seed = params.seed if params.seed is not None else random.randrange(2**63)
-            generator = torch.Generator(self.hf_model.device).manual_seed(seed)
         with self._lock:
             if len(self._queue) + self._waiting_count() >= self.config.max_queue:
                 self._counters["rejected"] += 1
@@ -238,14 +209,9 @@ class Engine:
             request_id = request_id or f"req-{next(self._ids)}"
             if request_id in self._requests:
                 raise ValueError(f"request id {request_id!r} is in use")
-            request = _Request(
-                handle=RequestHandle(self._cancel, request_id, adapter, tuple(prompt_ids)),
-                params=params,
-                stop_token_ids=frozenset(stop_ids),
-                text=None if self.tokenizer is None else TextStream(self.tokenizer.decode, params.stop),
-                submitted_at=time.perf_counter(),
-                generator=generator,
-                warpers=_warpers(params) if generator is not None else (),
+            request = RequestState.create(
+                RequestHandle(self._cancel, request_id, adapter, tuple(prompt_ids)), params, self.eos_token_ids,
+                None if self.tokenizer is None else self.tokenizer.decode, self.hf_model.device,
             )
             self._requests[request_id] = request
             self._queue.append(request)
@@ -387,11 +353,11 @@ class Engine:
             self._counters["prompt_tokens"] += len(request.handle.prompt_token_ids)
             room -= 1
 
-    def _remove_from_queue(self, request: _Request) -> None:
+    def _remove_from_queue(self, request: RequestState) -> None:
         with self._lock:
             self._queue.remove(request)
 
-    def _send_cancellations(self) -> list[_Request]:
+    def _send_cancellations(self) -> list[RequestState]:
         """Pass the cancelled requests to transformers; return those it drops at the next ``prepare``."""
         with self._lock:
             cancels, self._cancels = self._cancels, set()
@@ -440,29 +406,14 @@ class Engine:
         row_requests = [self._requests.get(request_id) for request_id in backend.rows()]
         if not row_requests:
             return
-        scores = backend.scores(len(row_requests))
-        sampling = [(row, r) for row, r in enumerate(row_requests) if r is not None and not r.params.greedy]
         with backend.on_compute_stream():
-            probabilities = [_probabilities(scores[row : row + 1], request.warpers) for row, request in sampling]
-            # amax is NaN if any score is, +inf if any is, -inf if all are: finite for usable scores only
-            checks = [torch.isfinite(scores.amax(dim=-1))]
-            checks += [torch.isfinite(p).all(dim=-1) for p in probabilities]
-            finite = torch.cat(checks).tolist()  # the step's one wait for the device
-            scores_finite, probabilities_finite = finite[: len(row_requests)], finite[len(row_requests) :]
-            for row, request in enumerate(row_requests):
-                if request is not None and not scores_finite[row]:
-                    self._fail_in_step(request, "the model's scores for it are NaN or infinite")
-            for (row, request), probs, usable in zip(sampling, probabilities, probabilities_finite):
-                if not scores_finite[row]:
-                    continue
-                if not usable:
-                    self._fail_in_step(request, "its sampling settings turn the scores into NaN or infinite "
-                                       "probabilities")
-                    continue
-                token = torch.multinomial(probs, 1, generator=request.generator)
-                backend.set_token(row, token[0, 0])
+            failures, tokens = sample_rows(backend.scores(len(row_requests)), row_requests)
+            for request, reason in failures:
+                self._fail_in_step(request, reason)
+            for row, token in tokens:
+                backend.set_token(row, token)
 
-    def _fail_in_step(self, request: _Request, reason: str) -> None:
+    def _fail_in_step(self, request: RequestState, reason: str) -> None:
         """End a request whose scores cannot give a token; transformers drops it (frees its KV) at the next step."""
         adapter = request.handle.adapter
         message = f"{reason} (adapter {adapter!r})" if adapter is not None else f"{reason} (the base model)"
@@ -479,18 +430,12 @@ class Engine:
             if finished:  # unless this step finished it in transformers too
                 self._release(request)
             return
-        new_tokens = generated[request.seen_tokens :]
-        request.seen_tokens = len(generated)
-        now = time.perf_counter()
-        request.token_times.extend([now] * len(new_tokens))
-        self._counters["generated_tokens"] += len(new_tokens)
-        stopped_by_token = bool(new_tokens) and new_tokens[-1] in request.stop_token_ids
-        kept = new_tokens[:-1] if stopped_by_token else new_tokens
-        request.token_ids.extend(kept)
-        text = request.text.add(kept) if request.text is not None else ""
+        seen = request.seen_tokens
+        kept, text, stopped_by_token = request.take_tokens(generated)
+        self._counters["generated_tokens"] += request.seen_tokens - seen
         if kept or text:
             request.handle._publish(Delta(tuple(kept), text))
-        if request.text is not None and request.text.stopped:
+        if request.stopped_by_text:
             self._complete(request, "stop")
             if finished:
                 self._release(request)
@@ -508,31 +453,16 @@ class Engine:
             self._release(request)
 
     def _complete(
-        self, request: _Request, reason: str, error: str | None = None, error_code: str | None = None
+        self, request: RequestState, reason: str, error: str | None = None, error_code: str | None = None
     ) -> None:
         """Hand out the request's last piece and its completion; tell the listeners."""
-        tail = request.text.finish() if request.text is not None else ""
-        completion = Completion(
-            request_id=request.request_id,
-            adapter=request.handle.adapter,
-            prompt_token_ids=request.handle.prompt_token_ids,
-            token_ids=tuple(request.token_ids),
-            text=request.text.text if request.text is not None else "",
-            finish_reason=reason,
-            completion_tokens=request.seen_tokens,
-            submitted_at=request.submitted_at,
-            first_token_at=request.token_times[0] if request.token_times else None,
-            finished_at=time.perf_counter(),
-            token_times=tuple(request.token_times),
-            error=error,
-            error_code=error_code,
-        )
+        tail, completion = request.finish(reason, error, error_code)
         request.handle._publish(Delta((), tail, reason), completion)
         self._finished[reason] += 1
         for listener in self._listeners:
             listener(completion)
 
-    def _release(self, request: _Request) -> None:
+    def _release(self, request: RequestState) -> None:
         """Forget a request transformers no longer runs, and give its adapter lease back."""
         with self._lock:
             self._requests.pop(request.request_id, None)
@@ -555,27 +485,3 @@ class Engine:
             pad_keys_to_cache=(self.attention.implementation == attention.NAME and transformers_cb.READS_CACHE_IN_PLACE
                                and device.type == "cuda"),
         )
-
-
-def _warpers(params: SamplingParams) -> tuple:
-    """transformers' own warpers for a sampling request, in ``generate()``'s order."""
-    warpers = [TemperatureLogitsWarper(params.temperature)] if params.temperature != 1 else []
-    if params.top_k > 0:
-        warpers.append(TopKLogitsWarper(params.top_k))
-    if params.top_p < 1:
-        warpers.append(TopPLogitsWarper(params.top_p))
-    return tuple(warpers)
-
-
-def _probabilities(row_scores: torch.Tensor, warpers: tuple) -> torch.Tensor:
-    """A sampling request's next-token probabilities ``[1, V]`` from its row of the step's scores."""
-    for warper in warpers:
-        row_scores = warper(None, row_scores)
-    return row_scores.softmax(dim=-1)
-
-
-def _eos_token_ids(hf_model, tokenizer) -> set[int]:
-    eos = getattr(hf_model.generation_config, "eos_token_id", None)
-    ids = set(eos if isinstance(eos, (list, tuple)) else [eos])
-    ids.add(getattr(tokenizer, "eos_token_id", None))
-    return {i for i in ids if isinstance(i, int) and i >= 0}
