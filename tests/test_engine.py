@@ -25,7 +25,7 @@ from punica_hf.serving import (
     SamplingParams,
     TextStream,
 )
-from punica_hf.serving.engine import ADAPTER_NOT_FOUND, GENERATION_FAILED
+from punica_hf.serving.engine import ADAPTER_NOT_FOUND, GENERATION_FAILED, MAX_REQUEST_ID_LENGTH
 
 WORDS = demo.sample_words(6, seed=7, held_out=True)
 DEMO_ADAPTERS = [*demo.TASKS, None]
@@ -421,6 +421,25 @@ def test_bad_requests_are_refused_by_name(demo_model, tiny_model):
         with pytest.raises(ValueError):
             SamplingParams(**bad)
     SamplingParams(temperature=1e-4, seed=-(2**63))  # the smallest accepted
+
+
+def test_request_ids_never_collide_and_are_short_strings(tiny_model):
+    """A caller's id shaped like an automatic one does not block later plain submissions; an id that is not a
+    non-empty string of at most MAX_REQUEST_ID_LENGTH characters is refused by name and changes nothing."""
+    with Engine(tiny_model) as engine:
+        running = SamplingParams(max_new_tokens=200)
+        named = [engine.submit([1, 2], params=running, request_id=f"req-{i}") for i in range(3)]
+        plain = [engine.submit([1, 2], params=running) for _ in range(3)]
+        assert len({handle.request_id for handle in named + plain}) == 6
+        before = engine.stats()
+        for bad in (5, b"x", "", "x" * (MAX_REQUEST_ID_LENGTH + 1)):
+            with pytest.raises(ValueError, match="request_id must be a non-empty string"):
+                engine.submit([1, 2], request_id=bad)
+        engine.submit([1, 2], request_id="x" * MAX_REQUEST_ID_LENGTH).cancel()  # the longest accepted
+        assert engine.stats().rejected == before.rejected
+        for handle in named + plain:
+            handle.cancel()
+            assert handle.result(timeout=60).finish_reason in ("cancelled", "length")
 
 
 def test_submit_from_many_threads(demo_model):

@@ -184,7 +184,8 @@ class Engine:
         """Queue a request; returns at once. ``prompt`` is text (needs a tokenizer) or token ids.
 
         Raises ``KeyError`` for an adapter that is not registered, ``ValueError`` for a bad prompt or settings
-        (empty, longer than ``max_model_len`` with its new tokens, a token id outside the vocabulary),
+        (empty, longer than ``max_model_len`` with its new tokens, a token id outside the vocabulary) or a
+        ``request_id`` that is in use or not a non-empty string of at most ``MAX_REQUEST_ID_LENGTH`` characters,
         ``QueueFullError`` when the queue is full and ``EngineClosedError`` when the engine is not running.
         """
         params = params or SamplingParams()
@@ -202,12 +203,17 @@ class Engine:
             )
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer: give the engine one, or use stop_token_ids")
+        valid_id = isinstance(request_id, str) and 0 < len(request_id) <= MAX_REQUEST_ID_LENGTH
+        if request_id is not None and not valid_id:
+            raise ValueError(f"request_id must be a non-empty string of at most {MAX_REQUEST_ID_LENGTH} characters, "
+                             f"got {type(request_id).__name__} {str(request_id)[:40]!r}")
         with self._lock:
             if len(self._queue) + self._waiting_count() >= self.config.max_queue:
                 self._counters["rejected"] += 1
                 raise QueueFullError(f"the engine's queue is full ({self.config.max_queue} requests waiting)")
-            request_id = request_id or f"req-{next(self._ids)}"
-            if request_id in self._requests:
+            if request_id is None:  # the next automatic id that no running request (a caller's "req-3") holds
+                request_id = next(rid for rid in (f"req-{n}" for n in self._ids) if rid not in self._requests)
+            elif request_id in self._requests:
                 raise ValueError(f"request id {request_id!r} is in use")
             request = RequestState.create(
                 RequestHandle(self._cancel, request_id, adapter, tuple(prompt_ids)), params, self.eos_token_ids,
