@@ -52,11 +52,16 @@ def _checked() -> Iterator[tuple[str, ast.Module]]:
 
 
 def _report(violations: list[str], rule: str) -> str:
-    return f"{len(violations)} place(s) break the rule that {rule}:\n  " + "\n  ".join(violations)
+    def place(violation: str) -> tuple[str, int]:  # "punica_hf/x.py:12 ..." in file and line order
+        path, _, rest = violation.partition(":")
+        return path, int(rest.split()[0]) if rest.split()[0].isdigit() else 0
+
+    listed = sorted(violations, key=place)
+    return f"{len(violations)} place(s) break the rule that {rule}:\n  " + "\n  ".join(listed)
 
 
 def _defined_names() -> set[str]:
-    """Every name punica_hf defines: functions, classes, assigned names, attribute-assignment targets,
+    """Every name punica_hf defines: functions, classes, assigned names, ``self.`` / ``cls.`` attribute targets,
     ``__slots__`` entries and annotated names (dataclass fields). Import aliases do not count: ``import
     torch._dynamo as _dynamo`` must not make ``torch._dynamo`` ours."""
     names = set()
@@ -66,8 +71,9 @@ def _defined_names() -> set[str]:
                 names.add(node.name)
             elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
                 names.add(node.id)
-            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, (ast.Store, ast.Del)):
-                names.add(node.attr)
+            elif (isinstance(node, ast.Attribute) and isinstance(node.ctx, (ast.Store, ast.Del))
+                  and isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+                names.add(node.attr)  # our own objects' attributes; `config._attn_implementation = x` is no definition
             elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
                 names.add(node.target.id)
             elif isinstance(node, ast.Assign) and any(
