@@ -214,7 +214,8 @@ def test_the_cycle_finder_finds_cycles_and_only_cycles():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": set()}) == []
     node = ast.parse("from ..store import AdapterStore").body[0]
     assert _absolute("serving/engine.py", node) == "punica_hf.store"
-    assert _absolute("serving/__init__.py", ast.parse("from .engine import Engine").body[0]) == "punica_hf.serving.engine"
+    node = ast.parse("from .engine import Engine").body[0]
+    assert _absolute("serving/__init__.py", node) == "punica_hf.serving.engine"
 
 
 @pytest.mark.parametrize("version, outcome", [

@@ -297,7 +297,7 @@ class ContinuousBatchingBackend:
             for num_q_tokens in sorted(sizes, reverse=True):  # the largest first
                 stored = io.graphs_stored
                 runner.run_one_warmup(self.hf_model, num_q_tokens=num_q_tokens, max_kv_read=self.page_size)
-                if runner.last_error is not None or io.graphs_stored == stored:
+                if runner.last_error is not None or (runner.use_cuda_graph_varlen and io.graphs_stored == stored):
                     failure = f"no graph for {num_q_tokens} tokens per step" + (
                         f": {runner.last_error}" if runner.last_error is not None else "")
                     break
