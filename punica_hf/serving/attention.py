@@ -22,6 +22,7 @@ from .. import ops
 from ..ops import attention as ops_attention
 from .transformers_cb import ATTENTION_NAME as NAME
 from .transformers_cb import SDPA_NAME as SDPA
+from .transformers_cb import layer_cache
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,7 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     """
     cache = kwargs.get("cache")
     if cache is not None:
-        group, key_cache, value_cache = _layer_cache(cache, module.layer_idx)
+        group, key_cache, value_cache = layer_cache(cache, module.layer_idx)
         write_index = kwargs["write_index"][group]
         read_index = kwargs["read_index"][group]
         key_cache.index_copy_(0, write_index, key[0].transpose(0, 1))
@@ -82,12 +83,6 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         module.scaling if scaling is None else scaling,
     )
     return output.unsqueeze(0), None
-
-
-def _layer_cache(cache, layer_idx: int) -> tuple[int, torch.Tensor, torch.Tensor]:
-    """(attention group, keys ``[N, Hkv, D]``, values ``[N, Hkv, D]``) of one layer in a 5.17 cache, by slot."""
-    group, index_in_group = cache.layer_index_to_group_indices[layer_idx]
-    return group, cache.key_cache[index_in_group], cache.value_cache[index_in_group]
 
 
 def _sliding_windows(hf_model) -> list[int]:

@@ -96,9 +96,11 @@ def restore_attention(saved: list[tuple[object, str | None]]) -> None:
         config._attn_implementation = implementation
 
 
-def attention_implementation(hf_model) -> str | None:
-    """The attention implementation ``hf_model`` runs now."""
-    return hf_model.config._attn_implementation
+def layer_cache(cache, layer_idx: int) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """(attention group, keys ``[N, Hkv, D]``, values ``[N, Hkv, D]``) of one layer in a 5.17 paged cache, by slot.
+    upstream hook: the attention function handed its layer's key and value caches"""
+    group, index_in_group = cache.layer_index_to_group_indices[layer_idx]
+    return group, cache.key_cache[index_in_group], cache.value_cache[index_in_group]
 
 
 def batching_config(device: torch.device, *, max_running: int | None, max_batch_tokens: int | None,
