@@ -28,23 +28,10 @@ from . import attention, transformers_cb
 from .handles import RequestHandle
 from .request_state import RequestState, eos_token_ids, sample_rows
 from .text import Tokenizer, as_tokenizer
-from .types import (  # noqa: F401  (the public types, importable from here as before)
-    ADAPTER_NOT_FOUND,
-    CPU_MAX_BATCH_TOKENS,
-    CPU_MAX_RUNNING,
-    FINISH_REASONS,
-    GENERATION_FAILED,
-    GPU_MAX_BATCH_TOKENS,
-    MAX_REQUEST_ID_LENGTH,
-    MIN_TEMPERATURE,
-    Completion,
-    Delta,
-    EngineClosedError,
-    EngineConfig,
-    EngineStats,
-    QueueFullError,
-    SamplingParams,
-    StepRecord,
+# The public types, importable from here as before the split (the server imports some of them from here).
+from .types import (  # noqa: F401
+    ADAPTER_NOT_FOUND, FINISH_REASONS, GENERATION_FAILED, MAX_REQUEST_ID_LENGTH, MIN_TEMPERATURE, Completion, Delta,
+    EngineClosedError, EngineConfig, EngineStats, QueueFullError, SamplingParams, StepRecord,
 )
 
 logger = logging.getLogger(__name__)
@@ -478,16 +465,10 @@ class Engine:
 
     def _cb_config(self, device: torch.device):
         """transformers' batching settings for this engine on ``device``."""
-        config = self.config
-        max_running, max_batch_tokens = config.max_running, config.max_batch_tokens
-        if device.type == "cpu":
-            max_running = max_running or CPU_MAX_RUNNING
-            max_batch_tokens = max_batch_tokens or CPU_MAX_BATCH_TOKENS
-        else:
-            max_batch_tokens = max_batch_tokens or GPU_MAX_BATCH_TOKENS
+        max_running, max_batch_tokens = self.config.batch_limits(device.type)
         return transformers_cb.batching_config(
-            device, max_running=max_running, max_batch_tokens=max_batch_tokens, kv_blocks=config.kv_blocks,
-            cuda_graphs=config.cuda_graphs, max_model_len=self.max_model_len,
+            device, max_running=max_running, max_batch_tokens=max_batch_tokens, kv_blocks=self.config.kv_blocks,
+            cuda_graphs=self.config.cuda_graphs, max_model_len=self.max_model_len,
             pad_keys_to_cache=(self.attention.implementation == attention.NAME and transformers_cb.READS_CACHE_IN_PLACE
                                and device.type == "cuda"),
         )

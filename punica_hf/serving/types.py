@@ -110,6 +110,13 @@ class EngineConfig:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
+    def batch_limits(self, device_type: str) -> tuple[int | None, int]:
+        """(max_running, max_batch_tokens) for a model on ``device_type``, the defaults filled in (None: sized by
+        transformers)."""
+        if device_type == "cpu":
+            return self.max_running or CPU_MAX_RUNNING, self.max_batch_tokens or CPU_MAX_BATCH_TOKENS
+        return self.max_running, self.max_batch_tokens or GPU_MAX_BATCH_TOKENS
+
 
 @dataclass(frozen=True)
 class Delta:
