@@ -33,7 +33,6 @@ from dataclasses import dataclass
 import torch
 import transformers
 from packaging.version import Version
-from transformers import AttentionInterface, ContinuousBatchingConfig, GenerationConfig
 
 TESTED_TRANSFORMERS = ">=5.17,<5.25"
 _LOWEST, _FIRST_UNTESTED = Version("5.17"), Version("5.25")
@@ -56,7 +55,8 @@ def check_transformers_version(version: str | None = None) -> None:
 
 check_transformers_version()
 
-# These imports need the version check above: their paths and classes are what it vouches for.
+# After the version check, so that an old transformers gets its message rather than a failed import:
+from transformers import AttentionInterface, ContinuousBatchingConfig, GenerationConfig  # noqa: E402
 from transformers.generation.continuous_batching.input_outputs import ContinuousBatchingIOs  # noqa: E402
 from transformers.generation.continuous_batching.model_runner import ModelRunner  # noqa: E402
 
