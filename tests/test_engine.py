@@ -442,6 +442,26 @@ def test_request_ids_never_collide_and_are_short_strings(tiny_model):
             assert handle.result(timeout=60).finish_reason in ("cancelled", "length")
 
 
+def test_a_graph_capture_that_fails_at_warm_up_stops_start(tiny_model, monkeypatch):
+    """transformers' warm-up logs a failed capture and goes on; the engine checks every capture itself, refuses to
+    start, and gives the model its attention back. (A CPU cannot capture CUDA graphs: every capture fails here.)"""
+    from punica_hf.serving import transformers_cb
+
+    warm_up = transformers_cb.ContinuousBatchingBackend.warm_up
+
+    def with_graphs_on(backend):  # as on a GPU with CUDA graphs on
+        backend._runner.pad_inputs = backend._runner.use_cuda_graph_varlen = True
+        warm_up(backend)
+
+    monkeypatch.setattr(transformers_cb.ContinuousBatchingBackend, "warm_up", with_graphs_on)
+    before = tiny_model.model.config._attn_implementation
+    engine = Engine(tiny_model, config=EngineConfig(max_running=4, max_batch_tokens=64))
+    with pytest.raises(RuntimeError, match="CUDA graph warm-up failed: no graph for 64 tokens per step: .*"
+                                           "a KV cache of .* blocks and 64 tokens per step"):
+        engine.start()
+    assert not engine.running and tiny_model.model.config._attn_implementation == before
+
+
 def test_submit_from_many_threads(demo_model):
     model, answers = demo_model
     results = {}

@@ -309,9 +309,12 @@ class ContinuousBatchingBackend:
     def _memory_report(self) -> str:
         """The GPU's memory in words, for a failed warm-up."""
         cache = self._processor.cache
-        free, total = torch.cuda.mem_get_info(self._io.device)
-        return (f"{free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB with a KV cache of {cache.num_blocks} blocks "
-                f"and {cache.max_batch_tokens} tokens per step; give EngineConfig fewer kv_blocks or max_batch_tokens")
+        memory = ""
+        if self._io.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self._io.device)
+            memory = f"{free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB with "
+        return (f"{memory}a KV cache of {cache.num_blocks} blocks and {cache.max_batch_tokens} tokens per step; give "
+                f"EngineConfig fewer kv_blocks or max_batch_tokens")
 
     def close(self) -> None:
         """Give the model back the attention implementation it had before."""
