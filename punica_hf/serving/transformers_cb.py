@@ -1,25 +1,23 @@
-"""The one module that touches transformers' non-public continuous-batching API (``transformers.generation.
-continuous_batching``, tested with ``TESTED_TRANSFORMERS``); the engine drives it through ``ContinuousBatchingBackend``.
+"""The one module that touches transformers' non-public continuous-batching API (tested with
+``TESTED_TRANSFORMERS``); the engine drives it through ``ContinuousBatchingBackend``.
 
-transformers' continuous batching does the work: paged KV cache, scheduler (chunked prefill, offloading when the
-cache is full), packed ``[1, T]`` batches, attention paths and CUDA graphs. It has no per-request adapter and no
-per-request sampling, so this module extends it at three points:
+transformers' continuous batching does the work (paged KV cache, scheduler with chunked prefill and offloading,
+packed ``[1, T]`` batches, attention paths, CUDA graphs) but has no per-request adapter and no per-request
+sampling, so this module extends it at three points:
 
 - ``_AdapterSlotIOs``: the batch inputs gain ``adapter_ids`` ``[1, T]``, the GPU slot of each packed token's
-  request (-1 = base model and padding), filled in the same walk over the scheduled requests that packs the
-  tokens, in a static buffer (CUDA graphs captured once read new values at every replay). The wrapped model's
-  ``forward`` takes it to the LoRA layers.
-- ``_ScoreKeepingRunner``: greedy decoding stays inside transformers' (graphable) step; the step also copies its
-  scores into a static buffer, from which the engine draws the token of each sampling request with its own
+  request (-1 = base model and padding), in a static buffer that CUDA graphs captured once read at every replay;
+  the wrapped model's ``forward`` takes it to the LoRA layers.
+- ``_ScoreKeepingRunner``: greedy decoding stays inside transformers' (graphable) step, which also copies its
+  scores into a static buffer; the engine draws each sampling request's token from it with the request's own
   settings and generator, so a seeded request gives the same text whatever else is in the batch.
-- ``_OutputRouter``: each step's outputs wait until the engine hands them to its requests, while the next step
-  runs on the device.
+- ``_OutputRouter``: each step's outputs wait until the engine hands them out, while the next step runs.
 
 transformers builds those objects inside its batch processor with no hook to pass other classes, so the backend
-switches the class of the two instances to the subclasses above (keeping every reference transformers holds).
-Each use of a private name below carries a one-line note: "upstream hook:" names what would remove it.
-Prefix caching (block sharing) is turned off: two requests with the same prompt but different adapters have
-different keys and values, and transformers' block hashes know only the tokens.
+switches the class of the two instances (keeping every reference transformers holds). Each use of a private name
+carries a note, "upstream hook:", naming what would remove it. Prefix caching (block sharing) is off: two requests
+with the same prompt but different adapters have different keys and values; transformers' block hashes know only
+the tokens.
 """
 
 from __future__ import annotations
