@@ -25,7 +25,7 @@ from punica_hf.serving import (
     SamplingParams,
     TextStream,
 )
-from punica_hf.serving.engine import ADAPTER_NOT_FOUND, GENERATION_FAILED
+from punica_hf.serving.engine import ADAPTER_NOT_FOUND, GENERATION_FAILED, MAX_REQUEST_ID_LENGTH
 
 WORDS = demo.sample_words(6, seed=7, held_out=True)
 DEMO_ADAPTERS = [*demo.TASKS, None]
@@ -129,7 +129,7 @@ def test_requests_join_and_leave_a_running_batch_with_outputs_unchanged(tiny_mod
 def test_key_slots_built_on_the_device_are_transformers_own(tiny_model, monkeypatch):
     """The engine builds each step's key slots from the requests' pages; they must equal the slot lists
     transformers builds itself (chunked prefills, decodes, requests of several pages, joining and leaving)."""
-    from punica_hf.serving.engine import _AdapterSlotIOs, _page_size
+    from punica_hf.serving.transformers_cb import _AdapterSlotIOs
 
     checked = []
     prepare = _AdapterSlotIOs.prepare_batch_tensors
@@ -160,7 +160,7 @@ def test_key_slots_built_on_the_device_are_transformers_own(tiny_model, monkeypa
     expected = [reference_tokens(tiny_model, prompt, adapter, n) for adapter, prompt, n in plan]
     config = EngineConfig(max_running=6, max_batch_tokens=64, kv_blocks=64)
     with Engine(tiny_model, config=config) as engine:
-        page = _page_size(engine._processor.cb_config)
+        page = engine._backend.page_size
         handles = [engine.submit(prompt, adapter, SamplingParams(max_new_tokens=n)) for adapter, prompt, n in plan]
         completions = [handle.result(timeout=60) for handle in handles]
     assert [list(c.token_ids) for c in completions] == expected
@@ -423,6 +423,45 @@ def test_bad_requests_are_refused_by_name(demo_model, tiny_model):
     SamplingParams(temperature=1e-4, seed=-(2**63))  # the smallest accepted
 
 
+def test_request_ids_never_collide_and_are_short_strings(tiny_model):
+    """A caller's id shaped like an automatic one does not block later plain submissions; an id that is not a
+    non-empty string of at most MAX_REQUEST_ID_LENGTH characters is refused by name and changes nothing."""
+    with Engine(tiny_model) as engine:
+        running = SamplingParams(max_new_tokens=200)
+        named = [engine.submit([1, 2], params=running, request_id=f"req-{i}") for i in range(3)]
+        plain = [engine.submit([1, 2], params=running) for _ in range(3)]
+        assert len({handle.request_id for handle in named + plain}) == 6
+        before = engine.stats()
+        for bad in (5, b"x", "", "x" * (MAX_REQUEST_ID_LENGTH + 1)):
+            with pytest.raises(ValueError, match="request_id must be a non-empty string"):
+                engine.submit([1, 2], request_id=bad)
+        engine.submit([1, 2], request_id="x" * MAX_REQUEST_ID_LENGTH).cancel()  # the longest accepted
+        assert engine.stats().rejected == before.rejected
+        for handle in named + plain:
+            handle.cancel()
+            assert handle.result(timeout=60).finish_reason in ("cancelled", "length")
+
+
+def test_a_graph_capture_that_fails_at_warm_up_stops_start(tiny_model, monkeypatch):
+    """transformers' warm-up logs a failed capture and goes on; the engine checks every capture itself, refuses to
+    start, and gives the model its attention back. (A CPU cannot capture CUDA graphs: every capture fails here.)"""
+    from punica_hf.serving import transformers_cb
+
+    warm_up = transformers_cb.ContinuousBatchingBackend.warm_up
+
+    def with_graphs_on(backend):  # as on a GPU with CUDA graphs on
+        backend._runner.pad_inputs = backend._runner.use_cuda_graph_varlen = True
+        warm_up(backend)
+
+    monkeypatch.setattr(transformers_cb.ContinuousBatchingBackend, "warm_up", with_graphs_on)
+    before = tiny_model.model.config._attn_implementation
+    engine = Engine(tiny_model, config=EngineConfig(max_running=4, max_batch_tokens=64))
+    with pytest.raises(RuntimeError, match="CUDA graph warm-up failed: no graph for 64 tokens per step: .*"
+                                           "a KV cache of .* blocks and 64 tokens per step"):
+        engine.start()
+    assert not engine.running and tiny_model.model.config._attn_implementation == before
+
+
 def test_submit_from_many_threads(demo_model):
     model, answers = demo_model
     results = {}
@@ -485,7 +524,7 @@ def test_the_paged_attention_kernel_serves_what_generate_gives(tmp_path):
         assert engine.attention.implementation == attention.NAME
         handles = [engine.submit(prompt, adapter, SamplingParams(max_new_tokens=n)) for adapter, prompt, n in plan]
         completions = [handle.result(timeout=120) for handle in handles]
-        assert engine._processor.model_runner.pad_inputs  # the steps ran padded, replayed from graphs
+        assert engine._backend.graphs_on  # the steps ran padded, replayed from graphs
     for (adapter, prompt, n), completion in zip(plan, completions):
         tokens = list(completion.token_ids)
         assert len(tokens) == n

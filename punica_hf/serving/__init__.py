@@ -4,15 +4,15 @@ The engine needs only torch and transformers; the server (``punica_hf.serving.ap
 the ``serve`` extra (FastAPI, uvicorn, prometheus_client).
 """
 
-from .engine import (
+from .engine import Engine
+from .handles import RequestHandle
+from .types import (
     Completion,
     Delta,
-    Engine,
     EngineClosedError,
     EngineConfig,
     EngineStats,
     QueueFullError,
-    RequestHandle,
     SamplingParams,
     StepRecord,
 )

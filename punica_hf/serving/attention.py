@@ -2,16 +2,13 @@
 
 Without flash-attn, transformers' paged paths (``paged|sdpa``, ``paged|eager``) copy every running request's keys
 and values out of the cache at every layer of every step, attend with a ``[T, T + cache]`` mask built on the host,
-and leave CUDA graphs off (5.17: 35 ms decode steps at 32 requests, 86 ms at 128 on an H200, where the compiled
-static-cache step takes 10-12 ms). This path writes the step's new keys and values into the cache and attends
-through the step's slot lists: no copy, no mask, graphable.
+and leave CUDA graphs off: their decode steps are several times slower than a compiled static-cache step (numbers
+in benchmarks/README.md). This path writes the step's new keys and values into the cache and attends through the
+step's slot lists: no copy, no mask, graphable.
 
-It is registered with transformers' ``AttentionInterface`` and chosen by setting the model config's attention
-implementation. transformers (5.17-5.24) decides "no 4D mask, CUDA graphs on" from the substring ``flash`` in
-that name, hence ``punica_flash``; its flash-only decode fast path (block tables) stays off, since the name names
-no flash-attn version. 5.17 looks paged implementations up as ``paged|<name>``; later versions drop the prefix
-(and warn about it). When flash-attn is installed the engine leaves the choice to transformers; models with
-sliding-window layers keep transformers' own paged sdpa path.
+``transformers_cb`` registers it with transformers under ``NAME`` (why that name: see there). When flash-attn is
+installed the engine leaves the choice to transformers; models with sliding-window layers keep transformers' own
+paged sdpa path.
 """
 
 from __future__ import annotations
@@ -19,19 +16,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers import AttentionInterface
 from transformers.utils import is_flash_attn_2_available, is_flash_attn_3_available
 
 from .. import ops
 from ..ops import attention as ops_attention
-
-# transformers that still registers "paged|sdpa" (5.17) wants the "paged|" prefix on paged implementations
-_PREFIX = "paged|" if "paged|sdpa" in AttentionInterface._global_mapping else ""
-NAME = _PREFIX + "punica_flash"
-SDPA = _PREFIX + "sdpa"
-# 5.17 hands the attention function the cache and the step's slot lists (the kernel reads keys where they lie);
-# later versions gather every listed key slot in the model first, so there the slot lists' length costs copies.
-READS_CACHE_IN_PLACE = bool(_PREFIX)
+from .transformers_cb import ATTENTION_NAME as NAME
+from .transformers_cb import SDPA_NAME as SDPA
+from .transformers_cb import layer_cache
 
 
 @dataclass(frozen=True)
@@ -59,26 +50,6 @@ def choose(hf_model) -> AttentionChoice:
     return AttentionChoice(NAME, "punica_hf paged kernel", "flash-attn is not installed")
 
 
-def install(hf_model, implementation: str) -> list[tuple[object, str | None]]:
-    """Point every config of ``hf_model`` at ``implementation``; returns what ``restore`` puts back.
-
-    The configs are set directly: ``set_attn_implementation`` would try to import flash-attn for any name that
-    contains ``flash``. Models read the name at every forward, so this takes effect at the next step.
-    """
-    AttentionInterface.register("punica_flash", paged_attention_forward)
-    AttentionInterface.register("paged|punica_flash", paged_attention_forward)
-    saved = []
-    for config in _configs(hf_model):
-        saved.append((config, config._attn_implementation))
-        config._attn_implementation = implementation
-    return saved
-
-
-def restore(saved: list[tuple[object, str | None]]) -> None:
-    for config, implementation in saved:
-        config._attn_implementation = implementation
-
-
 def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                             attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                             **kwargs) -> tuple[torch.Tensor, None]:
@@ -93,7 +64,7 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     """
     cache = kwargs.get("cache")
     if cache is not None:
-        group, key_cache, value_cache = _layer_cache(cache, module.layer_idx)
+        group, key_cache, value_cache = layer_cache(cache, module.layer_idx)
         write_index = kwargs["write_index"][group]
         read_index = kwargs["read_index"][group]
         key_cache.index_copy_(0, write_index, key[0].transpose(0, 1))
@@ -112,20 +83,6 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         module.scaling if scaling is None else scaling,
     )
     return output.unsqueeze(0), None
-
-
-def _layer_cache(cache, layer_idx: int) -> tuple[int, torch.Tensor, torch.Tensor]:
-    """(attention group, keys ``[N, Hkv, D]``, values ``[N, Hkv, D]``) of one layer in a 5.17 cache, by slot."""
-    group, index_in_group = cache.layer_index_to_group_indices[layer_idx]
-    return group, cache.key_cache[index_in_group], cache.value_cache[index_in_group]
-
-
-def _configs(hf_model) -> list:
-    configs = [hf_model.config]
-    text_config = hf_model.config.get_text_config()
-    if text_config is not hf_model.config:
-        configs.append(text_config)
-    return configs
 
 
 def _sliding_windows(hf_model) -> list[int]:

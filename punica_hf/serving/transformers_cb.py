@@ -1,0 +1,489 @@
+"""The one module that touches transformers' non-public continuous-batching API (tested with
+``TESTED_TRANSFORMERS``); the engine drives it through ``ContinuousBatchingBackend``.
+
+transformers' continuous batching does the work (paged KV cache, scheduler with chunked prefill and offloading,
+packed ``[1, T]`` batches, attention paths, CUDA graphs) but has no per-request adapter and no per-request
+sampling, so this module extends it at three points:
+
+- ``_AdapterSlotIOs``: the batch inputs gain ``adapter_ids`` ``[1, T]``, the GPU slot of each packed token's
+  request (-1 = base model and padding), in a static buffer that CUDA graphs captured once read at every replay;
+  the wrapped model's ``forward`` takes it to the LoRA layers.
+- ``_ScoreKeepingRunner``: greedy decoding stays inside transformers' (graphable) step, which also copies its
+  scores into a static buffer; the engine draws each sampling request's token from it with the request's own
+  settings and generator, so a seeded request gives the same text whatever else is in the batch.
+- ``_OutputRouter``: each step's outputs wait until the engine hands them out, while the next step runs.
+
+transformers builds those objects inside its batch processor with no hook to pass other classes, so the backend
+switches the class of the two instances (keeping every reference transformers holds). Each use of a private name
+carries a note, "upstream hook:", naming what would remove it. Prefix caching (block sharing) is off: two requests
+with the same prompt but different adapters have different keys and values; transformers' block hashes know only
+the tokens.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+import transformers
+from packaging.version import Version
+
+TESTED_TRANSFORMERS = ">=5.17,<5.25"
+_LOWEST, _FIRST_UNTESTED = Version("5.17"), Version("5.25")
+
+
+def check_transformers_version(version: str | None = None) -> None:
+    """Refuse a transformers older than the tested range (its continuous-batching API lacks what this module
+    extends); warn about a newer one (private API may have moved). ``version``: the installed one by default."""
+    version = transformers.__version__ if version is None else version
+    release = Version(Version(version).base_version)  # 5.25.0.dev0 and 5.25.0rc1 count as 5.25.0
+    pin = f"pip install 'transformers{TESTED_TRANSFORMERS}'"
+    if release < _LOWEST:
+        raise ImportError(f"punica_hf's serving engine needs transformers {TESTED_TRANSFORMERS}; {version} is "
+                          f"installed, whose continuous batching lacks what the engine extends: {pin}")
+    if release >= _FIRST_UNTESTED:
+        warnings.warn(f"punica_hf's serving engine is tested with transformers {TESTED_TRANSFORMERS}, and {version} "
+                      f"is installed: the engine reaches into transformers' private continuous-batching code, which "
+                      f"may have changed. If serving fails, {pin}", RuntimeWarning, stacklevel=2)
+
+
+check_transformers_version()
+
+# After the version check, so that an old transformers gets its message rather than a failed import:
+from transformers import AttentionInterface, ContinuousBatchingConfig, GenerationConfig  # noqa: E402
+from transformers.generation.continuous_batching.input_outputs import ContinuousBatchingIOs  # noqa: E402
+from transformers.generation.continuous_batching.model_runner import ModelRunner  # noqa: E402
+
+# 5.17 looks paged implementations up as "paged|<name>" (it registers "paged|sdpa"); later versions drop the prefix.
+# upstream hook: a public "is this name registered" query on AttentionInterface
+PAGED_PREFIX = "paged|" if "paged|sdpa" in AttentionInterface._global_mapping else ""
+# transformers (5.17-5.24) turns CUDA graphs on and the 4D mask off for names that contain "flash"; its flash-only
+# decode fast path (block tables) stays off, since the name names no flash-attn version.
+# upstream hook: attention functions registered with their own "needs a mask / graphable" flags
+ATTENTION_NAME = PAGED_PREFIX + "punica_flash"
+SDPA_NAME = PAGED_PREFIX + "sdpa"
+# 5.17 hands the attention function the cache and the step's slot lists (the kernel reads keys where they lie);
+# later versions gather every listed key slot in the model first, so there the slot lists' length costs copies.
+READS_CACHE_IN_PLACE = bool(PAGED_PREFIX)
+ONE_KV_PADDING = 1 << 40  # a padding interval longer than any cache: every step's slot list padded to the cache
+
+
+def set_attention(hf_model, implementation: str, forward: Callable) -> list[tuple[object, str | None]]:
+    """Register ``forward`` as the punica attention and point every config of ``hf_model`` at ``implementation``;
+    returns what ``restore_attention`` puts back.
+
+    The configs are set directly: ``set_attn_implementation`` would try to import flash-attn for any name that
+    contains ``flash``. Models read the name at every forward, so this takes effect at the next step.
+    upstream hook: ``set_attn_implementation`` accepting registered custom paged implementations
+    """
+    AttentionInterface.register("punica_flash", forward)
+    AttentionInterface.register("paged|punica_flash", forward)
+    saved = []
+    for config in _configs(hf_model):
+        saved.append((config, config._attn_implementation))
+        config._attn_implementation = implementation
+    return saved
+
+
+def restore_attention(saved: list[tuple[object, str | None]]) -> None:
+    for config, implementation in saved:
+        config._attn_implementation = implementation
+
+
+def layer_cache(cache, layer_idx: int) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """(attention group, keys ``[N, Hkv, D]``, values ``[N, Hkv, D]``) of one layer in a 5.17 paged cache, by slot.
+    upstream hook: the attention function handed its layer's key and value caches"""
+    group, index_in_group = cache.layer_index_to_group_indices[layer_idx]
+    return group, cache.key_cache[index_in_group], cache.value_cache[index_in_group]
+
+
+def batching_config(device: torch.device, *, max_running: int | None, max_batch_tokens: int | None,
+                    kv_blocks: int | None, cuda_graphs: bool | None, max_model_len: int,
+                    pad_keys_to_cache: bool) -> ContinuousBatchingConfig:
+    """transformers' batching settings; ``None`` sizes lets it size them (on a GPU). ``pad_keys_to_cache``: every
+    step's key slot list is padded to one length (the kernel reads only the real slots), keeping key counts out of
+    the graphs' shapes."""
+    cb_config = ContinuousBatchingConfig(
+        max_requests_per_batch=max_running,
+        max_batch_tokens=max_batch_tokens,
+        allow_block_sharing=False,
+        use_async_batching=False,
+        # transformers would turn graphs on for a CPU model on a machine with a GPU (it asks the machine)
+        use_cuda_graph=cuda_graphs if device.type == "cuda" else False,
+    )
+    if pad_keys_to_cache:
+        cb_config.kv_padding_interval_size = ONE_KV_PADDING
+    if kv_blocks is None and device.type == "cpu":
+        kv_blocks = math.ceil(max_running * max_model_len / page_size(cb_config))
+    cb_config.num_blocks = kv_blocks
+    return cb_config
+
+
+def page_size(cb_config: ContinuousBatchingConfig) -> int:
+    """Tokens per KV page (``page_size`` since transformers 5.18, ``block_size`` before)."""
+    return getattr(cb_config, "page_size", None) or cb_config.block_size
+
+
+class ContinuousBatchingBackend:
+    """transformers' batch processor, extended and driven step by step by the engine (one thread).
+
+    A step: ``prepare()`` schedules the next batch (dropping cancelled requests); ``forward()`` queues it on the
+    device; ``deliver_outputs()`` hands the previous step's tokens to ``on_tokens(request_id, generated, finished)``
+    / ``on_failure(request_id, error)``; ``rows()`` / ``scores()`` / ``set_token()`` let the engine re-sample rows;
+    ``fetch_outputs()`` waits for the device and ``end_step()`` advances the requests (``fail_step(error)`` instead,
+    when the step raised). ``close()`` gives the model back its attention implementation.
+    """
+
+    def __init__(self, hf_model, cb_config: ContinuousBatchingConfig, *, eos_token_ids: list[int],
+                 vocab_size: int, slot_of: Callable[[str], int], on_tokens: Callable[[str, list[int], bool], None],
+                 on_failure: Callable[[str, object], None], attention: str | None, attention_forward: Callable):
+        self.hf_model = hf_model
+        self._own_attention = attention == ATTENTION_NAME
+        self._saved_attention = [] if attention is None else set_attention(hf_model, attention, attention_forward)
+        self._manager = None
+        generation_config = GenerationConfig(  # greedy, no logits processors: the engine samples per request
+            do_sample=False,
+            eos_token_id=eos_token_ids or -1,
+            pad_token_id=getattr(hf_model.generation_config, "pad_token_id", None),
+        )
+        try:
+            self._manager = hf_model.init_continuous_batching(generation_config=generation_config,
+                                                              continuous_batching_config=cb_config)
+            # upstream hook: init_continuous_batching taking the batch processor's IO, runner and router classes
+            processor = self._manager._create_batch_processor()
+            _AdapterSlotIOs.adopt(processor.inputs_and_outputs, slot_of, self._own_attention)
+            _ScoreKeepingRunner.adopt(processor.model_runner, processor.cb_config.max_requests_per_batch, vocab_size)
+            self._router = processor.output_router = _OutputRouter(on_tokens, on_failure)
+            self._manager.batch_processor = processor
+        except BaseException:
+            self.close()
+            raise
+        self._processor = processor
+        self._io: _AdapterSlotIOs = processor.inputs_and_outputs
+        self._runner: _ScoreKeepingRunner = processor.model_runner
+
+    # ------------------------------------------------------------------ sizes and counters
+    @property
+    def max_requests(self) -> int:
+        return self._processor.cb_config.max_requests_per_batch
+
+    @property
+    def page_size(self) -> int:
+        return page_size(self._processor.cb_config)
+
+    @property
+    def kv_tokens(self) -> int:
+        """Tokens the KV cache holds."""
+        return self._processor.cb_config.num_blocks * self.page_size
+
+    @property
+    def waiting(self) -> int:
+        """Requests in transformers' scheduler that have not started yet."""
+        return len(self._processor.scheduler.waiting_requests)
+
+    @property
+    def running(self) -> int:
+        return len(self._processor.scheduler.active_requests)
+
+    @property
+    def kv_free_fraction(self) -> float:
+        cache = self._processor.cache
+        if hasattr(cache, "compute_free_capacity"):  # transformers >= 5.18
+            return float(cache.compute_free_capacity())
+        return cache.get_num_free_blocks() / cache.num_blocks
+
+    @property
+    def cuda_graphs(self) -> int:
+        """Step shapes captured so far."""
+        return len(self._io.captured_keys)
+
+    @property
+    def graphs_on(self) -> bool:
+        """Whether steps run padded (replayed from CUDA graphs, or compiled)."""
+        return self._runner.pad_inputs
+
+    # ------------------------------------------------------------------ requests
+    def add(self, request_id: str, prompt_ids: list[int], max_new_tokens: int, eos_token_ids: list[int]) -> None:
+        self._manager.add_request(prompt_ids, request_id=request_id, max_new_tokens=max_new_tokens, streaming=True,
+                                  eos_token_id=eos_token_ids)
+
+    def cancel(self, request_id: str) -> None:
+        """Drop a request at the next ``prepare()``, freeing its KV blocks."""
+        self._manager.cancel_request(request_id)
+
+    # ------------------------------------------------------------------ one step
+    def prepare(self) -> bool:
+        """Schedule the next batch; False when no request is ready to run."""
+        return self._processor.prepare_next_batch()
+
+    @property
+    def batch_shape(self) -> tuple[int, int]:
+        """(requests, packed tokens) of the prepared batch."""
+        batch = self._io.requests_in_batch
+        return len(batch), sum(s.query_length for s in batch)
+
+    def forward(self) -> None:
+        """Queue the prepared batch's forward (and greedy tokens) on the device."""
+        batch_data = self._io.get_model_kwargs(use_padding=self._runner.pad_inputs)
+        self._runner.compute_batch(self.hf_model, batch_data)
+
+    def deliver_outputs(self) -> None:
+        self._router.deliver_pending()
+
+    def rows(self) -> list[str]:
+        """The request of each row of the step's scores (the batch's requests that get a token this step)."""
+        return [f.state.request_id for f in self._io.requests_in_batch if f.has_new_token]
+
+    def scores(self, rows: int) -> torch.Tensor:
+        """The step's float32 scores ``[rows, V]``."""
+        return self._runner.kept_scores[:rows]
+
+    def on_compute_stream(self):
+        """Where work on the step's outputs goes: the stream the step runs on."""
+        stream = self._io.compute_stream
+        return torch.cuda.stream(stream) if stream is not None else nullcontext()
+
+    def set_token(self, row: int, token: torch.Tensor) -> None:
+        """Replace the greedy token of ``row`` (before ``fetch_outputs``)."""
+        self._io.output_ids[0, row] = token
+
+    def fetch_outputs(self) -> None:
+        self._io.retrieve_device_outputs()
+
+    def end_step(self) -> None:
+        self._processor.update_batch()
+
+    def fail_step(self, error: Exception) -> None:
+        """The step raised: its requests fail (through ``on_failure``); the others go on."""
+        self._processor.handle_batch_error(error)
+
+    def drop_graphs(self) -> None:
+        """Forget the captured CUDA graphs (the model changed under them): steps capture again."""
+        if getattr(self._io, "graphs", None) is not None:
+            self._io.graphs = type(self._io.graphs)()  # upstream hook: a public way to clear the graph buffer
+        self._io.captured_keys.clear()
+
+    # ------------------------------------------------------------------ warm-up and end
+    def warm_up(self) -> None:
+        """Capture the CUDA graphs of the step shapes known in advance; a failed capture raises, naming the memory.
+
+        transformers' own warm-up runs one request as long as the whole KV cache: right for its attention paths,
+        whose graphs need room for a copy of the cache, but ours reads the cache in place and would attend over
+        every slot. Ours captures the largest step first (its memory pool then holds every smaller one), then every
+        smaller padded query count, each over one page of cached tokens: where the kernel reads the cache in place
+        the graphs are keyed by query count alone, so no step captures a graph while requests wait.
+        transformers logs a failed capture and goes on; here each capture is checked: the forward raised nothing
+        (``_ScoreKeepingRunner.compute_batch``) and stored its graph (``_AdapterSlotIOs.set_graph``).
+        """
+        runner, io, cb_config = self._runner, self._io, self._processor.cb_config
+        runner.last_error = None
+        failure = None
+        if not self._own_attention:
+            stored = io.graphs_stored
+            self._processor.warmup(self.hf_model)
+            if runner.last_error is not None:
+                failure = str(runner.last_error)
+            elif runner.pad_inputs and runner.use_cuda_graph_varlen and io.graphs_stored == stored:
+                failure = "transformers' warm-up captured no graph"
+        elif runner.pad_inputs:  # graphs on
+            interval, max_batch_tokens = cb_config.q_padding_interval_size, self._processor.cache.max_batch_tokens
+            last = max_batch_tokens if READS_CACHE_IN_PLACE else cb_config.max_requests_per_batch
+            padded = range(interval, last + interval, interval)  # what the runner pads up to, last included
+            sizes = {max_batch_tokens} | {min(size, max_batch_tokens) for size in padded}
+            for num_q_tokens in sorted(sizes, reverse=True):  # the largest first
+                stored = io.graphs_stored
+                runner.run_one_warmup(self.hf_model, num_q_tokens=num_q_tokens, max_kv_read=self.page_size)
+                if runner.last_error is not None or (runner.use_cuda_graph_varlen and io.graphs_stored == stored):
+                    failure = f"no graph for {num_q_tokens} tokens per step" + (
+                        f": {runner.last_error}" if runner.last_error is not None else "")
+                    break
+        if failure is not None:
+            raise RuntimeError(f"CUDA graph warm-up failed: {failure} ({self._memory_report()})")
+
+    def _memory_report(self) -> str:
+        """The GPU's memory in words, for a failed warm-up."""
+        cache = self._processor.cache
+        memory = ""
+        if self._io.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self._io.device)
+            memory = f"{free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB with "
+        return (f"{memory}a KV cache of {cache.num_blocks} blocks and {cache.max_batch_tokens} tokens per step; give "
+                f"EngineConfig fewer kv_blocks or max_batch_tokens")
+
+    def close(self) -> None:
+        """Give the model back the attention implementation it had before."""
+        # upstream hook: a public "stop continuous batching and restore the model" on the manager
+        if self._manager is not None and self._manager._original_attn_impl is not None:
+            self.hf_model.set_attn_implementation(self._manager._original_attn_impl)
+            self._manager._original_attn_impl = None
+        restore_attention(self._saved_attention)
+        self._saved_attention = []
+
+
+# ---------------------------------------------------------------------- transformers extension points
+class _AdapterSlotIOs(ContinuousBatchingIOs):
+    """transformers' batch inputs plus ``adapter_ids`` ``[1, T]``: the GPU adapter slot of every packed token.
+
+    On the engine's own attention path it also builds the keys' cache slots (``read_index``) on the device from
+    each request's pages: transformers lists every key of every request in Python, a host cost that grows with
+    the batch's keys; this costs a list of pages per request and a few kernels. Where the kernel reads
+    the cache in place, graphs are keyed by query count alone: it reads each sequence's keys through
+    ``cu_seq_lens_k``, so the key counts are no part of its shapes.
+    """
+
+    _slot_of: Callable[[str], int]
+    _token_slots: torch.Tensor  # [1, max_batch_tokens] int32 on the model's device; -1 = base model / padding
+    _page_groups: list[_PageGroup] | None  # one per attention group; None: transformers builds the key slots
+    captured_keys: set[tuple[int, ...]]  # the step shapes whose graphs are stored
+    graphs_stored: int  # graphs stored so far (a capture that failed stores none)
+
+    @classmethod
+    def adopt(cls, io: ContinuousBatchingIOs, slot_of: Callable[[str], int], own_attention: bool) -> None:
+        if type(io) is not ContinuousBatchingIOs:
+            raise TypeError(f"expected transformers' synchronous ContinuousBatchingIOs, got {type(io).__name__}")
+        io.__class__ = cls  # upstream hook: the IO class as an argument of the batch processor
+        io._slot_of = slot_of
+        io._token_slots = torch.full((1, io.cache.max_batch_tokens), -1, dtype=torch.int32, device=io.device)
+        io._page_groups = _page_groups(io.cache) if own_attention else None
+        io.captured_keys = set()
+        io.graphs_stored = 0
+
+    # upstream hook: a per-token extra input (adapter ids) and a key-slot builder in prepare_batch_tensors
+    def prepare_batch_tensors(self, requests_in_batch, logits_processors, use_decode_fast_path: bool,
+                              num_q_tokens: int, max_kv_read: int, use_padding: bool) -> None:
+        key_lengths = [s.state.position_offset + s.query_length for s in requests_in_batch]  # before they advance
+        own_key_slots = self._page_groups is not None and max_kv_read > 0 and not use_decode_fast_path
+        super().prepare_batch_tensors(requests_in_batch, logits_processors, use_decode_fast_path, num_q_tokens,
+                                      0 if own_key_slots else max_kv_read, use_padding)  # 0: it lists no keys
+        if own_key_slots:
+            self.max_kv_read = max_kv_read
+            self._fill_key_slots([s.state.request_id for s in requests_in_batch], key_lengths,
+                                 max_kv_read + num_q_tokens if use_padding else sum(key_lengths))
+        slots = [
+            slot
+            for future_state in requests_in_batch
+            for slot in [self._slot_of(future_state.state.request_id)] * future_state.query_length
+        ]
+        self._token_slots[0, : len(slots)] = torch.tensor(slots, dtype=torch.int32, device=self.device)
+        self._token_slots[0, len(slots) : max(self.num_q_tokens, len(slots))] = -1  # padding up to a graph's size
+        if self.compute_stream is not None:  # the step runs there: after the inputs written on this stream
+            self.compute_stream.wait_stream(torch.cuda.current_stream(self.device))
+
+    def _fill_key_slots(self, request_ids: list[str], key_lengths: list[int], size: int) -> None:
+        """``read_index_storage[g, :size]``: every request's keys' slots in order (full attention: all its
+        tokens, those of this step included), then the trash slot. transformers' own lists, built on the device."""
+        total = sum(key_lengths)
+        lengths = torch.tensor(key_lengths, device=self.device)
+        starts = lengths.cumsum(0) - lengths
+        rows = torch.repeat_interleave(torch.arange(len(key_lengths), device=self.device), lengths, output_size=total)
+        positions = torch.arange(total, device=self.device) - starts[rows]
+        for index, group in enumerate(self._page_groups):
+            pages = [group.owner.block_table[request_id] for request_id in request_ids]
+            width = max(map(len, pages))
+            page_table = torch.tensor([p + [0] * (width - len(p)) for p in pages], device=self.device)
+            page_starts = page_table[rows, positions // group.tokens_per_page] * group.page_stride
+            self.read_index_storage[index, :total] = page_starts + positions % group.tokens_per_page
+            self.read_index_storage[index, total:size] = group.trash_slot
+            self.true_read_sizes[index] = total
+
+    # upstream hook: a graph-key function in ContinuousBatchingConfig
+    def _get_graph_key(self) -> tuple[int, ...]:
+        if self._page_groups is not None and READS_CACHE_IN_PLACE and not self.use_block_table:
+            return (self.num_q_tokens,)
+        return super()._get_graph_key()
+
+    def set_graph(self, graph) -> None:
+        super().set_graph(graph)
+        self.captured_keys.add(self._get_graph_key())
+        self.graphs_stored += 1
+
+    def get_model_kwargs(self, *args, **kwargs):
+        model_kwargs = super().get_model_kwargs(*args, **kwargs)
+        model_kwargs["adapter_ids"] = self._token_slots[:, : model_kwargs["input_ids"].shape[1]]
+        return model_kwargs
+
+
+class _ScoreKeepingRunner(ModelRunner):
+    """transformers' model runner (greedy) that also leaves each step's scores in ``kept_scores`` ``[R, V]``, and
+    the error of its last failed step in ``last_error`` (transformers' warm-up logs it and goes on)."""
+
+    kept_scores: torch.Tensor
+    last_error: Exception | None
+
+    @classmethod
+    def adopt(cls, runner: ModelRunner, max_rows: int, vocab_size: int) -> None:
+        runner.__class__ = cls  # upstream hook: the runner class as an argument of the batch processor
+        runner.last_error = None
+        device = runner.inputs_and_outputs.device
+        runner.kept_scores = torch.zeros(max_rows, vocab_size, dtype=torch.float32, device=device)
+
+    def compute_batch(self, model, batch_data: dict) -> None:
+        try:
+            super().compute_batch(model, batch_data)
+        except Exception as error:
+            self.last_error = error
+            raise
+
+    # upstream hook: an option to keep the step's scores (output_scores) in continuous batching
+    def _sample(self, scores: torch.Tensor, output_ids: torch.Tensor) -> None:
+        self.kept_scores[: scores.shape[1]].copy_(scores[0])  # scores [1, rows, V]; a static copy, graphable
+        super()._sample(scores, output_ids)
+
+
+class _OutputRouter:
+    """Takes the place of transformers' output router: keeps each step's outputs (transformers' copies) until
+    ``deliver_pending`` hands them to the engine, once the next step is queued on the device."""
+
+    def __init__(self, on_tokens: Callable[[str, list[int], bool], None], on_failure: Callable[[str, object], None]):
+        self._on_tokens = on_tokens
+        self._on_failure = on_failure
+        self._pending: list = []
+
+    def deliver(self, output) -> None:
+        self._pending.append(output)
+
+    def deliver_batch(self, outputs) -> None:
+        self._pending.extend(outputs)
+
+    def deliver_pending(self) -> None:
+        pending, self._pending = self._pending, []
+        for output in pending:
+            if output.error is not None:
+                self._on_failure(output.request_id, output.error)
+            else:
+                self._on_tokens(output.request_id, output.generated_tokens, output.is_finished())
+
+    def fail_and_deliver(self, state, error: Exception) -> None:
+        self.deliver_pending()  # in order: the request's earlier tokens first
+        self._on_failure(state.request_id, error)
+
+
+@dataclass(frozen=True)
+class _PageGroup:
+    """Where one attention group's keys lie: the slot of a request's token at ``position`` is
+    ``owner.block_table[request_id][position // tokens_per_page] * page_stride + position % tokens_per_page``."""
+
+    owner: object  # transformers' object that holds the group's pages of each request (``block_table``)
+    tokens_per_page: int
+    page_stride: int
+    trash_slot: int  # what transformers reads for no key
+
+
+def _page_groups(cache) -> list[_PageGroup]:
+    """The cache's attention groups (5.17: group cache managers; 5.18 on: cache allocators, one per layer type)."""
+    if hasattr(cache, "cache_allocators"):
+        return [_PageGroup(a, a.tokens_per_page, a.block_physical_stride, a.read_trash_index)
+                for a in cache.cache_allocators.values()]
+    return [_PageGroup(m, m.block_size, m.block_size, cache.read_trash_index) for m in cache.group_cache_managers]
+
+
+def _configs(hf_model) -> list:
+    configs = [hf_model.config]
+    text_config = hf_model.config.get_text_config()
+    if text_config is not hf_model.config:
+        configs.append(text_config)
+    return configs
