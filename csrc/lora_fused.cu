@@ -260,7 +260,8 @@ bool punica_fused_fits(const PunicaLoraProblem& p) {
   if (!p.fused || p.num_tokens > punica::kFusedMaxTokens) return false;
   // Measured with Bt staged and the slices of clusters of 8, whatever runs (so the path choice is that of the tests
   // and measurements): rank 64 (141 KB at 4096) stays on two launches. Fused, it would read Bt from L2 in 16
-  // dependent rounds per thread: slower than two launches at 1, 16 and 64 distinct tokens (KERNEL_NOTES version 10).
+  // dependent rounds per thread: slower than two launches at 1, 16 and 64 distinct tokens (benchmarks/KERNEL_NOTES.md,
+  // "Rank 64 on the fused kernel").
   const int widest = punica::widest_output(p);
   const auto bytes = p.dtype == PUNICA_FLOAT32 ? punica::fused_smem_bytes<float> : punica::fused_smem_bytes<__half>;
   return bytes(p.hidden_in, widest, p.max_rank, p.accumulate != 0, punica::kCluster, true) <= punica::kFusedMaxSmem;
