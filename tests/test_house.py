@@ -12,6 +12,7 @@ and punica_hf's modules import one another without cycles. Each failure lists ev
 from __future__ import annotations
 
 import ast
+import re
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -220,8 +221,8 @@ def test_the_cycle_finder_finds_cycles_and_only_cycles():
 
 @pytest.mark.parametrize("version, outcome", [
     ("5.16.2", ImportError), ("4.57.0", ImportError),
-    ("5.25.0", RuntimeWarning), ("5.25.0.dev0", RuntimeWarning), ("6.1.0", RuntimeWarning),
-    ("5.17.0", None), ("5.17.0rc1", None), ("5.24.3", None),
+    ("5.26.0", RuntimeWarning), ("5.26.0.dev0", RuntimeWarning), ("6.1.0", RuntimeWarning),
+    ("5.17.0", None), ("5.17.0rc1", None), ("5.25.3", None),
 ])
 def test_the_transformers_version_is_checked_against_the_tested_range(monkeypatch, version, outcome):
     transformers = pytest.importorskip("transformers")
@@ -231,12 +232,21 @@ def test_the_transformers_version_is_checked_against_the_tested_range(monkeypatc
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         if outcome is ImportError:
-            with pytest.raises(ImportError, match=r"pip install 'transformers>=5\.17,<5\.25'"):
+            with pytest.raises(ImportError, match=r"pip install 'transformers>=5\.17,<5\.26'"):
                 transformers_cb.check_transformers_version()
         else:
             transformers_cb.check_transformers_version()
     messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
     if outcome is RuntimeWarning:
-        assert len(messages) == 1 and version in messages[0] and ">=5.17,<5.25" in messages[0], messages
+        assert len(messages) == 1 and version in messages[0] and ">=5.17,<5.26" in messages[0], messages
     else:
         assert not messages, messages
+
+
+def test_the_engines_tested_range_is_the_pin_in_pyproject():
+    """One range: the version check warns exactly outside what pip may install."""
+    from punica_hf.serving import transformers_cb
+
+    pyproject = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    pins = re.findall(r'"transformers([<>=!~][^"]*)"', pyproject)
+    assert pins == [transformers_cb.TESTED_TRANSFORMERS]
