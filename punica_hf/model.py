@@ -31,6 +31,7 @@ from .injection import LoraInjection
 from .layers import LoraContext
 from .ops import KernelConfig
 from .store import CAPACITY_WAIT_S, AdapterLease, AdapterStore, check_wait
+from .tensor_parallel import refuse_gradients
 from .torch_compat import FollowsModuleMoves
 
 AdapterIds = torch.Tensor | Sequence[str | int | None]
@@ -91,7 +92,7 @@ class MultiLoraModel(FollowsModuleMoves):
         self._store = AdapterStore(
             self._injection, max_adapters, max_rank, gpu_pool_bytes, host_pool_bytes, capacity_wait_s
         )
-        model.forward = AdapterForward(model, context, self._store)
+        model.forward = AdapterForward(model, context, self._store, self._injection.tensor_parallel)
         # Within a parent module's load_state_dict, this one's keys are the wrapped model's (see state_dict).
         self.register_load_state_dict_pre_hook(_keys_of_the_wrapped_model)
 
@@ -308,10 +309,13 @@ class AdapterForward:
     of the traced code (a compiled call runs as a unit).
     """
 
-    def __init__(self, model: nn.Module, context: LoraContext, store: AdapterStore) -> None:
+    def __init__(
+        self, model: nn.Module, context: LoraContext, store: AdapterStore, tensor_parallel: bool = False
+    ) -> None:
         self.model = model
         self.context = context
         self.store = store
+        self.tensor_parallel = tensor_parallel  # adapters on split layers: inference only
         self.num_slots = store.max_adapters
         # A forward already patched on the instance (accelerate's device hooks) is kept and called.
         self.original = model.__dict__.get("forward")
@@ -342,6 +346,8 @@ class AdapterForward:
         batch_shape = _batch_shape(args, kwargs)
         if batch_shape is None:
             raise ValueError("adapter_ids needs input_ids or inputs_embeds of shape [batch, seq, ...]")
+        if self.tensor_parallel:
+            refuse_gradients()
         if adapter_ids.dim() == 1:
             token_slots = adapter_ids[:, None].expand(batch_shape).reshape(-1)
         else:

@@ -584,7 +584,7 @@ class AdapterStore:
     def _read_source(self, adapter: Adapter) -> HostCopy:
         source = adapter.source
         if isinstance(source, AdapterWeights):
-            weights = source
+            weights = self.module_hooks.select(adapter.name, source)  # the model's share (tensor parallelism)
         else:
             weights = load_adapter_weights(source, **adapter.source_kwargs)
             weights = self.module_hooks.select(adapter.name, weights)

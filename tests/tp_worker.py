@@ -1,0 +1,147 @@
+"""One rank of tests/test_tp.py: run under ``torchrun --nproc-per-node 2`` (gloo, CPU) by that test, never alone.
+
+``python tp_worker.py ROOT``: ROOT holds the tiny models (``ROOT/models/<name>``) and PEFT adapters
+(``ROOT/adapters/<model>/<name>``) the test saved. Each rank loads every model twice, split by transformers' tensor
+parallelism and whole, runs the same calls on both and writes what it saw to ``ROOT/rank<R>.json``; the test
+compares (the tolerances live there). One process run checks everything, since starting ranks costs seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from transformers import AutoModelForCausalLM
+
+from punica_hf import MultiLoraModel
+
+ROOT = Path(sys.argv[1])
+RANK = int(os.environ["RANK"])
+PROMPTS = torch.tensor([[5, 17, 33, 2, 9, 41], [7, 7, 12, 60, 3, 11], [1, 2, 3, 4, 5, 6], [88, 14, 29, 70, 51, 8]])
+
+
+def load(model: str, tensor_parallel: bool) -> torch.nn.Module:
+    split = dict(tp_plan="auto") if tensor_parallel else {}
+    return AutoModelForCausalLM.from_pretrained(ROOT / "models" / model, dtype=torch.float32, **split).eval()
+
+
+def adapters(model: str, *names: str) -> dict[str, Path]:
+    return {name: ROOT / "adapters" / model / name for name in names}
+
+
+def refusal(call) -> str | None:
+    """The ValueError message of ``call()``, None when it raised none."""
+    try:
+        call()
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def biggest_difference(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a - b).abs().max().item()
+
+
+def compare_model(model: str, names: list[str], row_adapters: list, results: dict) -> None:
+    """Logits (per row and per token) and greedy tokens of the split model against the whole one."""
+    whole = MultiLoraModel(load(model, False), max_adapters=4, max_rank=16)
+    whole.load_adapters(adapters(model, *names))
+    split_base = load(model, True)
+    tp_forwards = {name: m.__dict__.get("forward") for name, m in split_base.named_modules()}
+    with torch.no_grad():
+        base_logits = split_base(PROMPTS).logits
+    split = MultiLoraModel(split_base, max_adapters=4, max_rank=16)
+    split.load_adapters(adapters(model, *names))
+    token_adapters = [[row_adapters[(row + token) % len(row_adapters)] for token in range(PROMPTS.shape[1])]
+                      for row in range(PROMPTS.shape[0])]
+    token_ids = torch.tensor([[-1 if a is None else split.adapters[a] for a in row] for row in token_adapters])
+    with torch.no_grad():
+        expected = whole(PROMPTS, adapter_ids=row_adapters).logits
+        results["logits_difference"] = biggest_difference(split(PROMPTS, adapter_ids=row_adapters).logits, expected)
+        results["lora_effect"] = biggest_difference(whole(PROMPTS).logits, expected)
+        results["per_token_difference"] = biggest_difference(
+            split(PROMPTS, adapter_ids=token_ids).logits, whole(PROMPTS, adapter_ids=token_ids).logits
+        )
+    generate = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+    results["tokens"] = split.generate(PROMPTS, adapter_ids=row_adapters, **generate).tolist()
+    results["expected_tokens"] = whole.generate(PROMPTS, adapter_ids=row_adapters, **generate).tolist()
+    results["base_tokens"] = whole.generate(PROMPTS, **generate).tolist()
+    results["grouped_modules"] = sorted(split._injection.groups or {})
+    results["local_widths"] = {
+        name: [m.in_features, m.out_features]
+        for name, m in split._injection.linear_modules().items() if name.startswith("model.layers.0.")
+    }
+    unwrapped = split.unwrap()
+    with torch.no_grad():
+        results["unwrapped_difference"] = biggest_difference(unwrapped(PROMPTS).logits, base_logits)
+    results["unwrapped_forwards_restored"] = unwrapped is split_base and all(
+        m.__dict__.get("forward") is tp_forwards[name] for name, m in unwrapped.named_modules()
+    )
+
+
+def eviction_and_refusals(results: dict) -> None:
+    """More adapters than slots, reloaded under TP; then each refusal, which must change nothing."""
+    names = ["attn", "mlp", "wide"]
+    whole = MultiLoraModel(load("even", False), max_adapters=4, max_rank=16)
+    whole.load_adapters(adapters("even", *names))
+    split = MultiLoraModel(load("even", True), max_adapters=2, max_rank=16)
+    split.load_adapters(adapters("even", *names))
+    differences = []
+    for batch in (["attn", "mlp", None, "attn"], ["wide", None, "wide", "mlp"], ["attn", "wide", "attn", None]):
+        with torch.no_grad():
+            differences.append(biggest_difference(
+                split(PROMPTS, adapter_ids=batch).logits, whole(PROMPTS, adapter_ids=batch).logits
+            ))
+    results["eviction_differences"] = differences
+    results["evictions"] = split.adapter_stats["evictions"]
+
+    before = split.adapters
+    refusals = {
+        "gradients": refusal(lambda: split(PROMPTS, adapter_ids=["attn"] * 4)),
+        "lm_head": refusal(lambda: split.load_adapters(adapters("even", "head"))),
+        "embedding": refusal(lambda: split.load_adapters(adapters("even", "embed"))),
+    }
+    results["refusals"] = refusals
+    results["adapters_unchanged"] = split.adapters == before
+    after = ["wide", None, "attn", "wide"]
+    with torch.no_grad():
+        results["after_refusals_difference"] = biggest_difference(
+            split(PROMPTS, adapter_ids=after).logits, whole(PROMPTS, adapter_ids=after).logits
+        )
+
+
+def packed_refusal(results: dict) -> None:
+    """A layer of a style LoRA is not served on under TP (a packed projection) is refused by name."""
+    plan = {"model.layers.*.mlp.gate_proj": "packed_colwise", "model.layers.*.mlp.up_proj": "colwise",
+            "model.layers.*.mlp.down_proj": "rowwise"}
+    model = AutoModelForCausalLM.from_pretrained(ROOT / "models" / "even", dtype=torch.float32, tp_plan=plan).eval()
+    wrapped = MultiLoraModel(model, max_adapters=2, max_rank=16)
+    results["packed"] = refusal(lambda: wrapped.load_adapters(adapters("even", "mlp")))
+    results["packed_adapters"] = wrapped.adapters
+
+
+def main() -> None:
+    results: dict = {}
+    for section, run in (
+        ("even", lambda r: compare_model("even", ["attn", "mlp", "wide"], ["attn", None, "mlp", "wide"], r)),
+        ("odd", lambda r: compare_model("odd", ["attn", "mlp"], ["mlp", "attn", None, "mlp"], r)),
+        ("eviction", eviction_and_refusals),
+        ("packed", packed_refusal),
+    ):
+        results[section] = {}
+        try:
+            run(results[section])
+        except Exception:  # every rank reports what failed, so the test shows it
+            results[section]["error"] = traceback.format_exc()
+    (ROOT / f"rank{RANK}.json").write_text(json.dumps(results))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
