@@ -68,6 +68,7 @@ class LoraInjection:
                 in_features=features[0], out_features=features[1],
                 device=lora_device(module) if servable else None,
                 dtype=lora_dtype(module, model_dtype) if servable else None,
+                unsplit_features=linear_features(module) if name in self.splits else None,
             )
         return found
 

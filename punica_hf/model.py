@@ -119,7 +119,12 @@ class MultiLoraModel(FollowsModuleMoves):
     @property
     def adapter_stats(self) -> dict[str, int]:
         """Counters and memory: registered, resident, hits, host_loads, disk_loads, evictions, bytes_to_gpu,
-        gpu_bytes_used/total, host_bytes_used/budget."""
+        gpu_bytes_used/total, host_bytes_used/budget, and factor_bytes: the registered adapters' LoRA factors
+        ``r * (in + out)`` as this process holds them, beside factor_bytes_unsplit: the same on the whole layers.
+
+        They differ only under tensor parallelism over ``tp`` ranks, where a rank holds of each module's factors
+        ``r * (in + out / tp)`` on a column-split layer (q, k, v, gate, up: B's rows of its output slice) and
+        ``r * (in / tp + out)`` on a row-split one (o, down: A's columns of its input slice)."""
         return self._store.stats()
 
     def load_adapters(

@@ -116,6 +116,20 @@ def test_unwrap_gives_the_split_model_back(ranks, model):
         assert seen["unwrapped_difference"] == 0.0
 
 
+def test_factor_bytes_per_rank_against_the_unsplit_adapter(ranks):
+    """Each rank holds A whole and half of B on column-split layers, half of A and B whole on row-split ones."""
+    # "even": hidden 32, k/v out 16, intermediate 64, 2 layers; adapters attn (r 4: q v o), mlp (r 8: gate down),
+    # wide (r 16, all seven). Per module (rank, in, out, split side); float32.
+    q, k, v, o = (32, 32, "out"), (32, 16, "out"), (32, 16, "out"), (32, 32, "in")
+    gate, up, down = (32, 64, "out"), (32, 64, "out"), (64, 32, "in")
+    modules = [(4, *q), (4, *v), (4, *o), (8, *gate), (8, *down)] + [(16, *m) for m in (q, k, v, o, gate, up, down)]
+    unsplit = 2 * 4 * sum(r * (i + out) for r, i, out, _ in modules)
+    per_rank = 2 * 4 * sum(r * (i + out // 2 if side == "out" else i // 2 + out) for r, i, out, side in modules)
+    for seen in _section(ranks, "even"):
+        assert seen["factor_bytes"] == [per_rank, unsplit]
+        assert seen["whole_factor_bytes"] == [unsplit, unsplit]
+
+
 def test_more_adapters_than_slots(ranks):
     for seen in _section(ranks, "eviction"):
         assert seen["evictions"] >= 2

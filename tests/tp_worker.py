@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, DistributedConfig
 
 from punica_hf import MultiLoraModel
 
@@ -26,7 +26,13 @@ PROMPTS = torch.tensor([[5, 17, 33, 2, 9, 41], [7, 7, 12, 60, 3, 11], [1, 2, 3, 
 
 
 def load(model: str, tensor_parallel: bool) -> torch.nn.Module:
-    split = dict(tp_plan="auto") if tensor_parallel else {}
+    """The model whole, or split over the ranks (both of transformers' entry points: "odd" by ``tp_plan``)."""
+    if not tensor_parallel:
+        split = {}
+    elif model == "odd":
+        split = dict(tp_plan="auto")
+    else:
+        split = dict(distributed_config=DistributedConfig(tp_plan="auto"))
     return AutoModelForCausalLM.from_pretrained(ROOT / "models" / model, dtype=torch.float32, **split).eval()
 
 
@@ -71,6 +77,8 @@ def compare_model(model: str, names: list[str], row_adapters: list, results: dic
     results["tokens"] = split.generate(PROMPTS, adapter_ids=row_adapters, **generate).tolist()
     results["expected_tokens"] = whole.generate(PROMPTS, adapter_ids=row_adapters, **generate).tolist()
     results["base_tokens"] = whole.generate(PROMPTS, **generate).tolist()
+    results["factor_bytes"] = [split.adapter_stats[k] for k in ("factor_bytes", "factor_bytes_unsplit")]
+    results["whole_factor_bytes"] = [whole.adapter_stats[k] for k in ("factor_bytes", "factor_bytes_unsplit")]
     results["grouped_modules"] = sorted(split._injection.groups or {})
     results["local_widths"] = {
         name: [m.in_features, m.out_features]
@@ -119,7 +127,9 @@ def packed_refusal(results: dict) -> None:
     """A layer of a style LoRA is not served on under TP (a packed projection) is refused by name."""
     plan = {"model.layers.*.mlp.gate_proj": "packed_colwise", "model.layers.*.mlp.up_proj": "colwise",
             "model.layers.*.mlp.down_proj": "rowwise"}
-    model = AutoModelForCausalLM.from_pretrained(ROOT / "models" / "even", dtype=torch.float32, tp_plan=plan).eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        ROOT / "models" / "even", dtype=torch.float32, distributed_config=DistributedConfig(tp_plan=plan)
+    ).eval()
     wrapped = MultiLoraModel(model, max_adapters=2, max_rank=16)
     results["packed"] = refusal(lambda: wrapped.load_adapters(adapters("even", "mlp")))
     results["packed_adapters"] = wrapped.adapters
