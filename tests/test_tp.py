@@ -136,6 +136,13 @@ def test_more_adapters_than_slots(ranks):
         assert max(seen["eviction_differences"]) < TOLERANCE
 
 
+def test_an_unload_while_a_request_holds_the_adapter(ranks):
+    for seen in _section(ranks, "eviction"):
+        assert seen["unloaded_while_held"]
+        assert seen["held_tokens"] == seen["held_expected_tokens"]
+        assert seen["resident_after_release"] == 1  # the unloaded adapter's memory freed once the lease ended
+
+
 def test_refusals_name_the_reason_and_change_nothing(ranks):
     for seen in _section(ranks, "eviction"):
         refusals = seen["refusals"]

@@ -108,6 +108,19 @@ def eviction_and_refusals(results: dict) -> None:
     results["eviction_differences"] = differences
     results["evictions"] = split.adapter_stats["evictions"]
 
+    # An unload while a request holds the adapter (a scheduler's lease): the request finishes with it as it was.
+    generate = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    expected = whole.generate(PROMPTS, adapter_ids=["mlp"] * 4, **generate).tolist()
+    lease = split.acquire(["mlp"] * 4)
+    split.unload_adapter("mlp")
+    slots = torch.tensor(lease.slots)
+    results["unloaded_while_held"] = "mlp" not in split.adapters
+    results["held_tokens"] = split.model.generate(PROMPTS, adapter_ids=slots, **generate).tolist()
+    results["held_expected_tokens"] = expected
+    lease.release()
+    results["resident_after_release"] = split.adapter_stats["resident"]
+    split.load_adapters(adapters("even", "mlp"))
+
     before = split.adapters
     refusals = {
         "gradients": refusal(lambda: split(PROMPTS, adapter_ids=["attn"] * 4)),
