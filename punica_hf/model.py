@@ -201,6 +201,8 @@ class MultiLoraModel(FollowsModuleMoves):
         entries, shape = self._adapter_entries(adapter_ids, _batch_shape(args, kwargs))
         if entries is None:
             return self.model(*args, **kwargs)
+        if self._injection.tensor_parallel:
+            refuse_gradients()  # before any adapter is placed (the inner model's forward checks too, for direct calls)
         with self._store.acquire(entries) as lease:
             return self.model(*args, adapter_ids=self._slot_tensor(lease, shape), **kwargs)
 

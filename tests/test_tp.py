@@ -3,7 +3,7 @@
 One ``torchrun`` run of ``tp_worker.py`` (module fixture) loads each tiny model split over 2 ranks and whole, runs
 the same calls on both, and writes what each rank saw; the tests here judge it. Models: "even" (every split even,
 q/k/v and gate/up grouped at their local widths) and "odd" (intermediate size 67: gate/up/down split 34 + 33, widths
-the grouping does not take).
+the grouping does not take), and "qwen2" (biases on q/k/v: column-split layers with a bias).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from architectures import ARCHITECTURES
 from helpers import save_peft_adapter, tiny_llama
 from punica_hf.tensor_parallel import _share, _style_problem
 from server_process import child_env
@@ -31,6 +32,12 @@ TOLERANCE = 1e-5  # float32; the split model sums the same products in another o
 
 def _save_models_and_adapters(root: Path) -> None:
     models = {"even": tiny_llama(seed=0), "odd": tiny_llama(seed=1, hidden_size=40, intermediate_size=67)}
+    torch.manual_seed(2)
+    models["qwen2"] = ARCHITECTURES["qwen2"].make_model().eval()
+    with torch.no_grad():
+        for name, parameter in models["qwen2"].named_parameters():
+            if name.endswith("bias"):
+                parameter.normal_()  # non-zero, so a bias added once per rank (not once) would show
     for name, model in models.items():
         model.save_pretrained(root / "models" / name)
     even, odd = root / "adapters" / "even", root / "adapters" / "odd"
@@ -42,6 +49,10 @@ def _save_models_and_adapters(root: Path) -> None:
     save_peft_adapter(base, even / "embed", r=4, target_modules=["embed_tokens"], seed=5)
     save_peft_adapter(models["odd"], odd / "attn", r=4, target_modules=["q_proj", "k_proj", "o_proj"], seed=6)
     save_peft_adapter(models["odd"], odd / "mlp", r=8, target_modules=["gate_proj", "up_proj", "down_proj"], seed=7)
+    qwen2 = root / "adapters" / "qwen2"
+    save_peft_adapter(models["qwen2"], qwen2 / "attn", r=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                      seed=8)
+    save_peft_adapter(models["qwen2"], qwen2 / "mlp", r=8, target_modules=["gate_proj", "up_proj", "down_proj"], seed=9)
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +87,7 @@ def _section(ranks: list[dict], name: str) -> list[dict]:
     return [results[name] for results in ranks]
 
 
-@pytest.mark.parametrize("model", ["even", "odd"])
+@pytest.mark.parametrize("model", ["even", "odd", "qwen2"])
 def test_logits_equal_the_unsplit_model(ranks, model):
     for seen in _section(ranks, model):
         assert seen["lora_effect"] > 1e-2  # the adapters do change the output: the comparison means something
@@ -84,7 +95,7 @@ def test_logits_equal_the_unsplit_model(ranks, model):
         assert seen["per_token_difference"] < TOLERANCE
 
 
-@pytest.mark.parametrize("model", ["even", "odd"])
+@pytest.mark.parametrize("model", ["even", "odd", "qwen2"])
 def test_greedy_generation_equals_the_unsplit_model_on_every_rank(ranks, model):
     seen = _section(ranks, model)
     assert seen[0]["tokens"] == seen[1]["tokens"]
@@ -109,7 +120,7 @@ def test_local_widths_and_grouping(ranks):
         ]
 
 
-@pytest.mark.parametrize("model", ["even", "odd"])
+@pytest.mark.parametrize("model", ["even", "odd", "qwen2"])
 def test_unwrap_gives_the_split_model_back(ranks, model):
     for seen in _section(ranks, model):
         assert seen["unwrapped_forwards_restored"]
@@ -149,7 +160,7 @@ def test_refusals_name_the_reason_and_change_nothing(ranks):
         assert "inference only" in refusals["gradients"] and "torch.no_grad()" in refusals["gradients"]
         assert "lm_head" in refusals["lm_head"] and "output layer" in refusals["lm_head"]
         assert "embed_tokens" in refusals["embedding"] and "embedding" in refusals["embedding"]
-        assert seen["adapters_unchanged"]
+        assert seen["adapters_unchanged"] and seen["stats_unchanged"]
         assert seen["after_refusals_difference"] < TOLERANCE
     for seen in _section(ranks, "packed"):
         assert "gate_proj" in seen["packed"] and "packed" in seen["packed"]

@@ -121,7 +121,7 @@ def eviction_and_refusals(results: dict) -> None:
     results["resident_after_release"] = split.adapter_stats["resident"]
     split.load_adapters(adapters("even", "mlp"))
 
-    before = split.adapters
+    before, stats_before = split.adapters, split.adapter_stats
     refusals = {
         "gradients": refusal(lambda: split(PROMPTS, adapter_ids=["attn"] * 4)),
         "lm_head": refusal(lambda: split.load_adapters(adapters("even", "head"))),
@@ -129,6 +129,7 @@ def eviction_and_refusals(results: dict) -> None:
     }
     results["refusals"] = refusals
     results["adapters_unchanged"] = split.adapters == before
+    results["stats_unchanged"] = split.adapter_stats == stats_before  # no adapter placed or evicted either
     after = ["wide", None, "attn", "wide"]
     with torch.no_grad():
         results["after_refusals_difference"] = biggest_difference(
@@ -153,6 +154,7 @@ def main() -> None:
     for section, run in (
         ("even", lambda r: compare_model("even", ["attn", "mlp", "wide"], ["attn", None, "mlp", "wide"], r)),
         ("odd", lambda r: compare_model("odd", ["attn", "mlp"], ["mlp", "attn", None, "mlp"], r)),
+        ("qwen2", lambda r: compare_model("qwen2", ["attn", "mlp"], [None, "attn", "mlp", "attn"], r)),
         ("eviction", eviction_and_refusals),
         ("packed", packed_refusal),
     ):
