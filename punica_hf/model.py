@@ -111,6 +111,11 @@ class MultiLoraModel(FollowsModuleMoves):
         return self._store.max_rank
 
     @property
+    def tensor_parallel(self) -> bool:
+        """Whether the wrapped model has layers split over ranks by transformers' tensor parallelism."""
+        return self._injection.tensor_parallel
+
+    @property
     def layout_version(self) -> int:
         """Bumped whenever a LoRA hook or a device pool is added (or a hook removed): CUDA graphs captured before
         then run another set of hooks and must be captured again."""

@@ -160,6 +160,7 @@ def test_refusals_name_the_reason_and_change_nothing(ranks):
         assert "inference only" in refusals["gradients"] and "torch.no_grad()" in refusals["gradients"]
         assert "lm_head" in refusals["lm_head"] and "output layer" in refusals["lm_head"]
         assert "embed_tokens" in refusals["embedding"] and "embedding" in refusals["embedding"]
+        assert "serving engine does not run tensor-parallel models" in refusals["engine"]
         assert seen["adapters_unchanged"] and seen["stats_unchanged"]
         assert seen["after_refusals_difference"] < TOLERANCE
     for seen in _section(ranks, "packed"):

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM, DistributedConfig
 
 from punica_hf import MultiLoraModel
+from punica_hf.serving import Engine
 
 ROOT = Path(sys.argv[1])
 RANK = int(os.environ["RANK"])
@@ -126,6 +127,7 @@ def eviction_and_refusals(results: dict) -> None:
         "gradients": refusal(lambda: split(PROMPTS, adapter_ids=["attn"] * 4)),
         "lm_head": refusal(lambda: split.load_adapters(adapters("even", "head"))),
         "embedding": refusal(lambda: split.load_adapters(adapters("even", "embed"))),
+        "engine": refusal(lambda: Engine(split)),
     }
     results["refusals"] = refusals
     results["adapters_unchanged"] = split.adapters == before
