@@ -21,7 +21,7 @@ from torch import nn
 from .base_layers import LinearModule, check_servable, linear_features, lora_device, lora_dtype
 from .formats import AdapterWeights, ModelModules, weights_for_model
 from .layers import DeviceTables, LoraContext, LoraHook, ProjectionGroup, find_projection_groups
-from .tensor_parallel import LinearSplit, find_splits, install_inside
+from .tensor_parallel import LinearSplit, find_splits, take_wrapper_off, wrap
 
 
 class LoraInjection:
@@ -132,19 +132,16 @@ class LoraInjection:
                     continue
                 module = modules[module_name]
                 in_features, out_features = self.features(module_name, module)
-
-                def install(module=module, module_name=module_name, in_features=in_features, out_features=out_features):
-                    self.hooks[module_name] = LoraHook(
-                        module, in_features, out_features, tables[lora_device(module)], rows[module_name],
-                        self.context, self.max_rank, self.groups.get(module_name),
-                    )
-
                 split = self.splits.get(module_name)
-                if split is None:
-                    install()
-                else:
-                    self.tp_wrappers[module_name] = install_inside(module, split, install)
-                hooked.append(module_name)
+                hooked.append(module_name)  # from here on a failure undoes this module too
+                if split is not None:  # the hook goes inside the layer's tensor-parallel wrapper
+                    self.tp_wrappers[module_name] = take_wrapper_off(module)
+                self.hooks[module_name] = LoraHook(
+                    module, in_features, out_features, tables[lora_device(module)], rows[module_name], self.context,
+                    self.max_rank, self.groups.get(module_name),
+                )
+                if split is not None:
+                    wrap(module, split)
         except BaseException:
             self.detach(hooked)
             raise
@@ -153,15 +150,17 @@ class LoraInjection:
         return hooked
 
     def detach(self, module_names: Iterable[str]) -> None:
-        """Remove the hooks of ``module_names`` (names without one are skipped)."""
+        """Remove the hooks of ``module_names`` (names without one are skipped); a split layer gets its
+        tensor-parallel wrapper back."""
         removed = False
         for module_name in module_names:
             hook = self.hooks.pop(module_name, None)
             if hook is not None:
                 hook.remove()
-                if module_name in self.tp_wrappers:  # the wrapper around the hook goes too
-                    hook.module.forward = self.tp_wrappers.pop(module_name)
                 removed = True
+            tp_forward = self.tp_wrappers.pop(module_name, None)
+            if tp_forward is not None:  # replaces the wrapper around the hook
+                self.model.get_submodule(module_name).forward = tp_forward
         if removed:
             self.layout_version += 1
 

@@ -11,10 +11,10 @@ the local weight shard, outputs made whole again. LoRA is placed so that it need
   partial sum that the wrapper all-reduces (then adds the bias). LoRA keeps A's columns of that slice and B whole,
   and adds its update to the partial sum *before* the all-reduce, which then sums the ranks' LoRA parts too.
 
-So a LoRA hook must run inside the wrapper: ``install_inside`` takes the wrapper off, lets the hook install itself
-over the layer's own forward, then has the layer's style (transformers' public ``ALL_PARALLEL_STYLES``) install a
-wrapper around the hook. The wrapper taken off is kept and put back when the hook goes, so ``unwrap()`` returns
-the layers exactly as they were.
+So a LoRA hook must run inside the wrapper: ``take_wrapper_off`` leaves the layer its own forward, the hook installs
+itself over it, then ``wrap`` has the layer's style (transformers' public ``ALL_PARALLEL_STYLES``) install a wrapper
+around the hook. The wrapper taken off is kept and put back when the hook goes, so ``unwrap()`` returns the layers
+exactly as they were.
 
 Other styles (packed projections, outputs gathered across ranks as on ``lm_head``, embeddings, MoE experts) are
 refused with the reason (``LinearSplit.problem``). Split layers run their local path only without gradients, so a
@@ -121,22 +121,19 @@ def find_splits(model: nn.Module) -> dict[str, LinearSplit]:
     return splits
 
 
-def install_inside(module: nn.Module, split: LinearSplit, install_hook: Callable[[], Any]) -> Callable:
-    """Run ``install_hook`` (which makes a hook the module's ``forward``, over the layer's own forward) with the
-    layer's tensor-parallel wrapper taken off, then wrap the hook in a fresh wrapper of the layer's style.
-
-    Returns the wrapper taken off: ``module.forward = it`` gives the layer back as it was."""
-    from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES
-
+def take_wrapper_off(module: nn.Module) -> Callable:
+    """Leave a split layer its own forward; returns the tensor-parallel wrapper taken off (``module.forward = it``
+    puts it back)."""
     tp_forward = module.__dict__["forward"]
     del module.forward
-    try:
-        install_hook()
-        ALL_PARALLEL_STYLES[split.style].install_forward(module, split.mesh)
-    except BaseException:
-        module.forward = tp_forward
-        raise
     return tp_forward
+
+
+def wrap(module: nn.Module, split: LinearSplit) -> None:
+    """Install a wrapper of the layer's style around its forward as it is now (a LoRA hook)."""
+    from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES
+
+    ALL_PARALLEL_STYLES[split.style].install_forward(module, split.mesh)
 
 
 def _plan_style(plan: dict[str, str], module_name: str) -> str | None:
