@@ -168,6 +168,14 @@ def test_refusals_name_the_reason_and_change_nothing(ranks):
         assert seen["packed_adapters"] == {}
 
 
+def test_a_load_interrupted_while_hooking_split_layers_leaves_them_as_they_were(ranks):
+    for seen in _section(ranks, "interrupted"):
+        assert seen["error_message"] == "interrupted"
+        assert seen["adapters"] == {}
+        assert seen["forwards_restored"]
+        assert seen["logits_difference"] == 0.0
+
+
 def test_styles_refused_by_kind():
     assert _style_problem("colwise") is None and _style_problem("rowwise") is None
     assert "MoE experts" in _style_problem("moe_tp_experts")

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM, DistributedConfig
 
-from punica_hf import MultiLoraModel
+from punica_hf import MultiLoraModel, injection
 from punica_hf.serving import Engine
 
 ROOT = Path(sys.argv[1])
@@ -139,6 +139,36 @@ def eviction_and_refusals(results: dict) -> None:
         )
 
 
+def interrupted_load(results: dict) -> None:
+    """A load that fails halfway through hooking split layers leaves every layer as it was (all or nothing)."""
+    base = load("even", True)
+    tp_forwards = {name: m.__dict__.get("forward") for name, m in base.named_modules()}
+    with torch.no_grad():
+        base_logits = base(PROMPTS).logits
+    split = MultiLoraModel(base, max_adapters=2, max_rank=16)
+    wrap, wrapped = injection.wrap, []
+
+    def wrap_twice_then_fail(module, layer_split):
+        if len(wrapped) == 2:
+            raise RuntimeError("interrupted")
+        wrapped.append(module)
+        wrap(module, layer_split)
+
+    injection.wrap = wrap_twice_then_fail
+    try:
+        split.load_adapters(adapters("even", "attn"))
+    except RuntimeError as error:
+        results["error_message"] = str(error)
+    finally:
+        injection.wrap = wrap
+    results["adapters"] = split.adapters
+    results["forwards_restored"] = all(  # every layer ("" is the model, whose forward the wrapper took)
+        m.__dict__.get("forward") is tp_forwards[name] for name, m in base.named_modules() if name
+    )
+    with torch.no_grad():
+        results["logits_difference"] = biggest_difference(split(PROMPTS).logits, base_logits)
+
+
 def packed_refusal(results: dict) -> None:
     """A layer of a style LoRA is not served on under TP (a packed projection) is refused by name."""
     plan = {"model.layers.*.mlp.gate_proj": "packed_colwise", "model.layers.*.mlp.up_proj": "colwise",
@@ -159,6 +189,7 @@ def main() -> None:
         ("qwen2", lambda r: compare_model("qwen2", ["attn", "mlp"], [None, "attn", "mlp", "attn"], r)),
         ("eviction", eviction_and_refusals),
         ("packed", packed_refusal),
+        ("interrupted", interrupted_load),
     ):
         results[section] = {}
         try:
