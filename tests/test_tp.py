@@ -62,7 +62,8 @@ def ranks(tmp_path_factory) -> list[dict]:
     _save_models_and_adapters(root)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                str(WORKER), str(root)]
-    env = {**child_env(), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    # GPUs hidden: the ranks run on the CPU (gloo) wherever the test runs; two ranks may not get two GPUs.
+    env = {**child_env(), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "CUDA_VISIBLE_DEVICES": ""}
     log = root / "torchrun.log"
     with open(log, "w") as output:
         # Its own session, so a timeout ends the ranks with it (killpg), never leaving them behind.

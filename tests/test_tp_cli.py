@@ -1,5 +1,5 @@
 """``punica-hf generate --tp 2``: the command starts its 2 ranks itself (gloo on the CPU) and prints what the
-unsplit model generates, once."""
+unsplit model generates, once. Every command runs with the GPUs hidden: on the CPU, as the ranks run."""
 
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ RUN_TIMEOUT_S = 180
 def _generate(model, adapters, *options: str) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "punica_hf", "generate", "--model", str(model), "--adapter", f"a={adapters['a']}",
                "--prompt", "a:w5 w6 w9", "--prompt", "base:w3 w4", "--prompt", "a:w11", "--max-new-tokens", "6",
-               "--device", "cpu", *options]
-    env = {**child_env(), "COLUMNS": "200", "OMP_NUM_THREADS": "1"}
+               *options]
+    env = {**child_env(), "COLUMNS": "200", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     return subprocess.run(command, capture_output=True, text=True, env=env, timeout=RUN_TIMEOUT_S)
 
 
@@ -42,11 +42,16 @@ def test_generate_split_over_two_ranks_prints_the_unsplit_answers_once(tmp_path,
     assert _table_rows(split.stdout) == rows  # the same answers, printed by rank 0 only
 
 
-def test_generate_tp_refuses_the_demo_model(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "punica_hf", "generate", "--model", "demo", "--prompt",
-                             "reverse:lora", "--tp", "2"], capture_output=True, text=True, env=child_env(), timeout=60)
+@pytest.mark.parametrize("options, problem", [
+    (["--model", "demo"], "--tp splits a transformers model"),
+    (["--model", "MODEL", "--device", "cpu"], "--tp places each rank where transformers puts it"),
+])
+def test_generate_tp_refusals(tmp_path, options, problem):
+    options = [str(tmp_path) if option == "MODEL" else option for option in options]
+    result = subprocess.run([sys.executable, "-m", "punica_hf", "generate", *options, "--prompt", "base:w3", "--tp",
+                             "2"], capture_output=True, text=True, env=child_env(), timeout=60)
     assert result.returncode == 1
-    assert "--tp splits a transformers model" in result.stderr
+    assert problem in result.stderr
 
 
 def test_a_failing_rank_fails_the_command_with_a_message(tmp_path):

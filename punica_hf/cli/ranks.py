@@ -2,7 +2,7 @@
 
 The command the user typed starts N copies of itself as one ``torchrun`` group (``python -m torch.distributed.run
 --standalone``, marked by a hidden ``--as-tp-rank`` option) and waits for them. Each rank joins the group (NCCL on
-GPUs, gloo on the CPU), loads the model split (``DistributedConfig(tp_plan="auto")``) and the adapters, and runs the
+GPUs, gloo on the CPU: where transformers places the ranks), loads the model split (``DistributedConfig(tp_plan="auto")``) and the adapters, and runs the
 same calls; only rank 0 prints. When a rank fails, torchrun stops the others and the command fails with a message
 saying so, never hanging.
 """
