@@ -76,8 +76,8 @@ class LinearSplit:
         when the factors do not fit the unsplit layer."""
         if factors.lora_a.shape[1] != global_in or factors.lora_b.shape[0] != global_out:
             raise ValueError(
-                f"module {module_name} takes lora_A [r, {global_in}] and lora_B [{global_out}, r], the adapter has "
-                f"{list(factors.lora_a.shape)} and {list(factors.lora_b.shape)}"
+                f"it does not fit the base model: module {module_name} takes lora_A [r, {global_in}] and lora_B "
+                f"[{global_out}, r], the adapter has {list(factors.lora_a.shape)} and {list(factors.lora_b.shape)}"
             )
         if self.style == COLUMN:
             return ModuleLora(factors.lora_a, factors.lora_b[self.out_slice].contiguous())

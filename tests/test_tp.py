@@ -162,6 +162,13 @@ def test_refusals_name_the_reason_and_change_nothing(ranks):
         assert "lm_head" in refusals["lm_head"] and "output layer" in refusals["lm_head"]
         assert "embed_tokens" in refusals["embedding"] and "embedding" in refusals["embedding"]
         assert "serving engine does not run tensor-parallel models" in refusals["engine"]
+        assert "'misfit'" in refusals["misfit"] and "does not fit the base model" in refusals["misfit"]
+        misfits = {  # the unsplit widths, whichever module of the "odd" adapter is checked first
+            "gate_proj": "takes lora_A [r, 32] and lora_B [64, r], the adapter has [8, 40] and [67, 8]",
+            "up_proj": "takes lora_A [r, 32] and lora_B [64, r], the adapter has [8, 40] and [67, 8]",
+            "down_proj": "takes lora_A [r, 64] and lora_B [32, r], the adapter has [8, 67] and [40, 8]",
+        }
+        assert any(f"{leaf} {text}" in refusals["misfit"] for leaf, text in misfits.items()), refusals["misfit"]
         assert seen["adapters_unchanged"] and seen["stats_unchanged"]
         assert seen["after_refusals_difference"] < TOLERANCE
     for seen in _section(ranks, "packed"):

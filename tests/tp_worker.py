@@ -128,6 +128,7 @@ def eviction_and_refusals(results: dict) -> None:
         "lm_head": refusal(lambda: split.load_adapters(adapters("even", "head"))),
         "embedding": refusal(lambda: split.load_adapters(adapters("even", "embed"))),
         "engine": refusal(lambda: Engine(split)),
+        "misfit": refusal(lambda: split.load_adapters({"misfit": ROOT / "adapters" / "odd" / "mlp"})),
     }
     results["refusals"] = refusals
     results["adapters_unchanged"] = split.adapters == before
