@@ -200,3 +200,15 @@ def test_shares_split_as_torch_chunk_does():
                 share = _share(size, parts, index)
                 expected = chunks[index].tolist() if index < len(chunks) else []
                 assert list(range(size))[share] == expected
+
+
+def test_the_readme_share_per_rank_is_the_arithmetic():
+    """README: an adapter on all 7 projections of a Llama-3-8B, per rank, as a share of the unsplit adapter."""
+    hidden, kv_width, intermediate = 4096, 1024, 14336
+    column = [(hidden, hidden), (hidden, kv_width), (hidden, kv_width), (hidden, intermediate), (hidden, intermediate)]
+    row = [(hidden, hidden), (intermediate, hidden)]
+    unsplit = sum(i + o for i, o in column + row)
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    shares = {tp: (sum(i + o // tp for i, o in column) + sum(i // tp + o for i, o in row)) / unsplit for tp in (2, 4, 8)}
+    claim = f"{shares[2]:.0%} of the unsplit adapter per rank at tp=2, {shares[4]:.0%} at 4 and {shares[8]:.0%} at 8"
+    assert " ".join(claim.split()) in " ".join(readme.split())
