@@ -30,6 +30,8 @@ class LinearModule:
     out_features: int
     device: torch.device | None  # where its LoRA factors live; None: the module cannot be served (check_servable)
     dtype: torch.dtype | None  # the dtype its LoRA runs in (lora_dtype); None when it cannot be served
+    # (in, out) of the whole layer when tensor parallelism splits it and in/out_features are this rank's share
+    unsplit_features: tuple[int, int] | None = None
 
 
 def linear_features(module: nn.Module) -> tuple[int, int] | None:

@@ -4,11 +4,16 @@ The adapter store (``punica_hf.store``) manages memory only; it learns about the
 this module gives it (``linear_modules``: names, sizes, devices, dtypes) and asks for hooks by module name
 (``attach`` / ``detach``), handing over the device tables the hooks read. ``MultiLoraModel`` makes one
 ``LoraInjection`` and passes it to its store.
+
+Under tensor parallelism (``punica_hf.tensor_parallel``) every size given to the store is this rank's (local
+widths), ``select`` gives this rank's share of each adapter, and hooks on split layers sit inside the layers'
+tensor-parallel wrappers.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -16,6 +21,7 @@ from torch import nn
 from .base_layers import LinearModule, check_servable, linear_features, lora_device, lora_dtype
 from .formats import AdapterWeights, ModelModules, weights_for_model
 from .layers import DeviceTables, LoraContext, LoraHook, ProjectionGroup, find_projection_groups
+from .tensor_parallel import LinearSplit, find_splits, take_wrapper_off, wrap
 
 
 class LoraInjection:
@@ -33,28 +39,56 @@ class LoraInjection:
         self.hooks: dict[str, LoraHook] = {}
         self.groups: dict[str, ProjectionGroup] | None = None  # module name -> its group, made with the first hook
         self.layout_version = 0
+        self.splits: dict[str, LinearSplit] = find_splits(model)  # layers split by tensor parallelism
+        self.tp_wrappers: dict[str, object] = {}  # split layer -> the tensor-parallel forward its hook's wrapper replaced
+
+    @property
+    def tensor_parallel(self) -> bool:
+        """Whether the model has layers split by tensor parallelism."""
+        return bool(self.splits)
+
+    def features(self, name: str, module: nn.Module) -> tuple[int, int] | None:
+        """``(in_features, out_features)`` of a linear module as its forward sees them: this rank's share of a
+        split layer."""
+        split = self.splits.get(name)
+        if split is not None:
+            return split.in_features, split.out_features
+        return linear_features(module)
 
     def linear_modules(self) -> dict[str, LinearModule]:
         """Every linear module of the model, in model order (the order of the device tables' rows)."""
         model_dtype = getattr(self.model, "dtype", torch.get_default_dtype())
         found = {}
         for name, module in self.model.named_modules():
-            features = linear_features(module)
+            features = self.features(name, module)
             if features is None:
                 continue
-            servable = _servable(module, name)
+            servable = self.splits[name].problem is None if name in self.splits else _servable(module, name)
             found[name] = LinearModule(
                 in_features=features[0], out_features=features[1],
                 device=lora_device(module) if servable else None,
                 dtype=lora_dtype(module, model_dtype) if servable else None,
+                unsplit_features=linear_features(module) if name in self.splits else None,
             )
         return found
 
     def select(self, adapter: str, weights: AdapterWeights) -> AdapterWeights:
         """The part of ``weights`` that PEFT would load into the model: its own module matching decides (see
-        ``formats.weights_for_model``); ValueError naming the adapter where PEFT refuses it."""
+        ``formats.weights_for_model``); ValueError naming the adapter where PEFT refuses it. Under tensor
+        parallelism, this rank's share of each split layer's factors."""
         try:
-            return weights_for_model(weights, ModelModules.of(self.model))
+            selected = weights_for_model(weights, ModelModules.of(self.model))
+            if not self.splits:
+                return selected
+            modules = dict(self.model.named_modules())
+            shares = {}
+            for name, factors in selected.modules.items():
+                split = self.splits.get(name)
+                if split is None or split.problem is not None:  # refused by check_targets, with the reason
+                    shares[name] = factors
+                else:
+                    shares[name] = split.shard(name, factors, *linear_features(modules[name]))
+            return replace(selected, modules=shares)
         except ValueError as error:
             raise ValueError(f"adapter {adapter!r}: {error}") from None
 
@@ -70,7 +104,14 @@ class LoraInjection:
                 raise ValueError(f"adapter {adapter!r}: LoRA on the output layer ({module_name}) is not supported yet")
             if isinstance(module, nn.Embedding):
                 raise ValueError(f"adapter {adapter!r}: LoRA on embedding layers ({module_name}) is not supported yet")
-            check_servable(module, module_name)
+            split = self.splits.get(module_name)
+            if split is None:
+                check_servable(module, module_name)
+            elif split.problem is not None:
+                raise ValueError(
+                    f"adapter {adapter!r}: module {module_name} is split by tensor parallelism and LoRA on it is not "
+                    f"supported: {split.problem}"
+                )
 
     def attach(
         self, module_names: Iterable[str], tables: Mapping[torch.device, DeviceTables], rows: Mapping[str, int]
@@ -90,12 +131,17 @@ class LoraInjection:
                 if module_name in self.hooks:
                     continue
                 module = modules[module_name]
-                in_features, out_features = linear_features(module)
+                in_features, out_features = self.features(module_name, module)
+                split = self.splits.get(module_name)
+                hooked.append(module_name)  # from here on a failure undoes this module too
+                if split is not None:  # the hook goes inside the layer's tensor-parallel wrapper
+                    self.tp_wrappers[module_name] = take_wrapper_off(module)
                 self.hooks[module_name] = LoraHook(
                     module, in_features, out_features, tables[lora_device(module)], rows[module_name], self.context,
                     self.max_rank, self.groups.get(module_name),
                 )
-                hooked.append(module_name)
+                if split is not None:
+                    wrap(module, split)
         except BaseException:
             self.detach(hooked)
             raise
@@ -104,13 +150,17 @@ class LoraInjection:
         return hooked
 
     def detach(self, module_names: Iterable[str]) -> None:
-        """Remove the hooks of ``module_names`` (names without one are skipped)."""
+        """Remove the hooks of ``module_names`` (names without one are skipped); a split layer gets its
+        tensor-parallel wrapper back."""
         removed = False
         for module_name in module_names:
             hook = self.hooks.pop(module_name, None)
             if hook is not None:
                 hook.remove()
                 removed = True
+            tp_forward = self.tp_wrappers.pop(module_name, None)
+            if tp_forward is not None:  # replaces the wrapper around the hook
+                self.model.get_submodule(module_name).forward = tp_forward
         if removed:
             self.layout_version += 1
 

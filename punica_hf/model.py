@@ -31,6 +31,7 @@ from .injection import LoraInjection
 from .layers import LoraContext
 from .ops import KernelConfig
 from .store import CAPACITY_WAIT_S, AdapterLease, AdapterStore, check_wait
+from .tensor_parallel import refuse_gradients
 from .torch_compat import FollowsModuleMoves
 
 AdapterIds = torch.Tensor | Sequence[str | int | None]
@@ -91,7 +92,7 @@ class MultiLoraModel(FollowsModuleMoves):
         self._store = AdapterStore(
             self._injection, max_adapters, max_rank, gpu_pool_bytes, host_pool_bytes, capacity_wait_s
         )
-        model.forward = AdapterForward(model, context, self._store)
+        model.forward = AdapterForward(model, context, self._store, self._injection.tensor_parallel)
         # Within a parent module's load_state_dict, this one's keys are the wrapped model's (see state_dict).
         self.register_load_state_dict_pre_hook(_keys_of_the_wrapped_model)
 
@@ -110,6 +111,11 @@ class MultiLoraModel(FollowsModuleMoves):
         return self._store.max_rank
 
     @property
+    def tensor_parallel(self) -> bool:
+        """Whether the wrapped model has layers split over ranks by transformers' tensor parallelism."""
+        return self._injection.tensor_parallel
+
+    @property
     def layout_version(self) -> int:
         """Bumped whenever a LoRA hook or a device pool is added (or a hook removed): CUDA graphs captured before
         then run another set of hooks and must be captured again."""
@@ -118,7 +124,12 @@ class MultiLoraModel(FollowsModuleMoves):
     @property
     def adapter_stats(self) -> dict[str, int]:
         """Counters and memory: registered, resident, hits, host_loads, disk_loads, evictions, bytes_to_gpu,
-        gpu_bytes_used/total, host_bytes_used/budget."""
+        gpu_bytes_used/total, host_bytes_used/budget, and factor_bytes: the registered adapters' LoRA factors
+        ``r * (in + out)`` as this process holds them, beside factor_bytes_unsplit: the same on the whole layers.
+
+        They differ only under tensor parallelism over ``tp`` ranks, where a rank holds of each module's factors
+        ``r * (in + out / tp)`` on a column-split layer (q, k, v, gate, up: B's rows of its output slice) and
+        ``r * (in / tp + out)`` on a row-split one (o, down: A's columns of its input slice)."""
         return self._store.stats()
 
     def load_adapters(
@@ -195,6 +206,8 @@ class MultiLoraModel(FollowsModuleMoves):
         entries, shape = self._adapter_entries(adapter_ids, _batch_shape(args, kwargs))
         if entries is None:
             return self.model(*args, **kwargs)
+        if self._injection.tensor_parallel:
+            refuse_gradients()  # before any adapter is placed (the inner model's forward checks too, for direct calls)
         with self._store.acquire(entries) as lease:
             return self.model(*args, adapter_ids=self._slot_tensor(lease, shape), **kwargs)
 
@@ -308,10 +321,13 @@ class AdapterForward:
     of the traced code (a compiled call runs as a unit).
     """
 
-    def __init__(self, model: nn.Module, context: LoraContext, store: AdapterStore) -> None:
+    def __init__(
+        self, model: nn.Module, context: LoraContext, store: AdapterStore, tensor_parallel: bool = False
+    ) -> None:
         self.model = model
         self.context = context
         self.store = store
+        self.tensor_parallel = tensor_parallel  # adapters on split layers: inference only
         self.num_slots = store.max_adapters
         # A forward already patched on the instance (accelerate's device hooks) is kept and called.
         self.original = model.__dict__.get("forward")
@@ -342,6 +358,8 @@ class AdapterForward:
         batch_shape = _batch_shape(args, kwargs)
         if batch_shape is None:
             raise ValueError("adapter_ids needs input_ids or inputs_embeds of shape [batch, seq, ...]")
+        if self.tensor_parallel:
+            refuse_gradients()
         if adapter_ids.dim() == 1:
             token_slots = adapter_ids[:, None].expand(batch_shape).reshape(-1)
         else:

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import torch
 from peft import LoraConfig, get_peft_model
-from transformers import LlamaConfig, LlamaForCausalLM
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 TINY_LLAMA = dict(
     vocab_size=100,
@@ -45,6 +46,23 @@ def save_peft_adapter(
     peft_model = get_peft_model(copy.deepcopy(base), LoraConfig(init_lora_weights=False, **lora_config_kwargs))
     peft_model.save_pretrained(path, **(save_kwargs or {}))
     return path
+
+
+def save_word_level_model(folder: Path) -> tuple[Path, dict[str, Path]]:
+    """``(model folder, {name: PEFT folder})`` under ``folder``: a tiny Llama saved with a word-level tokenizer
+    ("w2".."w99", EOS "</s>" = 1, no pad token, a chat template "w7 TEXT w8"), as a Hub model would be, and one
+    adapter "a"."""
+    model = tiny_llama()
+    model.generation_config.eos_token_id = 1
+    model.save_pretrained(folder / "model")
+    vocab = {"<unk>": 0, "</s>": 1, **{f"w{i}": i for i in range(2, 100)}}
+    word_level = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    word_level.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=word_level, unk_token="<unk>", eos_token="</s>")
+    tokenizer.chat_template = "{% for m in messages %}w7 {{ m['content'] }} w8{% endfor %}"
+    tokenizer.save_pretrained(folder / "model")
+    adapter = save_peft_adapter(model, folder / "adapter", r=4, target_modules=["q_proj", "v_proj"])
+    return folder / "model", {"a": adapter}
 
 
 def save_attn_and_mlp_adapters(base: torch.nn.Module, root: Path) -> dict[str, Path]:

@@ -12,9 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import save_peft_adapter, tiny_llama
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+from helpers import save_peft_adapter, save_word_level_model
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from punica_hf import MultiLoraModel, demo
 from punica_hf.cli import main
@@ -26,7 +25,7 @@ OPTIONS = {
     "demo": ["--device", "--dtype", "--debug"],
     "generate": [
         "--model", "--adapter", "--prompt", "--prompts-jsonl", "--max-new-tokens", "--do-sample", "--temperature",
-        "--top-p", "--top-k", "--seed", "--max-rank", "--chat-template", "--device", "--dtype", "--debug",
+        "--top-p", "--top-k", "--seed", "--max-rank", "--chat-template", "--device", "--dtype", "--tp", "--debug",
     ],
     "convert": ["SRC", "DST", "--dtype", "--base-model", "--revision", "--subfolder", "--cache-dir", "--debug"],
 }
@@ -253,18 +252,7 @@ def test_demo_prompts_take_the_word_bare_or_as_the_demo_shows_it(capsys):
 def local_model(tmp_path_factory):
     """``(model folder, {name: PEFT folder})``: a tiny Llama saved with a word-level tokenizer ("w2".."w99",
     EOS "</s>" = 1, no pad token, a chat template "w7 TEXT w8"), as a Hub model would be, and one adapter."""
-    folder = tmp_path_factory.mktemp("local-model")
-    model = tiny_llama()
-    model.generation_config.eos_token_id = 1
-    model.save_pretrained(folder / "model")
-    vocab = {"<unk>": 0, "</s>": 1, **{f"w{i}": i for i in range(2, 100)}}
-    word_level = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    word_level.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=word_level, unk_token="<unk>", eos_token="</s>")
-    tokenizer.chat_template = "{% for m in messages %}w7 {{ m['content'] }} w8{% endfor %}"
-    tokenizer.save_pretrained(folder / "model")
-    adapter = save_peft_adapter(model, folder / "adapter", r=4, target_modules=["q_proj", "v_proj"])
-    return folder / "model", {"a": adapter}
+    return save_word_level_model(tmp_path_factory.mktemp("local-model"))
 
 
 @pytest.mark.parametrize("chat_template", [False, True], ids=["plain", "chat-template"])

@@ -8,6 +8,7 @@ rows each name their adapter (or the base model) and stream it through a ``Batch
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Callable, Sequence
 
 from rich.console import Console
@@ -23,6 +24,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exit_request:  # --help, --version and usage errors; the message is already printed
         return int(exit_request.code or 0)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # for commands that start copies of themselves (--tp)
     console, errors = Console(), Console(stderr=True)
     try:
         args.run(args, console)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, DistributedConfig
 from transformers.utils import logging as transformers_logging
 
 from .. import demo
@@ -73,8 +73,9 @@ class TextCodec:
     pad_token_id: int
 
 
-def load_model(model_id: str, device: torch.device, dtype: torch.dtype, chat_template: bool):
-    """``(model, codec)`` for the demo model or a transformers causal LM and its tokenizer."""
+def load_model(model_id: str, device: torch.device, dtype: torch.dtype, chat_template: bool, tp: int = 1):
+    """``(model, codec)`` for the demo model or a transformers causal LM and its tokenizer; ``tp`` > 1: the model
+    split over that many ranks by transformers' tensor parallelism (on the device transformers gives this rank)."""
     if model_id == DEMO_MODEL:
         if chat_template:
             raise ValueError("the demo model has no chat template; leave out --chat-template")
@@ -91,7 +92,11 @@ def load_model(model_id: str, device: torch.device, dtype: torch.dtype, chat_tem
     tokenizer.padding_side = "left"  # decoder-only batches generate from the right end of every row
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(model_id, dtype=dtype).to(device).eval()
+    if tp > 1:
+        split = DistributedConfig(tp_plan="auto", tp_size=tp)
+        model = AutoModelForCausalLM.from_pretrained(model_id, dtype=dtype, distributed_config=split).eval()
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_id, dtype=dtype).to(device).eval()
     eos = model.generation_config.eos_token_id
     eos_token_ids = {tokenizer.eos_token_id, *(eos if isinstance(eos, list) else [eos])} - {None}
 

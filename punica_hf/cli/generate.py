@@ -15,6 +15,7 @@ from .. import demo
 from ..formats import load_adapter_weights
 from ..formats.jsonl import read_jsonl
 from ..model import MultiLoraModel
+from . import ranks
 from .common import (
     BASE, DEMO_MODEL, AppendUniqueName, adapter_name_and_path, add_device_arguments, demo_adapter_sources, load_model,
     positive_int, resolve_device, resolve_dtype,
@@ -98,6 +99,7 @@ def _add_generation_arguments(parser: argparse.ArgumentParser, model_default: st
         help="wrap each prompt as a user message with the tokenizer's chat template (instruct models)",
     )
     add_device_arguments(parser)
+    ranks.add_tp_arguments(parser)
 
 
 def _adapter_option(value: str) -> tuple[str, str]:
@@ -142,12 +144,39 @@ def _stream_batch(
             f"prompts name adapter(s) {', '.join(map(repr, unknown))} that no --adapter loads "
             f"(loaded: {', '.join(adapter_sources) or 'none'}; use '{BASE}' for the base model)"
         )
+    if args.tp > 1:
+        if args.model == DEMO_MODEL:
+            raise ValueError("--tp splits a transformers model; the demo model is not split (leave out --tp)")
+        if args.device != "auto":
+            raise ValueError(
+                "--tp places each rank where transformers puts it (rank N on GPU N, or the CPU on a machine without "
+                "GPUs); leave out --device"
+            )
+        if not args.as_tp_rank:  # this process starts the ranks; each runs the rest of this function
+            ranks.launch(args.argv, args.tp)
+            return
+        if ranks.join(args.tp) != 0:
+            console = Console(quiet=True)  # only rank 0 prints
+        try:
+            _run_batch(args, console, requests, render, adapter_sources)
+        finally:
+            ranks.leave()
+    else:
+        _run_batch(args, console, requests, render, adapter_sources)
+
+
+def _run_batch(
+    args: argparse.Namespace, console: Console, requests: list[Request], render: Callable[[BatchView], object],
+    adapter_sources: dict,
+) -> None:
     # Adapters are read before the base model loads, so a bad adapter fails in a second, not after minutes.
     adapters = {name: load_adapter_weights(source) for name, source in adapter_sources.items()}
     device = resolve_device(args.device)
     with console.status(f"loading {args.model} on {device}"):
         dtype = resolve_dtype(args.dtype, device, args.model)
-        model, codec = load_model(args.model, device, dtype, args.chat_template)
+        model, codec = load_model(args.model, device, dtype, args.chat_template, args.tp)
+        if args.tp > 1:
+            device = model.device  # where transformers put this rank's share
         served = MultiLoraModel(
             model,
             max_adapters=max(1, len(adapters)),
@@ -155,8 +184,9 @@ def _stream_batch(
         )
         served.load_adapters(adapters)
 
-    if args.seed is not None:
-        torch.manual_seed(args.seed)
+    seed = ranks.shared_seed(args.seed) if args.tp > 1 else args.seed
+    if seed is not None:
+        torch.manual_seed(seed)
     input_ids, attention_mask = codec.encode_batch([request.prompt for request in requests], device)
     streamer = BatchStreamer(len(requests), codec.eos_token_ids)
     view = BatchView(requests, streamer, codec.decode)

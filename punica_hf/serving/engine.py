@@ -55,6 +55,11 @@ class Engine:
     """
 
     def __init__(self, model, tokenizer=None, config: EngineConfig | None = None) -> None:
+        if model.tensor_parallel:
+            raise ValueError(
+                "the serving engine does not run tensor-parallel models yet (every rank would have to run the same "
+                "steps); use MultiLoraModel.generate on every rank, or punica-hf generate --tp N"
+            )
         self.model = model
         self.hf_model = model.model  # what transformers' continuous batching runs; its forward takes slots
         self.tokenizer: Tokenizer | None = None if tokenizer is None else as_tokenizer(tokenizer)

@@ -69,6 +69,8 @@ class Adapter:
     dims: dict[str, tuple[int, int, int]]  # module -> (in, out, rank), to check a re-read against
     layouts: dict[torch.device, ChunkLayout]
     device_bytes: int
+    factor_bytes: int  # its factors' bytes on this process's devices (this rank's share under tensor parallelism)
+    unsplit_bytes: int  # the same adapter's factor bytes on the whole (unsplit) layers
     users: int = 0  # leases holding it
     unloaded: bool = False  # unload_adapter() was called while held: dropped when the last lease ends
     slot: int | None = None  # set while resident
@@ -113,6 +115,8 @@ class AdapterPlan:
     factors_by_device: dict[torch.device, dict[str, ModuleLora]]
     layouts: dict[torch.device, ChunkLayout]
     device_bytes: int
+    factor_bytes: int
+    unsplit_bytes: int
 
 
 @dataclass
@@ -271,7 +275,10 @@ class AdapterStore:
             }
             device_bytes = sum(layout.size * self.pools[d].element_size for d, layout in layouts.items())
             self._check_sizes(name, layouts, device_bytes)
-            planned[name] = AdapterPlan(weights, source, source_kwargs, factors_by_device, layouts, device_bytes)
+            factor_bytes, unsplit_bytes = _factor_bytes(weights, targets)
+            planned[name] = AdapterPlan(
+                weights, source, source_kwargs, factors_by_device, layouts, device_bytes, factor_bytes, unsplit_bytes
+            )
         targeted = sorted({m for plan in planned.values() for m in plan.weights.modules})
         if targeted:
             tables = {device: pool.tables for device, pool in self.pools.items()}
@@ -294,7 +301,8 @@ class AdapterStore:
             adapter = Adapter(
                 name=name, index=index, source=plan.source, source_kwargs=plan.source_kwargs,
                 dims={m: (f.lora_a.shape[1], f.lora_b.shape[0], f.rank) for m, f in plan.weights.modules.items()},
-                layouts=plan.layouts, device_bytes=plan.device_bytes,
+                layouts=plan.layouts, device_bytes=plan.device_bytes, factor_bytes=plan.factor_bytes,
+                unsplit_bytes=plan.unsplit_bytes,
             )
             self._by_name[name] = self._by_index[index] = adapter
             self._keep_copy(adapter, host_copies[name])
@@ -584,7 +592,7 @@ class AdapterStore:
     def _read_source(self, adapter: Adapter) -> HostCopy:
         source = adapter.source
         if isinstance(source, AdapterWeights):
-            weights = source
+            weights = self.module_hooks.select(adapter.name, source)  # the model's share (tensor parallelism)
         else:
             weights = load_adapter_weights(source, **adapter.source_kwargs)
             weights = self.module_hooks.select(adapter.name, weights)
@@ -742,7 +750,22 @@ class AdapterStore:
                 gpu_bytes_total=sum(p.allocator.capacity * p.element_size for p in self.pools.values()),
                 host_bytes_used=self.host.used,
                 host_bytes_budget=self.host.budget,
+                factor_bytes=sum(a.factor_bytes for a in self._by_name.values()),
+                factor_bytes_unsplit=sum(a.unsplit_bytes for a in self._by_name.values()),
             )
+
+
+def _factor_bytes(weights: AdapterWeights, targets: dict[str, LinearModule]) -> tuple[int, int]:
+    """An adapter's factor bytes ``r * (in + out)`` per module in its modules' LoRA dtypes: as held here, and on the
+    whole layers (the same numbers unless tensor parallelism splits them)."""
+    held = unsplit = 0
+    for module_name, factors in weights.modules.items():
+        target = targets[module_name]
+        element_size = torch.empty(0, dtype=target.dtype).element_size()
+        whole_in, whole_out = target.unsplit_features or (target.in_features, target.out_features)
+        held += factors.rank * (target.in_features + target.out_features) * element_size
+        unsplit += factors.rank * (whole_in + whole_out) * element_size
+    return held, unsplit
 
 
 def _check_in_range(adapter: str, module: str, factor_name: str, factor: torch.Tensor, dtype: torch.dtype) -> None:

@@ -1,0 +1,63 @@
+"""``--tp N``: one command runs a model split over N ranks by transformers' tensor parallelism.
+
+The command the user typed starts N copies of itself as one ``torchrun`` group (``python -m torch.distributed.run
+--standalone``, marked by a hidden ``--as-tp-rank`` option) and waits for them. Each rank joins the group (NCCL on
+GPUs, gloo on the CPU: where transformers places the ranks), loads the model split (``DistributedConfig(tp_plan="auto")``) and the adapters, and runs the
+same calls; only rank 0 prints. When a rank fails, torchrun stops the others and the command fails with a message
+saying so, never hanging.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import subprocess
+import sys
+
+import torch
+import torch.distributed as dist
+
+from .common import positive_int
+
+RANK_OPTION = "--as-tp-rank"
+
+
+def add_tp_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--tp", type=positive_int, default=1, metavar="N",
+        help="split the model over N ranks with transformers' tensor parallelism (N GPUs, or N processes on the "
+        "CPU); the command starts them itself (default: 1, no split)",
+    )
+    parser.add_argument(RANK_OPTION, action="store_true", help=argparse.SUPPRESS)
+
+
+def launch(argv: list[str], ranks: int) -> None:
+    """Run the command line ``argv`` again as ``ranks`` processes of one torchrun group and wait for them all."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
+               "-m", "punica_hf", *argv, RANK_OPTION]
+    returncode = subprocess.run(command).returncode
+    if returncode != 0:
+        raise RuntimeError(
+            f"a rank of --tp {ranks} failed (exit code {returncode}); the others were stopped. Its error is above."
+        )
+
+
+def join(ranks: int) -> int:
+    """Join this rank's torchrun group (NCCL on GPUs, gloo on the CPU); returns this rank's number."""
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    if dist.get_world_size() != ranks:
+        raise RuntimeError(f"--tp {ranks} started in a group of {dist.get_world_size()} processes")
+    return dist.get_rank()
+
+
+def shared_seed(seed: int | None) -> int:
+    """``seed``, or one drawn by rank 0, the same on every rank: sampling then picks the same token everywhere."""
+    chosen = [seed if seed is not None else random.randrange(2**31)]
+    dist.broadcast_object_list(chosen, src=0)
+    return chosen[0]
+
+
+def leave() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
