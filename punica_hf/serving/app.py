@@ -377,6 +377,8 @@ class _Server:
             if isinstance(error, EngineClosedError):
                 raise APIError(503, str(error), type="server_error", code="engine_not_running") from error
             raise
+        for handle in handles:
+            self.metrics.track(handle)
         return handles
 
     async def stream_completion(self, response_id: str, model: str, handles: list[RequestHandle]) -> AsyncIterator[str]:
