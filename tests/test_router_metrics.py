@@ -5,6 +5,7 @@ import time
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from server_process import wait_until
 
 from punica_hf import MultiLoraModel, demo
 from punica_hf.serving import DemoTokenizer, Engine, EngineConfig, SamplingParams
@@ -21,13 +22,6 @@ def samples(server) -> dict[str, list]:
         for sample in family.samples:
             found.setdefault(sample.name, []).append((sample.labels, sample.value))
     return found
-
-
-def wait_until(condition, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +48,7 @@ def test_router_metrics_name_the_running_and_waiting_adapters(server):
     assert found["vllm:gpu_cache_usage_perc"] == found["vllm:kv_cache_usage_perc"]
     for handle in (running, *waiting):
         handle.result(timeout=60)
-    wait_until(lambda: samples(server)["vllm:num_requests_running"][0][1] == 0)
+    wait_until(lambda: samples(server)["vllm:num_requests_running"][0][1] == 0, timeout=60)
     (info,) = samples(server)["vllm:lora_requests_info"]
     assert info[0] == {"running_lora_adapters": "", "waiting_lora_adapters": "", "max_lora": "3"}
     assert samples(server)["vllm:kv_cache_usage_perc"][0][1] == 0
