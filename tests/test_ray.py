@@ -8,6 +8,7 @@ import asyncio
 import os
 import time
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -134,7 +135,15 @@ def test_a_killed_replica_is_replaced_and_the_other_keeps_answering(base_url, an
         actor["name"] for actor in ray.util.list_named_actors(all_namespaces=True)
         if actor["name"].endswith(f"#{victim}")
     ]
-    ray.kill(ray.get_actor(actor_name, namespace="serve"), no_restart=True)
+    long = {**_body("reverse", WORDS[3]), "max_tokens": 50, "ignore_eos": True}
+    with ThreadPoolExecutor(48) as pool:  # requests in flight on the victim when it dies: sent again elsewhere
+        url = f"{base_url}/v1/completions"
+        in_flight = [pool.submit(httpx.post, url, json=long, timeout=120) for _ in range(48)]
+        time.sleep(0.1)
+        ray.kill(ray.get_actor(actor_name, namespace="serve"), no_restart=True)
+        finished = [future.result() for future in in_flight]
+    assert [r.status_code for r in finished] == [200] * len(finished), [r.text for r in finished if r.is_error]
+    assert {r.headers[REPLICA_HEADER] for r in finished} - {victim}, "no request was sent again to the other"
     for word in WORDS:  # the adapter's replica is gone: its requests go to the other one
         for adapter in ("reverse", None):
             response = _complete(base_url, adapter, word)
