@@ -167,7 +167,7 @@ class Router:
         self.catalog = catalog
         self.model_name = model_name
         self.max_body_bytes = max_body_bytes
-        self.catalog_version = 0
+        self.catalog_version: int | None = None  # read at the first request
 
     def __serve_build_asgi_app__(self):
         return BodySizeLimit(self._serve, max_bytes=self.max_body_bytes)
@@ -185,7 +185,7 @@ class Router:
                                                "http_version", "scheme", "client", "server") if key in scope}
         request["body"] = body
         adapter = self._adapter_of(body)
-        if scope["path"] in ADAPTER_ROUTES or not self.catalog_version:
+        if scope["path"] in ADAPTER_ROUTES or self.catalog_version is None:
             self.catalog_version = await self.catalog.current_version.remote()
         status = await self._forward(request, adapter, scope, receive, send)
         if scope["path"] in ADAPTER_ROUTES and status == 200:
