@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import socket
+import threading
 from collections.abc import Callable, Mapping
 from functools import partial
 from pathlib import Path
@@ -127,7 +129,7 @@ def run(args: argparse.Namespace, console: Console) -> None:
     except ImportError as error:
         raise ImportError(f"punica-hf serve needs the serve extra: pip install 'punica-hf[serve]' ({error})") from error
 
-    with console.status(f"loading {args.model} and {len(adapters)} adapter(s)"):
+    with console.status(f"loading {args.model} and {len(adapters)} adapter(s) on {resolve_device(args.device)}"):
         engine = make_engine(args)
     app = create_app(
         engine, name, api_key=args.api_key, lora_dirs=args.lora_dir if args.allow_runtime_lora else None,
@@ -238,15 +240,14 @@ def build_ray_app(args: argparse.Namespace):
 
 
 def _run_on_ray(args: argparse.Namespace, console: Console) -> None:
-    import signal
-    import threading
-
     app = build_ray_app(args)
     import ray
     from ray import serve
 
-    ray.init(address=args.ray_address, include_dashboard=False if args.ray_address is None else None,
-             configure_logging=False)
+    if args.ray_address is None:  # a cluster of this machine alone, reachable from it alone
+        ray.init(include_dashboard=False, _node_ip_address="127.0.0.1", configure_logging=False)
+    else:
+        ray.init(address=args.ray_address, configure_logging=False)
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
         with console.status(f"starting {args.replicas} replica(s) of {args.model} on Ray Serve"):
