@@ -5,6 +5,7 @@ One cluster for the module; it is shut down even when a test fails.
 """
 
 import asyncio
+import json
 import os
 import time
 from collections import defaultdict
@@ -18,10 +19,12 @@ serve = pytest.importorskip("ray.serve", reason="needs the ray extra (pip instal
 
 from server_process import demo_lora_dir, free_port, offline_demo_answers  # noqa: E402
 
-from punica_hf import demo  # noqa: E402
+from punica_hf import MultiLoraModel, demo  # noqa: E402
 from punica_hf.cli import build_parser  # noqa: E402
 from punica_hf.cli.serve import build_ray_app  # noqa: E402
-from punica_hf.serving.ray import REPLICA_HEADER  # noqa: E402
+from punica_hf.serving import DemoTokenizer, Engine, EngineConfig  # noqa: E402
+from punica_hf.serving.app import create_app  # noqa: E402
+from punica_hf.serving.ray import REPLICA_HEADER, _asgi_messages, _Lifespan  # noqa: E402
 
 WORDS = demo.sample_words(5, seed=23, held_out=True)
 ADAPTERS = [*demo.TASKS, None]
@@ -158,3 +161,32 @@ def test_a_killed_replica_is_replaced_and_the_other_keeps_answering(base_url, an
         time.sleep(1)
     assert victim not in seen  # a new replica, serving every adapter again
     assert all(set(demo.TASKS) <= set(models) for models in seen.values())
+
+
+def test_a_replica_cancels_the_request_of_a_client_that_went_away():
+    """In a replica the server runs outside an ASGI server: a consumer that stops reading (the ingress, when its
+    client disconnects) is a disconnect to the app, which cancels the request."""
+    model = MultiLoraModel(demo.load_base_model(), max_adapters=len(demo.TASKS))
+    model.load_adapters(demo.adapter_paths())
+    engine = Engine(model, DemoTokenizer(), EngineConfig(max_running=2))
+    app = create_app(engine, "demo")
+    body = {"model": "upper", "prompt": demo.make_prompt(WORDS[0]), "max_tokens": 50, "ignore_eos": True,
+            "stream": True}
+    request = {"method": "POST", "path": "/v1/completions", "query_string": b"", "body": json.dumps(body).encode(),
+               "headers": [(b"content-type", b"application/json")]}
+
+    async def read_one_event_and_go():
+        lifespan = _Lifespan(app)
+        await lifespan.start()
+        messages = _asgi_messages(app, request)
+        assert (await anext(messages))["status"] == 200
+        assert (await anext(messages))["body"].startswith(b"data: ")
+        await messages.aclose()
+        deadline = time.monotonic() + 30
+        while engine.stats().finished["cancelled"] < 1:
+            assert time.monotonic() < deadline, engine.stats()
+            await asyncio.sleep(0.01)
+        await lifespan.stop()
+
+    asyncio.run(read_one_event_and_go())
+    assert not engine.running

@@ -136,7 +136,7 @@ class _InFlight:
     def adapters(self) -> tuple[set[str], set[str]]:
         """The adapters of the running requests (those that produced output) and of the waiting ones."""
         with self._lock:
-            handles = list(self._handles.values())
+            handles = [handle for handle in self._handles.values() if not handle.done]
         running = {h.adapter for h in handles if h.adapter is not None and h.started}
         waiting = {h.adapter for h in handles if h.adapter is not None and not h.started}
         return running, waiting
