@@ -4,6 +4,7 @@ Server``)."""
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -86,3 +87,23 @@ def wait_until(condition, timeout: float = 20.0) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError("condition not met in time")
         time.sleep(0.05)
+
+
+def demo_lora_dir(folder: Path) -> Path:
+    """``folder`` as an allowed --lora-dir: it receives a copy of the demo's sort adapter, ``sort_copy``."""
+    from punica_hf import demo
+
+    shutil.copytree(demo.adapter_paths()["sort"], folder / "sort_copy")
+    return folder
+
+
+def offline_demo_answers(words: list[str]) -> dict:
+    """The demo model's greedy answers, offline: adapter (None for the base model) -> word -> answer."""
+    from punica_hf import MultiLoraModel, demo
+
+    model = MultiLoraModel(demo.load_base_model(), max_adapters=len(demo.TASKS))
+    model.load_adapters(demo.adapter_paths())
+    return {
+        adapter: dict(zip(words, demo.generate_answers(model, words, adapter_ids=[adapter] * len(words))))
+        for adapter in [*demo.TASKS, None]
+    }

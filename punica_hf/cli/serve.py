@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import socket
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Mapping
+from functools import partial
 from pathlib import Path
 
 from rich.console import Console
@@ -85,6 +88,20 @@ def register(command: Callable[..., argparse.ArgumentParser]) -> None:
                         help="prompt + generated tokens of a request at most (default: the model's limit)")
     sizing.add_argument("--cuda-graphs", choices=["auto", "on", "off"], default="auto",
                         help="capture decoding steps in CUDA graphs (default: auto, transformers decides)")
+    replicas = parser.add_argument_group("replicas on Ray Serve (needs the ray extra: pip install 'punica-hf[ray]')")
+    replicas.add_argument(
+        "--replicas", type=positive_int, default=1, metavar="N",
+        help="serve N copies of the engine behind Ray Serve's HTTP proxy, each request routed to a replica that "
+        "holds its adapter (default: 1, no Ray unless --ray-address)",
+    )
+    replicas.add_argument(
+        "--ray-address", metavar="ADDR",
+        help="the Ray cluster to run the replicas on (default with --replicas: a local one on this machine)",
+    )
+    replicas.add_argument(
+        "--gpus-per-replica", type=float, default=None, metavar="G",
+        help="GPUs Ray reserves for each replica (default: 1 when this machine has a CUDA GPU, else 0)",
+    )
     limits = parser.add_argument_group("request limits (a request beyond is refused before it reaches the engine)")
     limits.add_argument("--max-request-bytes", type=positive_int, default=4 * 1024 * 1024, metavar="N",
                         help="request body size; beyond, 413 (default: 4194304, 4 MiB)")
@@ -98,6 +115,40 @@ def register(command: Callable[..., argparse.ArgumentParser]) -> None:
 
 
 def run(args: argparse.Namespace, console: Console) -> None:
+    check_arguments(args)
+    name = args.served_model_name or args.model
+    adapters = served_adapters(args)
+    if args.replicas > 1 or args.ray_address:
+        return _run_on_ray(args, console)
+    listener = bind_listener(args.host, args.port)  # a busy address fails now, not after the model has loaded
+
+    try:
+        import uvicorn
+
+        from ..serving.app import create_app
+    except ImportError as error:
+        raise ImportError(f"punica-hf serve needs the serve extra: pip install 'punica-hf[serve]' ({error})") from error
+
+    with console.status(f"loading {args.model} and {len(adapters)} adapter(s) on {resolve_device(args.device)}"):
+        engine = make_engine(args)
+    app = create_app(
+        engine, name, api_key=args.api_key, lora_dirs=args.lora_dir if args.allow_runtime_lora else None,
+        limits=request_limits(args),
+    )
+    console.print(
+        f"serving [bold]{name}[/bold] with adapters {', '.join(sorted(adapters)) or '(none)'} on "
+        f"http://{args.host}:{args.port}/v1" + (" (API key required)" if args.api_key else ""),
+        highlight=False,
+    )
+    host_budget = engine.model.adapter_stats["host_bytes_budget"]
+    console.print(f"adapter host tier: {host_budget / 2**30:.1f} GiB ({host_budget} bytes) of CPU memory",
+                  highlight=False)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=None)
+    uvicorn.Server(config).run(sockets=[listener])
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    """Refuse inconsistent options before anything loads."""
     if args.allow_runtime_lora and not args.lora_dir:
         raise ValueError("--allow-runtime-lora needs at least one --lora-dir to load adapters from")
     if args.lora_dir and not args.allow_runtime_lora:
@@ -105,39 +156,44 @@ def run(args: argparse.Namespace, console: Console) -> None:
     for directory in args.lora_dir:
         if not directory.is_dir():
             raise FileNotFoundError(f"--lora-dir {directory}: not a directory")
-    adapters = dict(args.adapter)
-    if args.model == DEMO_MODEL and not adapters:
-        adapters = {name: str(path) for name, path in demo_adapter_sources().items()}
     name = args.served_model_name or args.model
-    if name in adapters:  # requests naming it would always reach the base model
+    if name in served_adapters(args):  # requests naming it would always reach the base model
         raise ValueError(
             f"the adapter name {name!r} is the base model's served name: rename the adapter (--adapter OTHER=...) or "
             "the base model (--served-model-name)"
         )
-    listener = bind_listener(args.host, args.port)  # a busy address fails now, not after the model has loaded
 
-    try:
-        import uvicorn
 
-        from ..serving.app import RequestLimits, create_app
-    except ImportError as error:
-        raise ImportError(f"punica-hf serve needs the serve extra: pip install 'punica-hf[serve]' ({error})") from error
-    from ..model import MultiLoraModel
-    from ..serving import DemoTokenizer, Engine, EngineConfig
+def served_adapters(args: argparse.Namespace) -> dict[str, str]:
+    """The adapters to serve from the start: ``--adapter``, or the demo's with the demo model."""
+    adapters = dict(args.adapter)
+    if args.model == DEMO_MODEL and not adapters:
+        adapters = {name: str(path) for name, path in demo_adapter_sources().items()}
+    return adapters
 
-    limits = RequestLimits(
+
+def request_limits(args: argparse.Namespace):
+    from ..serving.app import RequestLimits
+
+    return RequestLimits(
         max_body_bytes=args.max_request_bytes, max_prompts=args.max_prompts_per_request,
         max_stop_sequences=args.max_stop_sequences, max_stop_length=args.max_stop_length,
     )
 
+
+def make_engine(args: argparse.Namespace):
+    """The engine (not started) of the model and adapters ``args`` name; in a Ray replica's process too."""
+    from ..model import MultiLoraModel
+    from ..serving import DemoTokenizer, Engine, EngineConfig
+
     device = resolve_device(args.device)
-    with console.status(f"loading {args.model} and {len(adapters)} adapter(s) on {device}"):
-        base, _ = load_model(args.model, device, resolve_dtype(args.dtype, device, args.model), chat_template=False)
-        model = MultiLoraModel(base, max_adapters=args.max_adapters, max_rank=args.max_rank)
-        if adapters:
-            model.load_adapters(adapters)
-        tokenizer = DemoTokenizer() if args.model == DEMO_MODEL else _hf_tokenizer(args.model)
-    engine = Engine(
+    base, _ = load_model(args.model, device, resolve_dtype(args.dtype, device, args.model), chat_template=False)
+    model = MultiLoraModel(base, max_adapters=args.max_adapters, max_rank=args.max_rank)
+    adapters = served_adapters(args)
+    if adapters:
+        model.load_adapters(adapters)
+    tokenizer = DemoTokenizer() if args.model == DEMO_MODEL else _hf_tokenizer(args.model)
+    return Engine(
         model, tokenizer,
         EngineConfig(
             max_queue=args.max_queue, max_running=args.max_running, max_batch_tokens=args.max_batch_tokens,
@@ -145,20 +201,69 @@ def run(args: argparse.Namespace, console: Console) -> None:
             cuda_graphs={"auto": None, "on": True, "off": False}[args.cuda_graphs],
         ),
     )
-    app = create_app(
-        engine, name, api_key=args.api_key, lora_dirs=args.lora_dir if args.allow_runtime_lora else None,
-        limits=limits,
+
+
+def ray_app(options: Mapping[str, object]):
+    """The Ray Serve application of ``punica-hf serve``'s options, for ``serve run`` and Ray Serve configs:
+    ``serve run punica_hf.cli.serve:ray_app model=demo replicas=2`` (an option's name without its dashes, ``_``
+    or ``-`` between words; ``true`` for a switch; a list for a repeatable option)."""
+    parser = argparse.ArgumentParser(prog="punica-hf serve")
+    register(lambda *_: parser)  # this command's options alone: the same parser as on the command line
+    argv = []
+    for key, value in options.items():
+        flag = "--" + str(key).replace("_", "-")
+        for item in value if isinstance(value, list) else [value]:
+            if item is True or str(item).lower() == "true":
+                argv.append(flag)
+            elif item is not False and str(item).lower() != "false":
+                argv += [flag, str(item)]
+    return build_ray_app(parser.parse_args(argv))
+
+
+def build_ray_app(args: argparse.Namespace):
+    check_arguments(args)
+    try:
+        from ..serving.ray import build_app
+    except ImportError as error:
+        raise ImportError(f"--replicas needs the ray extra: pip install 'punica-hf[ray]' ({error})") from error
+    gpus = args.gpus_per_replica
+    if gpus is None:
+        import torch
+
+        gpus = 1 if args.device != "cpu" and torch.cuda.is_available() else 0
+    return build_app(
+        partial(make_engine, args), args.served_model_name or args.model, replicas=args.replicas,
+        max_adapters=args.max_adapters, api_key=args.api_key,
+        lora_dirs=args.lora_dir if args.allow_runtime_lora else None, limits=request_limits(args),
+        replica_actor_options={"num_gpus": gpus},
     )
-    console.print(
-        f"serving [bold]{name}[/bold] with adapters {', '.join(sorted(adapters)) or '(none)'} on "
-        f"http://{args.host}:{args.port}/v1" + (" (API key required)" if args.api_key else ""),
-        highlight=False,
-    )
-    host_budget = model.adapter_stats["host_bytes_budget"]
-    console.print(f"adapter host tier: {host_budget / 2**30:.1f} GiB ({host_budget} bytes) of CPU memory",
-                  highlight=False)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=None)
-    uvicorn.Server(config).run(sockets=[listener])
+
+
+def _run_on_ray(args: argparse.Namespace, console: Console) -> None:
+    app = build_ray_app(args)
+    import ray
+    from ray import serve
+
+    if args.ray_address is None:  # a cluster of this machine alone, reachable from it alone
+        ray.init(include_dashboard=False, _node_ip_address="127.0.0.1", configure_logging=False)
+    else:
+        ray.init(address=args.ray_address, configure_logging=False)
+    try:
+        serve.start(http_options={"host": args.host, "port": args.port})
+        with console.status(f"starting {args.replicas} replica(s) of {args.model} on Ray Serve"):
+            serve.run(app, name="punica-hf", route_prefix="/")
+        console.print(
+            f"serving [bold]{args.served_model_name or args.model}[/bold] with {args.replicas} replica(s) on "
+            f"http://{args.host}:{args.port}/v1" + (" (API key required)" if args.api_key else ""),
+            highlight=False,
+        )
+        stop = threading.Event()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, lambda *_: stop.set())
+        stop.wait()
+    finally:
+        serve.shutdown()
+        ray.shutdown()
 
 
 def bind_listener(host: str, port: int) -> socket.socket:

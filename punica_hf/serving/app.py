@@ -21,7 +21,7 @@ import asyncio
 import os
 import secrets
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
@@ -132,15 +132,18 @@ def create_app(
     api_key: str | None = None,
     lora_dirs: Sequence[str | Path] | None = None,
     limits: RequestLimits | None = None,
+    on_adapters_changed: Callable[[str, str | None], None] | None = None,
 ) -> FastAPI:
     """The server of ``engine`` (not started yet: the app starts it, and drains it on shutdown).
 
     ``model_name`` is the base model's id in the API. ``lora_dirs`` turns on runtime adapter loading, from paths
     under those directories only (symlinks resolved); None keeps it off. ``limits``: what one request may ask for
-    (default ``RequestLimits()``).
+    (default ``RequestLimits()``). ``on_adapters_changed(name, path)`` is called after a runtime load succeeds
+    (``path`` None after an unload) and before the client is answered, so that other copies of the server (Ray
+    Serve replicas) can follow; if it raises, the change is undone and the client gets a 503.
     """
     limits = limits or RequestLimits()
-    server = _Server(engine, model_name, lora_dirs)
+    server = _Server(engine, model_name, lora_dirs, on_adapters_changed)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -157,7 +160,7 @@ def create_app(
         redoc_url="/redoc" if documented else None,
     )
     app.state.server = server
-    app.add_middleware(_BodySizeLimit, max_bytes=limits.max_body_bytes)
+    app.add_middleware(BodySizeLimit, max_bytes=limits.max_body_bytes)
 
     def check_api_key(request: Request) -> None:
         if api_key is None:
@@ -264,8 +267,10 @@ def create_app(
 class _Server:
     """The state behind the routes: the engine, the base model's name, the allowed adapter directories, metrics."""
 
-    def __init__(self, engine: Engine, model_name: str, lora_dirs: Sequence[str | Path] | None) -> None:
+    def __init__(self, engine: Engine, model_name: str, lora_dirs: Sequence[str | Path] | None,
+                 on_adapters_changed: Callable[[str, str | None], None] | None = None) -> None:
         self.engine = engine
+        self.on_adapters_changed = on_adapters_changed
         self.model_name = model_name
         self.lora_dirs = None if lora_dirs is None else [Path(os.path.realpath(d)) for d in lora_dirs]
         self.metrics = ServingMetrics(engine)
@@ -303,6 +308,7 @@ class _Server:
             self.engine.model.load_adapters({name: str(resolved)})
         except (ValueError, KeyError, OSError) as error:
             raise APIError(400, f"could not load '{path}': {error}", param="lora_path") from error
+        self._tell_others(name, str(resolved), undo=lambda: self.engine.model.unload_adapter(name))
 
     def unload_adapter(self, name: str) -> None:
         # One call that checks and removes: a check before it could pass for two concurrent unloads of one name.
@@ -311,6 +317,20 @@ class _Server:
         except KeyError:  # its message lists every adapter loaded: not for this client
             raise APIError(404, f"The lora adapter '{name}' cannot be found.", param="lora_name",
                            code="model_not_found") from None
+        self._tell_others(name, None, undo=None)
+
+    def _tell_others(self, name: str, path: str | None, undo: Callable[[], None] | None) -> None:
+        """Call ``on_adapters_changed``; if it fails, ``undo`` the change here (an unload cannot be undone: its
+        requests may have finished already) and answer 503."""
+        if self.on_adapters_changed is None:
+            return
+        try:
+            self.on_adapters_changed(name, path)
+        except Exception as error:
+            if undo is not None:
+                undo()
+            raise APIError(503, f"the other replicas could not be told about '{name}': {error}",
+                           type="server_error", code="replicas_not_told") from error
 
     # -------------------------------------------------------------- requests
     async def prompt_ids(self, prompts: list[str | list[int]], max_new_tokens: int) -> list[str | list[int]]:
@@ -377,6 +397,8 @@ class _Server:
             if isinstance(error, EngineClosedError):
                 raise APIError(503, str(error), type="server_error", code="engine_not_running") from error
             raise
+        for handle in handles:
+            self.metrics.track(handle)
         return handles
 
     async def stream_completion(self, response_id: str, model: str, handles: list[RequestHandle]) -> AsyncIterator[str]:
@@ -515,7 +537,7 @@ def _error_event(handle: RequestHandle) -> str:
     return _event(ErrorResponse(error=error))
 
 
-class _BodySizeLimit:
+class BodySizeLimit:
     """ASGI middleware: a request body over ``max_bytes`` is refused with 413, by its Content-Length before any of
     it is read, or (sent in chunks) as soon as what arrived passes the limit."""
 

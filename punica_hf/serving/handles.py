@@ -28,6 +28,11 @@ class RequestHandle:
     def done(self) -> bool:
         return self._completion is not None
 
+    @property
+    def started(self) -> bool:
+        """Whether the request has produced output (a token, or its end): False while it waits for its turn."""
+        return bool(self._deltas) or self._completion is not None
+
     def cancel(self) -> None:
         """Stop generating (no-op once finished); the request finishes with reason ``"cancelled"``."""
         if not self.done:

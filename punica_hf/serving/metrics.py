@@ -3,14 +3,22 @@
 Counts and gauges are read from the engine (``Engine.stats()``) and the adapter store (``model.adapter_stats``)
 when scraped; latencies are observed as each request finishes. Each ``ServingMetrics`` has its own registry, so
 several servers in one process do not collide.
+
+Beside the ``punica_*`` metrics, the few that Kubernetes routers read from vLLM servers are exposed under vLLM's
+names (``vllm:*``): the Gateway API Inference Extension (and llm-d, KServe, which use its endpoint picker) scores
+pods by queue length, KV-cache usage and, for LoRA affinity, the adapters a pod is running or queueing and its
+adapter limit (``vllm:lora_requests_info``, whose labels carry the data and whose value is a timestamp).
 """
 
 from __future__ import annotations
 
+import threading
+import time
+
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from .engine import Completion, Engine
+from .engine import Completion, Engine, RequestHandle
 
 PREFIX = "punica"
 # adapter_stats keys that only grow (exposed as counters); every other numeric key is a gauge
@@ -39,10 +47,17 @@ class ServingMetrics:
             f"{PREFIX}_request_latency_seconds", "Seconds from a request's arrival to its end.",
             buckets=LATENCY_BUCKETS, registry=self.registry,
         )
+        self.in_flight = _InFlight()
+        self.registry.register(_RouterCollector(engine, self.in_flight))
         engine.add_listener(self.observe)
+
+    def track(self, handle: RequestHandle) -> None:
+        """Count ``handle``'s adapter among the running or waiting ones until it finishes."""
+        self.in_flight.add(handle)
 
     def observe(self, completion: Completion) -> None:
         """Record a finished request's latencies (called in the engine thread)."""
+        self.in_flight.discard(completion.request_id)
         if completion.time_to_first_token is not None:
             self.time_to_first_token.observe(completion.time_to_first_token)
         times = completion.token_times
@@ -99,3 +114,58 @@ class _EngineCollector:
                 yield CounterMetricFamily(f"{PREFIX}_adapter_{key}", f"Adapter store: {key}.", value=value)
             else:
                 yield GaugeMetricFamily(f"{PREFIX}_adapter_{key}", f"Adapter store: {key}.", value=value)
+
+
+class _InFlight:
+    """The handles of the requests not finished yet (added from the event loop, removed in the engine thread)."""
+
+    def __init__(self) -> None:
+        self._handles: dict[str, RequestHandle] = {}
+        self._lock = threading.Lock()
+
+    def add(self, handle: RequestHandle) -> None:
+        with self._lock:
+            self._handles[handle.request_id] = handle
+        if handle.done:  # it finished before it was added: its removal has come and gone
+            self.discard(handle.request_id)
+
+    def discard(self, request_id: str) -> None:
+        with self._lock:
+            self._handles.pop(request_id, None)
+
+    def adapters(self) -> tuple[set[str], set[str]]:
+        """The adapters of the running requests (those that produced output) and of the waiting ones."""
+        with self._lock:
+            handles = [handle for handle in self._handles.values() if not handle.done]
+        running = {h.adapter for h in handles if h.adapter is not None and h.started}
+        waiting = {h.adapter for h in handles if h.adapter is not None and not h.started}
+        return running, waiting
+
+
+class _RouterCollector:
+    """The vLLM-named metrics that Kubernetes LoRA-aware routers (the Gateway API Inference Extension) read."""
+
+    def __init__(self, engine: Engine, in_flight: _InFlight) -> None:
+        self.engine = engine
+        self.in_flight = in_flight
+
+    def collect(self):
+        stats = self.engine.stats()
+        kv_usage = 1.0 - stats.kv_free_fraction
+        for name, value, help_text in (
+            ("vllm:num_requests_waiting", stats.queued + stats.waiting, "Requests waiting to start."),
+            ("vllm:num_requests_running", stats.running, "Requests holding KV cache blocks."),
+            ("vllm:kv_cache_usage_perc", kv_usage, "Used fraction of the KV cache (1 is full)."),
+            # the name before vLLM's v1 engine, still read by older endpoint pickers
+            ("vllm:gpu_cache_usage_perc", kv_usage, "Used fraction of the KV cache (1 is full)."),
+        ):
+            yield GaugeMetricFamily(name, help_text, value=value)
+        running, waiting = self.in_flight.adapters()
+        info = GaugeMetricFamily(
+            "vllm:lora_requests_info", "Adapters of the running and the waiting requests, comma-separated, and the "
+            "most adapters on the device at once; the value is when this was read (Unix time).",
+            labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"],
+        )
+        info.add_metric([",".join(sorted(running)), ",".join(sorted(waiting)), str(self.engine.model.max_adapters)],
+                        time.time())
+        yield info

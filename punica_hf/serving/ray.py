@@ -1,0 +1,320 @@
+"""Replicas of the engine on Ray Serve, each request routed to a replica that holds its adapter (``ray`` extra).
+
+``build_app`` returns a Ray Serve application of three deployments:
+
+- ``EngineReplica`` (N of them): an ``Engine`` over a ``MultiLoraModel`` with the very server of ``create_app``,
+  called as an ASGI app: every route, error, limit and the API key behave as in ``punica-hf serve``. Each
+  response names its replica in the ``x-punica-replica`` header.
+- ``Router`` (the HTTP ingress, one): reads the request's ``model`` and hands the request to a replica through
+  Ray Serve's model multiplexing (``multiplexed_model_id`` = the adapter), which prefers a replica that already
+  holds the adapter, and among those the least loaded; requests for the base model go to the least loaded
+  replica. It streams the replica's answer back as it comes.
+- ``AdapterCatalog`` (one): the runtime loads and unloads, numbered. A replica that accepts a load or unload
+  records it there; every request carries the catalog's number, and a replica behind it catches up (loads or
+  unloads through its own store) before it serves the request: a runtime load reaches every replica, including
+  one restarted after a failure.
+
+A replica that dies is restarted by Ray Serve. A request it was serving is sent once more, to another replica, if
+nothing of its answer was sent yet; otherwise the answer ends early. If that fails too the client gets a 503.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from pathlib import Path
+
+from ray import serve
+from ray.exceptions import ActorUnavailableError, RayActorError
+
+from .app import APIError, BodySizeLimit, RequestLimits, create_app
+from .engine import Engine
+
+REPLICA_HEADER = "x-punica-replica"
+ADAPTER_ROUTES = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
+# A replica's engine queues and batches its requests itself: Ray Serve should not hold them back (nor send an
+# adapter's requests elsewhere because its replica has "too many" in flight).
+MAX_ONGOING_REQUESTS = 1024
+REPLICA_LOST = (RayActorError, ActorUnavailableError)
+
+
+def build_app(
+    make_engine: Callable[[], Engine],
+    model_name: str,
+    *,
+    replicas: int = 1,
+    max_adapters: int = 64,
+    api_key: str | None = None,
+    lora_dirs: Sequence[str | Path] | None = None,
+    limits: RequestLimits | None = None,
+    replica_actor_options: Mapping | None = None,
+) -> serve.Application:
+    """The Ray Serve application of ``replicas`` engines behind one OpenAI-compatible HTTP ingress.
+
+    ``make_engine`` builds one replica's engine (not started) in the replica's process: it must pickle (a
+    module-level function, or a ``functools.partial`` of one). ``max_adapters``: the adapters one replica keeps
+    on its device (the model's ``max_adapters``): Ray Serve counts a replica as holding at most that many.
+    ``replica_actor_options``: Ray actor options of each replica (``{"num_gpus": 1}`` on GPUs). The other
+    arguments are ``create_app``'s.
+    """
+    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
+        raise ValueError(f"replicas must be a positive integer, got {replicas!r}")
+    limits = limits or RequestLimits()
+    catalog = serve.deployment(AdapterCatalog, ray_actor_options={"num_cpus": 0}).bind()
+    replica_class = serve.multiplexed(max_num_models_per_replica=max_adapters)(EngineReplica.hold_adapter)
+    replica_class = type("EngineReplica", (EngineReplica,), {"hold_adapter": replica_class})
+    replica = serve.deployment(
+        replica_class, num_replicas=replicas, max_ongoing_requests=MAX_ONGOING_REQUESTS,
+        ray_actor_options=dict(replica_actor_options or {}),
+    ).bind(make_engine, model_name, catalog, api_key, None if lora_dirs is None else list(lora_dirs), limits)
+    router = serve.deployment(
+        serve.ingress()(Router), max_ongoing_requests=MAX_ONGOING_REQUESTS, ray_actor_options={"num_cpus": 0},
+    )
+    return router.bind(replica, catalog, model_name, limits.max_body_bytes)
+
+
+class AdapterCatalog:
+    """The adapters loaded and unloaded at runtime, with a version that grows with every change."""
+
+    def __init__(self) -> None:
+        self.version = 0
+        self.loaded: dict[str, str] = {}
+        self.unloaded: set[str] = set()
+
+    def snapshot(self) -> tuple[int, dict[str, str], set[str]]:
+        return self.version, dict(self.loaded), set(self.unloaded)
+
+    def current_version(self) -> int:
+        return self.version
+
+    def record(self, name: str, path: str | None) -> int:
+        """Record a load (``path``) or an unload (None) of ``name``; the new version."""
+        if path is None:
+            self.loaded.pop(name, None)
+            self.unloaded.add(name)
+        else:
+            self.unloaded.discard(name)
+            self.loaded[name] = path
+        self.version += 1
+        return self.version
+
+
+class EngineReplica:
+    """One engine and its server; ``handle_http`` serves one HTTP request, given as a dict, as ASGI messages."""
+
+    def __init__(self, make_engine: Callable[[], Engine], model_name: str, catalog, api_key: str | None,
+                 lora_dirs: list[str] | None, limits: RequestLimits) -> None:
+        self.engine = make_engine()
+        self.catalog = catalog
+        self.app = create_app(self.engine, model_name, api_key=api_key, lora_dirs=lora_dirs, limits=limits,
+                              on_adapters_changed=self._record_in_catalog)
+        self.name = serve.get_replica_context().replica_id.unique_id
+        self.version = 0
+        self.catching_up = asyncio.Lock()
+        self.lifespan = _Lifespan(self.app)
+
+    async def hold_adapter(self, adapter: str) -> str:
+        """Made ``@serve.multiplexed`` by ``build_app``: tells Ray Serve this replica holds ``adapter``. The
+        adapter's weights are the store's to move (device slots, host memory, disk), so there is nothing to load
+        or free here."""
+        return adapter
+
+    async def handle_http(self, request: dict, catalog_version: int) -> AsyncIterator[dict]:
+        await self.lifespan.start()
+        await self._catch_up(catalog_version)
+        adapter = serve.get_multiplexed_model_id()
+        if adapter and adapter in self.engine.model.adapters:
+            await self.hold_adapter(adapter)
+        async for message in _asgi_messages(self.app, request):
+            if message["type"] == "http.response.start":
+                headers = [*message.get("headers", []), (REPLICA_HEADER.encode(), self.name.encode())]
+                message = {**message, "headers": headers}
+            yield message
+
+    async def check_health(self) -> None:
+        if self.lifespan.started and not self.engine.running:
+            raise RuntimeError(f"the engine is not running: {self.engine.error}")
+
+    async def __del__(self) -> None:  # Ray Serve awaits it when it stops the replica: drain the engine
+        await self.lifespan.stop()
+
+    async def _catch_up(self, version: int) -> None:
+        """Apply the catalog's runtime loads and unloads if this replica has not seen ``version`` yet."""
+        if version <= self.version:
+            return
+        async with self.catching_up:
+            if version <= self.version:
+                return
+            latest, loaded, unloaded = await self.catalog.snapshot.remote()
+            model = self.engine.model
+            for name in unloaded & set(model.adapters):
+                await asyncio.to_thread(model.unload_adapter, name)
+            missing = {name: path for name, path in loaded.items() if name not in model.adapters}
+            if missing:
+                await asyncio.to_thread(model.load_adapters, missing)
+            self.version = latest
+
+    def _record_in_catalog(self, name: str, path: str | None) -> None:  # called in a worker thread of the app
+        self.catalog.record.remote(name, path).result()
+
+
+class Router:
+    """The HTTP ingress: each request to a replica, by its adapter; the answer streamed back."""
+
+    def __init__(self, replica, catalog, model_name: str, max_body_bytes: int) -> None:
+        self.replica = replica
+        self.catalog = catalog
+        self.model_name = model_name
+        self.max_body_bytes = max_body_bytes
+        self.catalog_version: int | None = None  # read at the first request
+
+    def __serve_build_asgi_app__(self):
+        return BodySizeLimit(self._serve, max_bytes=self.max_body_bytes)
+
+    async def _serve(self, scope, receive, send) -> None:
+        if scope["type"] == "lifespan":
+            return await _answer_lifespan(receive, send)
+        if scope["type"] != "http":
+            return
+        try:
+            body = await _read_body(receive)
+        except APIError as error:
+            return await error.response()(scope, receive, send)
+        request = {key: scope[key] for key in ("method", "path", "raw_path", "query_string", "headers",
+                                               "http_version", "scheme", "client", "server") if key in scope}
+        request["body"] = body
+        adapter = self._adapter_of(body)
+        if scope["path"] in ADAPTER_ROUTES or self.catalog_version is None:
+            self.catalog_version = await self.catalog.current_version.remote()
+        status = await self._forward(request, adapter, scope, receive, send)
+        if scope["path"] in ADAPTER_ROUTES and status == 200:
+            self.catalog_version = await self.catalog.current_version.remote()
+
+    async def _forward(self, request: dict, adapter: str, scope, receive, send) -> int | None:
+        """Send ``request`` to a replica and its answer to the client; once more if the replica is lost before
+        any of the answer was sent. The answer's status."""
+        status = None
+        for attempt in range(2):
+            answer = self.replica.options(stream=True, multiplexed_model_id=adapter).handle_http.remote(
+                request, self.catalog_version
+            )
+            try:
+                async for message in answer:
+                    if message["type"] == "http.response.start":
+                        status = message["status"]
+                    await send(message)
+                return status
+            except REPLICA_LOST:
+                if status is not None:  # part of the answer is out: end it here (the connection closes)
+                    raise
+            except BaseException:
+                answer.cancel()  # the client went away, or this task was cancelled: stop the replica's work
+                raise
+        error = APIError(503, "the replica serving this request stopped (Ray Serve restarts it); retry",
+                         type="server_error", code="replica_lost")
+        await error.response()(scope, receive, send)
+        return 503
+
+    def _adapter_of(self, body: bytes) -> str:
+        """The adapter the request names for multiplexing ("" for none: the base model, or no JSON ``model``)."""
+        try:
+            model = json.loads(body).get("model") if body else None
+        except (ValueError, AttributeError):
+            return ""
+        return model if isinstance(model, str) and model != self.model_name else ""
+
+
+class _Lifespan:
+    """The ASGI lifespan of an app run outside an ASGI server: ``start()`` runs its startup (once), ``stop()`` its
+    shutdown."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+        self.started = False
+        self._starting = asyncio.Lock()
+        self._to_app: asyncio.Queue = asyncio.Queue()
+        self._from_app: asyncio.Queue = asyncio.Queue()
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        if self.started:
+            return
+        async with self._starting:
+            if self.started:
+                return
+            self._task = asyncio.create_task(
+                self.app({"type": "lifespan", "asgi": {"version": "3.0"}}, self._to_app.get, self._from_app.put)
+            )
+            await self._to_app.put({"type": "lifespan.startup"})
+            message = await self._from_app.get()
+            if message["type"] != "lifespan.startup.complete":
+                raise RuntimeError(f"the server did not start: {message.get('message', message['type'])}")
+            self.started = True
+
+    async def stop(self) -> None:
+        if self._task is None or self._task.done():
+            return
+        await self._to_app.put({"type": "lifespan.shutdown"})
+        await self._from_app.get()
+
+
+async def _asgi_messages(app, request: dict) -> AsyncIterator[dict]:
+    """Run ``app`` on one HTTP request (a dict of its scope and ``body``); its response's ASGI messages. When the
+    consumer stops early (the client went away), the app sees a disconnect."""
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "root_path": "",
+             **{key: value for key, value in request.items() if key != "body"}}
+    scope.setdefault("raw_path", scope["path"].encode())
+    sent: asyncio.Queue = asyncio.Queue()
+    gone = asyncio.Event()
+    body_given = False
+
+    async def receive() -> dict:
+        nonlocal body_given
+        if not body_given:
+            body_given = True
+            return {"type": "http.request", "body": request["body"], "more_body": False}
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def run() -> None:
+        try:
+            await app(scope, receive, sent.put)
+        finally:
+            await sent.put(None)
+
+    task = asyncio.create_task(run())
+    try:
+        while (message := await sent.get()) is not None:
+            yield message
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                break
+        await task  # raises what the app raised
+    finally:
+        gone.set()
+        if not task.done():
+            try:
+                await asyncio.wait_for(task, timeout=5)
+            except asyncio.TimeoutError:
+                pass
+
+
+async def _read_body(receive) -> bytes:
+    chunks = []
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return b"".join(chunks)
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+async def _answer_lifespan(receive, send) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return

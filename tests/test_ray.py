@@ -1,0 +1,192 @@
+"""``punica-hf serve --replicas 2`` on a local Ray cluster (127.0.0.1, no dashboard, usage stats off): two replicas
+of the demo model behind Ray Serve's HTTP proxy, every answer compared with offline greedy ``generate()``.
+
+One cluster for the module; it is shut down even when a test fails.
+"""
+
+import asyncio
+import json
+import os
+import time
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+ray = pytest.importorskip("ray", reason="needs the ray extra (pip install 'punica-hf[ray]')")
+serve = pytest.importorskip("ray.serve", reason="needs the ray extra (pip install 'punica-hf[ray]')")
+
+from server_process import demo_lora_dir, free_port, offline_demo_answers  # noqa: E402
+
+from punica_hf import MultiLoraModel, demo  # noqa: E402
+from punica_hf.cli import build_parser  # noqa: E402
+from punica_hf.cli.serve import build_ray_app  # noqa: E402
+from punica_hf.serving import DemoTokenizer, Engine, EngineConfig  # noqa: E402
+from punica_hf.serving.app import create_app  # noqa: E402
+from punica_hf.serving.ray import REPLICA_HEADER, _asgi_messages, _Lifespan  # noqa: E402
+
+WORDS = demo.sample_words(5, seed=23, held_out=True)
+ADAPTERS = [*demo.TASKS, None]
+
+
+@pytest.fixture(scope="module")
+def answers():
+    return offline_demo_answers(WORDS)
+
+
+@pytest.fixture(scope="module")
+def lora_dir(tmp_path_factory):
+    return demo_lora_dir(tmp_path_factory.mktemp("lora_dir"))
+
+
+@pytest.fixture(scope="module")
+def base_url(lora_dir):
+    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+    port = free_port()
+    args = build_parser().parse_args([
+        "serve", "--model", "demo", "--replicas", "2", "--device", "cpu", "--max-running", "8",
+        "--allow-runtime-lora", "--lora-dir", str(lora_dir),
+    ])
+    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
+             runtime_env={"env_vars": {"RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": "1"}})
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build_ray_app(args), name="punica-hf", route_prefix="/")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def _body(adapter, word, **extra) -> dict:
+    return {"model": adapter or "demo", "prompt": demo.make_prompt(word), "max_tokens": demo.MAX_ANSWER_TOKENS,
+            "temperature": 0, **extra}
+
+
+def _complete(base_url, adapter, word) -> httpx.Response:
+    return httpx.post(f"{base_url}/v1/completions", json=_body(adapter, word), timeout=60)
+
+
+def _replicas_seen(base_url, tries: int = 40) -> dict[str, list[str]]:
+    """Each replica that answered ``GET /v1/models`` (requests without an adapter go to either) -> its models."""
+    seen = {}
+    for _ in range(tries):
+        response = httpx.get(f"{base_url}/v1/models", timeout=30).raise_for_status()
+        seen[response.headers[REPLICA_HEADER]] = sorted(card["id"] for card in response.json()["data"])
+        if len(seen) == 2:
+            break
+    return seen
+
+
+def test_concurrent_requests_are_exact_and_each_adapter_stays_on_one_replica(base_url, answers):
+    for adapter in demo.TASKS:  # one request each first: a replica then holds each adapter
+        assert _complete(base_url, adapter, WORDS[0]).status_code == 200
+    time.sleep(1.0)  # the replicas report the adapters they hold to Ray Serve's routers
+
+    async def all_requests():
+        async with httpx.AsyncClient(timeout=120) as client:
+            calls = [(ADAPTERS[i % 4], WORDS[i % len(WORDS)]) for i in range(100)]
+            responses = await asyncio.gather(*(
+                client.post(f"{base_url}/v1/completions", json=_body(adapter, word)) for adapter, word in calls
+            ))
+            return list(zip(calls, responses))
+
+    served_by = defaultdict(set)
+    for (adapter, word), response in asyncio.run(all_requests()):
+        assert response.status_code == 200, response.text
+        assert response.json()["choices"][0]["text"] == answers[adapter][word], (adapter, word)
+        served_by[adapter].add(response.headers[REPLICA_HEADER])
+    for adapter in demo.TASKS:
+        assert len(served_by[adapter]) == 1, (adapter, served_by)
+
+
+def test_streaming_through_a_replica(base_url, answers):
+    body = _body("upper", WORDS[1], stream=True)
+    with httpx.stream("POST", f"{base_url}/v1/completions", json=body, timeout=60) as response:
+        assert response.status_code == 200 and response.headers[REPLICA_HEADER]
+        events = [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    pieces = [httpx.Response(200, content=event).json() for event in events[:-1]]
+    assert "".join(c["text"] for p in pieces for c in p["choices"]) == answers["upper"][WORDS[1]]
+
+
+def test_errors_and_metrics_come_from_the_replicas(base_url):
+    response = httpx.post(f"{base_url}/v1/completions", json=_body("nope", WORDS[0]), timeout=30)
+    assert response.status_code == 404 and response.json()["error"]["code"] == "model_not_found"
+    metrics = httpx.get(f"{base_url}/metrics", timeout=30).text
+    assert 'max_lora="64"' in metrics and "vllm:num_requests_waiting" in metrics
+
+
+def test_a_runtime_load_and_unload_reach_both_replicas(base_url, lora_dir, answers):
+    load = {"lora_name": "sort2", "lora_path": str(lora_dir / "sort_copy")}
+    assert httpx.post(f"{base_url}/v1/load_lora_adapter", json=load, timeout=60).status_code == 200
+    seen = _replicas_seen(base_url)
+    assert len(seen) == 2 and all("sort2" in models for models in seen.values()), seen
+    response = _complete(base_url, "sort2", WORDS[2])
+    assert response.json()["choices"][0]["text"] == answers["sort"][WORDS[2]]
+    unload = {"lora_name": "sort2"}
+    assert httpx.post(f"{base_url}/v1/unload_lora_adapter", json=unload, timeout=60).status_code == 200
+    seen = _replicas_seen(base_url)
+    assert len(seen) == 2 and not any("sort2" in models for models in seen.values()), seen
+    assert _complete(base_url, "sort2", WORDS[2]).status_code == 404
+
+
+def test_a_killed_replica_is_replaced_and_the_other_keeps_answering(base_url, answers):
+    victim = _complete(base_url, "reverse", WORDS[3]).headers[REPLICA_HEADER]
+    (actor_name,) = [
+        actor["name"] for actor in ray.util.list_named_actors(all_namespaces=True)
+        if actor["name"].endswith(f"#{victim}")
+    ]
+    long = {**_body("reverse", WORDS[3]), "max_tokens": 50, "ignore_eos": True}
+    with ThreadPoolExecutor(48) as pool:  # requests in flight on the victim when it dies: sent again elsewhere
+        url = f"{base_url}/v1/completions"
+        in_flight = [pool.submit(httpx.post, url, json=long, timeout=120) for _ in range(48)]
+        time.sleep(0.1)
+        ray.kill(ray.get_actor(actor_name, namespace="serve"), no_restart=True)
+        finished = [future.result() for future in in_flight]
+    assert [r.status_code for r in finished] == [200] * len(finished), [r.text for r in finished if r.is_error]
+    assert {r.headers[REPLICA_HEADER] for r in finished} - {victim}, "no request was sent again to the other"
+    for word in WORDS:  # the adapter's replica is gone: its requests go to the other one
+        for adapter in ("reverse", None):
+            response = _complete(base_url, adapter, word)
+            assert response.status_code == 200, response.text
+            assert response.json()["choices"][0]["text"] == answers[adapter][word]
+    deadline = time.monotonic() + 60
+    while True:
+        seen = _replicas_seen(base_url, tries=10)
+        if len(seen) == 2:
+            break
+        assert time.monotonic() < deadline, f"no second replica within 60 s: {seen}"
+        time.sleep(1)
+    assert victim not in seen  # a new replica, serving every adapter again
+    assert all(set(demo.TASKS) <= set(models) for models in seen.values())
+
+
+def test_a_replica_cancels_the_request_of_a_client_that_went_away():
+    """In a replica the server runs outside an ASGI server: a consumer that stops reading (the ingress, when its
+    client disconnects) is a disconnect to the app, which cancels the request."""
+    model = MultiLoraModel(demo.load_base_model(), max_adapters=len(demo.TASKS))
+    model.load_adapters(demo.adapter_paths())
+    engine = Engine(model, DemoTokenizer(), EngineConfig(max_running=2))
+    app = create_app(engine, "demo")
+    body = {"model": "upper", "prompt": demo.make_prompt(WORDS[0]), "max_tokens": 50, "ignore_eos": True,
+            "stream": True}
+    request = {"method": "POST", "path": "/v1/completions", "query_string": b"", "body": json.dumps(body).encode(),
+               "headers": [(b"content-type", b"application/json")]}
+
+    async def read_one_event_and_go():
+        lifespan = _Lifespan(app)
+        await lifespan.start()
+        messages = _asgi_messages(app, request)
+        assert (await anext(messages))["status"] == 200
+        assert (await anext(messages))["body"].startswith(b"data: ")
+        await messages.aclose()
+        deadline = time.monotonic() + 30
+        while engine.stats().finished["cancelled"] < 1:
+            assert time.monotonic() < deadline, engine.stats()
+            await asyncio.sleep(0.01)
+        await lifespan.stop()
+
+    asyncio.run(read_one_event_and_go())
+    assert not engine.running
