@@ -8,11 +8,6 @@ the grouping does not take), and "qwen2" (biases on q/k/v: column-split layers w
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,7 +16,7 @@ import torch
 from architectures import ARCHITECTURES
 from helpers import save_peft_adapter, tiny_llama
 from punica_hf.tensor_parallel import _share, _style_problem
-from server_process import child_env
+from two_ranks import run_two_ranks
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch without torch.distributed")
 
@@ -60,26 +55,7 @@ def ranks(tmp_path_factory) -> list[dict]:
     """What each of the 2 ranks saw (tp_worker.py's JSON), after one torchrun run."""
     root = tmp_path_factory.mktemp("tp")
     _save_models_and_adapters(root)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               str(WORKER), str(root)]
-    # GPUs hidden: the ranks run on the CPU (gloo) wherever the test runs; two ranks may not get two GPUs.
-    env = {**child_env(), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "CUDA_VISIBLE_DEVICES": ""}
-    log = root / "torchrun.log"
-    with open(log, "w") as output:
-        # Its own session, so a timeout ends the ranks with it (killpg), never leaving them behind.
-        process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        try:
-            process.wait(timeout=RUN_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            pass
-        finally:
-            if process.poll() is None:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
-    results = [root / f"rank{rank}.json" for rank in range(2)]
-    if process.returncode != 0 or not all(path.exists() for path in results):
-        pytest.fail(f"torchrun ended with {process.returncode}:\n{log.read_text()[-6000:]}")
-    return [json.loads(path.read_text()) for path in results]
+    return run_two_ranks(WORKER, root, RUN_TIMEOUT_S)
 
 
 def _section(ranks: list[dict], name: str) -> list[dict]:
@@ -161,7 +137,6 @@ def test_refusals_name_the_reason_and_change_nothing(ranks):
         assert "inference only" in refusals["gradients"] and "torch.no_grad()" in refusals["gradients"]
         assert "lm_head" in refusals["lm_head"] and "output layer" in refusals["lm_head"]
         assert "embed_tokens" in refusals["embedding"] and "embedding" in refusals["embedding"]
-        assert "serving engine does not run tensor-parallel models" in refusals["engine"]
         assert "'misfit'" in refusals["misfit"] and "does not fit the base model" in refusals["misfit"]
         misfits = {  # the unsplit widths, whichever module of the "odd" adapter is checked first
             "gate_proj": "takes lora_A [r, 32] and lora_B [64, r], the adapter has [8, 40] and [67, 8]",

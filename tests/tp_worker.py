@@ -19,7 +19,6 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM, DistributedConfig
 
 from punica_hf import MultiLoraModel, injection
-from punica_hf.serving import Engine
 
 ROOT = Path(sys.argv[1])
 RANK = int(os.environ["RANK"])
@@ -127,7 +126,6 @@ def eviction_and_refusals(results: dict) -> None:
         "gradients": refusal(lambda: split(PROMPTS, adapter_ids=["attn"] * 4)),
         "lm_head": refusal(lambda: split.load_adapters(adapters("even", "head"))),
         "embedding": refusal(lambda: split.load_adapters(adapters("even", "embed"))),
-        "engine": refusal(lambda: Engine(split)),
         "misfit": refusal(lambda: split.load_adapters({"misfit": ROOT / "adapters" / "odd" / "mlp"})),
     }
     results["refusals"] = refusals

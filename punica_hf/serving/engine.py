@@ -9,13 +9,18 @@ Adapters are pinned for each request's lifetime through ``MultiLoraModel.acquire
 whose adapter is still being loaded, or does not fit next to the adapters running requests hold, waits in the
 engine's queue while the batch keeps going. The queue is bounded (``QueueFullError``); cancelling a request frees
 its KV blocks at the next step.
+
+Over a tensor-parallel model (``model.tensor_parallel``) every rank makes and starts an engine; rank 0 takes the
+requests and decides each step for all ranks (``tp_control``); the other ranks follow until rank 0 shuts down.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import math
+import random
 import threading
 import time
 from collections import Counter, deque
@@ -24,7 +29,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ..store import AdapterCapacityError, AdapterNotReady
-from . import attention, transformers_cb
+from . import attention, tp_control, transformers_cb
 from .handles import RequestHandle
 from .request_state import RequestState, eos_token_ids, sample_rows
 from .text import Tokenizer, as_tokenizer
@@ -55,11 +60,8 @@ class Engine:
     """
 
     def __init__(self, model, tokenizer=None, config: EngineConfig | None = None) -> None:
-        if model.tensor_parallel:
-            raise ValueError(
-                "the serving engine does not run tensor-parallel models yet (every rank would have to run the same "
-                "steps); use MultiLoraModel.generate on every rank, or punica-hf generate --tp N"
-            )
+        # Split over ranks: rank 0 decides every step for all (made on every rank at once: a collective).
+        self._control = tp_control.ControlChannel() if model.tensor_parallel else None
         self.model = model
         self.hf_model = model.model  # what transformers' continuous batching runs; its forward takes slots
         self.tokenizer: Tokenizer | None = None if tokenizer is None else as_tokenizer(tokenizer)
@@ -119,7 +121,9 @@ class Engine:
         return self
 
     def shutdown(self, drain: bool = True, timeout: float | None = None) -> None:
-        """Stop taking requests; finish the ones in flight (``drain``) or cancel them; stop the engine thread."""
+        """Stop taking requests; finish the ones in flight (``drain``) or cancel them; stop the engine thread.
+
+        On a tensor-parallel follower (rank > 0) this waits for rank 0's shutdown, which decides ``drain``."""
         self._accepting = False
         if not drain:
             with self._lock:
@@ -181,6 +185,10 @@ class Engine:
         ``QueueFullError`` when the queue is full and ``EngineClosedError`` when the engine is not running.
         """
         params = params or SamplingParams()
+        if self._control is not None and not self._control.leader:
+            raise RuntimeError(
+                f"submit requests on rank 0 only: rank {self._control.rank} runs what rank 0 schedules"
+            )
         if not self.running:
             raise EngineClosedError(
                 "the engine is not running" + (f": it stopped after an error: {self._error}" if self._error else "")
@@ -199,6 +207,8 @@ class Engine:
         if request_id is not None and not valid_id:
             raise ValueError(f"request_id must be a non-empty string of at most {MAX_REQUEST_ID_LENGTH} characters, "
                              f"got {type(request_id).__name__} {str(request_id)[:40]!r}")
+        if self._control is not None and not params.greedy and params.seed is None:
+            params = dataclasses.replace(params, seed=random.randrange(2**63))  # sent to every rank with the request
         with self._lock:
             if len(self._queue) + self._waiting_count() >= self.config.max_queue:
                 self._counters["rejected"] += 1
@@ -282,26 +292,10 @@ class Engine:
             torch.cuda.set_device(self.hf_model.device)
         try:
             with torch.inference_mode():
-                while True:
-                    started = time.perf_counter()
-                    self._admit()
-                    cancelled = self._send_cancellations()
-                    has_batch = self._backend.prepare()  # drops cancelled requests, frees their KV
-                    for request in cancelled:
-                        self._counters["dropped_and_freed"] += 1
-                        if not request.handle.done:
-                            self._complete(request, "cancelled")
-                        self._release(request)
-                    if has_batch:
-                        prepared = time.perf_counter()
-                        self._step()
-                        self._tell_step_listeners(started, prepared)
-                        continue
-                    self._backend.deliver_outputs()  # no step to overlap with: the last step's tokens now
-                    if self._stop and not self._requests:
-                        return
-                    self._wake.wait(IDLE_POLL_SECONDS if self._queue else None)
-                    self._wake.clear()
+                if self._control is None:
+                    self._loop()
+                else:
+                    self._tensor_parallel_loop()
         except BaseException as error:  # the batch state is unknown now: fail every request, refuse new ones
             logger.exception("the engine thread stopped")
             self._error = error
@@ -311,18 +305,116 @@ class Engine:
                     self._complete(request, "error", error=f"the engine stopped: {error}", error_code=GENERATION_FAILED)
                 self._release(request)
 
-    def _admit(self) -> None:
+    def _loop(self) -> None:
+        while True:
+            started = time.perf_counter()
+            self._admit()
+            cancelled = self._send_cancellations()
+            if self._run_pass(started, cancelled):
+                continue
+            if self._stop and not self._requests:
+                return
+            self._wake.wait(IDLE_POLL_SECONDS if self._queue else None)
+            self._wake.clear()
+
+    def _run_pass(self, started: float, cancelled: list[RequestState]) -> bool:
+        """Drop the cancelled requests, then run a step if one is scheduled; returns whether one ran."""
+        has_batch = self._backend.prepare()  # drops cancelled requests, frees their KV
+        for request in cancelled:
+            self._counters["dropped_and_freed"] += 1
+            if not request.handle.done:
+                self._complete(request, "cancelled")
+            self._release(request)
+        if has_batch:
+            prepared = time.perf_counter()
+            self._step()
+            self._tell_step_listeners(started, prepared)
+            return True
+        self._backend.deliver_outputs()  # no step to overlap with: the last step's tokens now
+        return False
+
+    def _tensor_parallel_loop(self) -> None:
+        """Every rank's loop over a split model: rank 0 decides and sends each pass's ``StepControl``, every rank
+        applies it, then all run the same step. Idle, rank 0 sends a heartbeat at least every
+        ``tp_control.HEARTBEAT_SECONDS``, and a stop record once shutting down with no request left."""
+        control = self._control
+        while True:
+            started = time.perf_counter()
+            if control.leader:
+                admitted = self._admit()
+                cancelled = self._send_cancellations()
+                record = control.share(tp_control.StepControl(
+                    admissions=tuple(
+                        tp_control.Admission(r.request_id, r.handle.prompt_token_ids, r.handle.adapter, r.params,
+                                             r.slot)
+                        for r in admitted
+                    ),
+                    cancellations=tuple(r.request_id for r in cancelled),
+                    stop=self._stop and not self._requests,
+                ))
+            else:
+                record = control.share()
+                self._follow_admissions(record.admissions)
+                cancelled = self._follow_cancellations(record.cancellations)
+            if record.stop:
+                return
+            if self._run_pass(started, cancelled) or not control.leader:
+                continue
+            idle_wait = IDLE_POLL_SECONDS if self._queue else tp_control.HEARTBEAT_SECONDS
+            self._wake.wait(idle_wait)
+            self._wake.clear()
+
+    def _follow_admissions(self, admissions: Sequence[tp_control.Admission]) -> None:
+        """A follower schedules what rank 0 admitted, in its order, each adapter pinned in rank 0's slot."""
+        for admission in admissions:
+            request = RequestState.create(
+                RequestHandle(self._cancel, admission.request_id, admission.adapter, admission.prompt_token_ids),
+                admission.params, self.eos_token_ids, None if self.tokenizer is None else self.tokenizer.decode,
+                self.hf_model.device,
+            )
+            if admission.adapter is not None:
+                # Rank 0 placed it, so it is loaded here too (unless the ranks' adapters differ): wait for its read.
+                request.lease = self.model.acquire([admission.adapter])
+                request.slot = request.lease.slots[0]
+                if request.slot != admission.slot:
+                    request.lease.release()
+                    raise RuntimeError(
+                        f"rank {self._control.rank} placed adapter {admission.adapter!r} in slot {request.slot}, "
+                        f"rank 0 in slot {admission.slot}: load and unload the same adapters on every rank, in the "
+                        "same order"
+                    )
+            with self._lock:
+                self._requests[request.request_id] = request
+            self._hand_to_backend(request)
+
+    def _follow_cancellations(self, request_ids: Sequence[str]) -> list[RequestState]:
+        """A follower cancels what rank 0 cancelled, and nothing else (its own stop-string and NaN checks see the
+        same tokens and ended the same requests on rank 0, which sent them here)."""
+        with self._lock:
+            self._cancels.clear()
+        handed_over = [self._requests[request_id] for request_id in request_ids if request_id in self._requests]
+        for request in handed_over:
+            self._backend.cancel(request.request_id)
+        return handed_over
+
+    def _hand_to_backend(self, request: RequestState) -> None:
+        self._backend.add(request.request_id, list(request.handle.prompt_token_ids),
+                          request.params.max_new_tokens, sorted(request.stop_token_ids))
+        self._counters["prompt_tokens"] += len(request.handle.prompt_token_ids)
+
+    def _admit(self) -> list[RequestState]:
         """Hand queued requests, in order, to transformers' scheduler while it has room, each once its adapter is
         pinned on the GPU. A request whose adapter is still loading waits without holding up the others; once one
         finds every GPU slot pinned, the adapter requests behind it wait too (base requests go on), so the pinned
-        adapters drain and it gets its slot."""
+        adapters drain and it gets its slot. Returns the requests handed over, in order."""
         room = self._backend.max_requests - self._waiting_count()
         slots_full = False
+        admitted = []
         with self._lock:
             candidates = list(self._queue)
         for request in candidates:
             if room <= 0:
-                return
+                break
             adapter = request.handle.adapter
             if adapter is not None:
                 if slots_full:
@@ -346,10 +438,10 @@ class Engine:
                     continue
                 request.slot = request.lease.slots[0]
             self._remove_from_queue(request)
-            self._backend.add(request.request_id, list(request.handle.prompt_token_ids),
-                              request.params.max_new_tokens, sorted(request.stop_token_ids))
-            self._counters["prompt_tokens"] += len(request.handle.prompt_token_ids)
+            self._hand_to_backend(request)
+            admitted.append(request)
             room -= 1
+        return admitted
 
     def _remove_from_queue(self, request: RequestState) -> None:
         with self._lock:
@@ -406,10 +498,26 @@ class Engine:
             return
         with backend.on_compute_stream():
             failures, tokens = sample_rows(backend.scores(len(row_requests)), row_requests)
+            if self._control is not None:
+                failures, tokens = self._agree_on_samples(row_requests, failures, tokens)
             for request, reason in failures:
                 self._fail_in_step(request, reason)
             for row, token in tokens:
                 backend.set_token(row, token)
+
+    def _agree_on_samples(self, row_requests: list[RequestState | None], failures: list, tokens: list
+                          ) -> tuple[list[tuple[RequestState, str]], list[tuple[int, int]]]:
+        """Every rank takes rank 0's failures and sampled tokens, so the ranks' batches never drift apart (their
+        scores may differ in the last bits where the split sums run in another order)."""
+        if self._control.leader:
+            row_of = {id(request): row for row, request in enumerate(row_requests)}
+            samples = self._control.share(tp_control.StepSamples(
+                failures=tuple((row_of[id(request)], reason) for request, reason in failures),
+                tokens=tuple((row, int(token)) for row, token in tokens),
+            ))
+        else:
+            samples = self._control.share()
+        return [(row_requests[row], reason) for row, reason in samples.failures], list(samples.tokens)
 
     def _fail_in_step(self, request: RequestState, reason: str) -> None:
         """End a request whose scores cannot give a token; transformers drops it (frees its KV) at the next step."""

@@ -1,0 +1,74 @@
+"""The engine over a tensor-parallel model: rank 0 decides, every rank runs the same batch.
+
+Every rank runs the engine's step loop, and every step's forward holds collectives over the ranks, so every rank
+must schedule the same requests in the same order and cancel the same ones at the same step. Rank 0 alone takes
+requests; at the start of each loop pass it sends one ``StepControl`` (what it admitted, with each adapter's slot
+and the request's settings, seed included; what it cancelled; whether to stop) and the other ranks (followers) do
+exactly that. While idle rank 0 still sends an empty record every ``HEARTBEAT_SECONDS``, so a follower never
+waits in a collective for longer than that; at shutdown it sends a stop record once every request has finished.
+
+The records travel over a gloo group of their own: small Python objects, whatever backend the model runs on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from .types import SamplingParams
+
+HEARTBEAT_SECONDS = 0.5  # the longest rank 0 stays silent while idle: a follower's longest wait in a broadcast
+
+
+@dataclass(frozen=True)
+class Admission:
+    """A request rank 0 handed to transformers' scheduler; ``slot``: where rank 0 placed its adapter (-1: base)."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    adapter: str | None
+    params: SamplingParams  # its seed fixed by rank 0, so every rank draws the same tokens
+    slot: int
+
+
+@dataclass(frozen=True)
+class StepControl:
+    """Rank 0's decisions for one pass of the step loop, which every rank applies before ``prepare``."""
+
+    admissions: tuple[Admission, ...] = ()
+    cancellations: tuple[str, ...] = ()  # ids of requests transformers runs
+    stop: bool = False
+
+
+@dataclass(frozen=True)
+class StepSamples:
+    """Rank 0's verdict on a step's scores: the rows that fail (with why) and the sampled token of each row."""
+
+    failures: tuple[tuple[int, str], ...]
+    tokens: tuple[tuple[int, int], ...]
+
+
+class ControlChannel:
+    """Rank 0's values, broadcast to every rank of the default process group. Made on every rank at once (making
+    its group is a collective)."""
+
+    def __init__(self) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise ValueError("a tensor-parallel engine needs torch.distributed initialized (as the split model does)")
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self._group = dist.new_group(backend="gloo")
+        self.received = 0  # records a follower has taken (heartbeats included)
+
+    @property
+    def leader(self) -> bool:
+        return self.rank == 0
+
+    def share(self, value=None):
+        """Rank 0's ``value`` on every rank (followers pass nothing); blocks until rank 0 sends it."""
+        box = [value if self.leader else None]
+        dist.broadcast_object_list(box, src=0, group=self._group)
+        if not self.leader:
+            self.received += 1
+        return box[0]

@@ -1,0 +1,79 @@
+"""The serving engine over a model split by tensor parallelism: 2 ranks, gloo, CPU.
+
+One ``torchrun`` run of ``tp_engine_worker.py`` (module fixture) serves a tiny model split over 2 ranks, rank 0
+submitting, then the same requests with the unsplit model in one process; the tests here judge what each rank saw.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import save_peft_adapter, tiny_llama
+from punica_hf.serving.tp_control import HEARTBEAT_SECONDS
+from two_ranks import run_two_ranks
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch without torch.distributed")
+
+WORKER = Path(__file__).with_name("tp_engine_worker.py")
+RUN_TIMEOUT_S = 240
+CONCURRENT = ["c0", "c1", "c2", "c3", "c4", "c5"]
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> list[dict]:
+    """What each of the 2 ranks saw (tp_engine_worker.py's JSON), after one torchrun run."""
+    root = tmp_path_factory.mktemp("tp_engine")
+    base = tiny_llama(seed=0)
+    base.save_pretrained(root / "model")
+    save_peft_adapter(base, root / "adapters" / "attn", r=4, target_modules=["q_proj", "v_proj", "o_proj"], seed=1)
+    save_peft_adapter(base, root / "adapters" / "mlp", r=8, target_modules=["gate_proj", "down_proj"], seed=2)
+    ranks = run_two_ranks(WORKER, root, RUN_TIMEOUT_S)
+    for rank, seen in enumerate(ranks):
+        assert "error" not in seen, f"rank {rank}:\n{seen['error']}"
+        assert seen["engine_error"] is None, f"rank {rank}: {seen['engine_error']}"
+    return ranks
+
+
+def test_concurrent_requests_equal_the_unsplit_engine(ranks):
+    leader = ranks[0]
+    for request_id in CONCURRENT:
+        tokens, reason = leader["completions"][request_id]
+        assert reason == "length" and len(tokens) == 8
+        assert tokens == leader["unsplit"][request_id][0], request_id
+    # the same prompt with and without its adapter differs: the comparison sees the adapters
+    assert leader["completions"]["c3"][0] != leader["unsplit"]["base-c3"][0]
+
+
+def test_ranks_agree_on_every_token(ranks):
+    leader, follower = (seen["completions"] for seen in ranks)
+    assert set(leader) == set(follower) == set(CONCURRENT) | {"u0", "i0", "i1", "x0", "d0", "d1"}
+    for request_id, (tokens, _) in leader.items():
+        assert follower[request_id][0] == tokens, request_id  # "u0" samples with a seed rank 0 chose
+
+
+def test_an_idle_spell_longer_than_a_heartbeat(ranks):
+    leader = ranks[0]
+    for request_id in ("i0", "i1"):
+        assert leader["completions"][request_id][0] == leader["unsplit"][request_id][0]
+    # rank 0 idled 4 heartbeats: the follower still never waited much longer than one for its next record
+    assert ranks[1]["longest_control_wait"] < 2 * HEARTBEAT_SECONDS
+
+
+def test_a_cancel_ends_the_request_on_every_rank(ranks):
+    assert 1 <= ranks[0]["cancelled_tokens"] < 60
+    for seen in ranks:
+        assert seen["completions"]["x0"][1] == "cancelled"
+
+
+def test_shutdown_drains_on_every_rank(ranks):
+    for seen in ranks:
+        for request_id in ("d0", "d1"):
+            tokens, reason = seen["completions"][request_id]
+            assert reason == "length" and tokens == ranks[0]["unsplit"][request_id][0]
+
+
+def test_a_follower_refuses_submissions(ranks):
+    assert "submit requests on rank 0 only" in ranks[1]["follower_submit"]

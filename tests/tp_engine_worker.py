@@ -1,0 +1,120 @@
+"""One rank of tests/test_tp_engine.py: run under ``torchrun --nproc-per-node 2`` (gloo, CPU) by that test, never alone.
+
+``python tp_engine_worker.py ROOT``: ROOT holds the tiny model (``ROOT/model``) and its PEFT adapters
+(``ROOT/adapters/<name>``). Every rank serves the model split over the 2 ranks with an ``Engine``; rank 0 submits
+(concurrent requests, an idle spell, a cancel, a shutdown that drains), then serves the same requests with the
+unsplit model alone. Each rank writes every completion its engine saw to ``ROOT/rank<R>.json``; the test compares.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from transformers import AutoModelForCausalLM, DistributedConfig
+
+from punica_hf import MultiLoraModel
+from punica_hf.serving import Engine, EngineConfig, SamplingParams, tp_control
+
+ROOT = Path(sys.argv[1])
+RANK = int(os.environ["RANK"])
+CONFIG = EngineConfig(max_running=4, kv_blocks=64)
+IDLE_SECONDS = 4 * tp_control.HEARTBEAT_SECONDS
+GREEDY = SamplingParams(max_new_tokens=8, ignore_eos=True)
+SEEDED = SamplingParams(max_new_tokens=8, ignore_eos=True, temperature=0.9, top_k=20, seed=11)
+UNSEEDED = SamplingParams(max_new_tokens=8, ignore_eos=True, temperature=1.0)
+CONCURRENT = {  # request id: prompt, adapter, settings
+    "c0": ([5, 17, 33, 2, 9, 41], "attn", GREEDY),
+    "c1": ([7, 7, 12, 60, 3, 11], None, GREEDY),
+    "c2": ([1, 2, 3, 4, 5, 6], "mlp", SEEDED),
+    "c3": ([88, 14, 29, 70, 51, 8], "mlp", GREEDY),
+    "c4": ([9, 4, 61], None, SEEDED),
+    "c5": ([30, 31, 32, 33], "attn", SEEDED),
+}
+AFTER_IDLE = {"i0": ([12, 13, 14], "mlp", GREEDY), "i1": ([40, 2, 2, 7], "attn", SEEDED)}
+BASE = {"base-c3": ([88, 14, 29, 70, 51, 8], None, GREEDY)}  # c3 without its adapter
+DRAINED = {"d0": ([3, 1, 4, 1, 5], "attn", GREEDY), "d1": ([9, 2, 6], None, SEEDED)}
+
+
+def serve(tensor_parallel: bool) -> tuple[MultiLoraModel, Engine, dict]:
+    """The model (split or whole) with its adapters, an engine over it and the completions it will see by id."""
+    split = dict(distributed_config=DistributedConfig(tp_plan="auto")) if tensor_parallel else {}
+    base = AutoModelForCausalLM.from_pretrained(ROOT / "model", dtype=torch.float32, **split).eval()
+    model = MultiLoraModel(base, max_adapters=2, max_rank=16)
+    model.load_adapters({name: ROOT / "adapters" / name for name in ("attn", "mlp")})
+    engine = Engine(model, config=CONFIG)
+    seen: dict = {}
+    engine.add_listener(lambda c: seen.__setitem__(c.request_id, [list(c.token_ids), c.finish_reason]))
+    return model, engine, seen
+
+
+def submit_all(engine: Engine, requests: dict) -> list:
+    return [engine.submit(prompt, adapter, params, request_id=request_id)
+            for request_id, (prompt, adapter, params) in requests.items()]
+
+
+def lead(engine: Engine, results: dict) -> None:
+    """Rank 0's requests to the split model."""
+    for handle in submit_all(engine, CONCURRENT | {"u0": ([2, 4, 8], "attn", UNSEEDED)}):
+        handle.result(timeout=120)
+    time.sleep(IDLE_SECONDS)  # nothing to run: only heartbeats go to the followers
+    for handle in submit_all(engine, AFTER_IDLE):
+        handle.result(timeout=120)
+    long = engine.submit([6, 6, 6], "mlp", SamplingParams(max_new_tokens=60, ignore_eos=True), request_id="x0")
+    next(iter(long))  # its first token: it runs on every rank
+    long.cancel()
+    results["cancelled_tokens"] = len(long.result(timeout=120).token_ids)
+    submit_all(engine, DRAINED)
+    engine.shutdown(drain=True, timeout=120)
+
+
+def follow(engine: Engine, results: dict) -> None:
+    """A follower: its submit is refused; it runs rank 0's steps until rank 0 shuts down."""
+    try:
+        engine.submit([1, 2, 3])
+    except RuntimeError as error:
+        results["follower_submit"] = str(error)
+    engine.shutdown(timeout=180)
+
+
+def main() -> None:
+    results: dict = {}
+    try:
+        _, engine, seen = serve(tensor_parallel=True)
+        control, waits = engine._control, []
+        share = control.share
+
+        def timed_share(value=None):
+            started = time.perf_counter()
+            try:
+                return share(value)
+            finally:
+                waits.append(time.perf_counter() - started)
+
+        control.share = timed_share
+        engine.start()
+        (lead if RANK == 0 else follow)(engine, results)
+        results["engine_error"] = None if engine.error is None else repr(engine.error)
+        results["completions"] = seen
+        results["longest_control_wait"] = max(waits[1:])  # the first waits for the other ranks to start
+        if RANK == 0:
+            _, whole, whole_seen = serve(tensor_parallel=False)
+            with whole:
+                for handle in submit_all(whole, CONCURRENT | AFTER_IDLE | DRAINED | BASE):
+                    handle.result(timeout=120)
+            results["unsplit"] = whole_seen
+    except Exception:
+        results["error"] = traceback.format_exc()
+    (ROOT / f"rank{RANK}.json").write_text(json.dumps(results))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,39 @@
+"""Run a worker script as 2 ranks under ``torchrun`` (gloo, CPU), bounded, and read back what each rank wrote."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from server_process import child_env
+
+
+def run_two_ranks(worker: Path, root: Path, timeout_s: float) -> list[dict]:
+    """``torchrun --nproc-per-node 2 worker ROOT``; each rank writes ``ROOT/rank<R>.json``. Fails the test with the
+    ranks' log when the run fails, leaves a result out or runs past ``timeout_s`` (its ranks killed then)."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               str(worker), str(root)]
+    # GPUs hidden: the ranks run on the CPU (gloo) wherever the test runs; two ranks may not get two GPUs.
+    env = {**child_env(), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "CUDA_VISIBLE_DEVICES": ""}
+    log = root / "torchrun.log"
+    with open(log, "w") as output:
+        # Its own session, so a timeout ends the ranks with it (killpg), never leaving them behind.
+        process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            pass
+        finally:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+    results = [root / f"rank{rank}.json" for rank in range(2)]
+    if process.returncode != 0 or not all(path.exists() for path in results):
+        pytest.fail(f"torchrun ended with {process.returncode}:\n{log.read_text()[-6000:]}")
+    return [json.loads(path.read_text()) for path in results]
