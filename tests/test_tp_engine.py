@@ -77,3 +77,9 @@ def test_shutdown_drains_on_every_rank(ranks):
 
 def test_a_follower_refuses_submissions(ranks):
     assert "submit requests on rank 0 only" in ranks[1]["follower_submit"]
+
+
+def test_a_failure_of_rank_0_stops_the_followers(ranks):
+    leader, follower = (seen["leader_failure"] for seen in ranks)
+    assert "admission broke" in leader["error"] and "admission broke" in leader["engine_error"]
+    assert follower["engine_error"] is None  # stopped by rank 0's record, not by a timeout

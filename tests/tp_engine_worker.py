@@ -83,6 +83,24 @@ def follow(engine: Engine, results: dict) -> None:
     engine.shutdown(timeout=180)
 
 
+def leader_failure(results: dict) -> None:
+    """Rank 0's engine thread fails: its request ends with the error, and the followers stop instead of waiting."""
+    _, engine, _ = serve(tensor_parallel=True)
+    if RANK == 0:
+        def broken_admit():
+            if engine._queue:
+                raise RuntimeError("admission broke")
+            return []
+
+        engine._admit = broken_admit
+    engine.start()
+    if RANK == 0:
+        handle = engine.submit([1, 2, 3], "attn", GREEDY)
+        results["error"] = handle.result(timeout=60).error
+    engine.shutdown(timeout=60)
+    results["engine_error"] = None if engine.error is None else str(engine.error)
+
+
 def main() -> None:
     results: dict = {}
     try:
@@ -109,6 +127,7 @@ def main() -> None:
                 for handle in submit_all(whole, CONCURRENT | AFTER_IDLE | DRAINED | BASE):
                     handle.result(timeout=120)
             results["unsplit"] = whole_seen
+        leader_failure(results.setdefault("leader_failure", {}))
     except Exception:
         results["error"] = traceback.format_exc()
     (ROOT / f"rank{RANK}.json").write_text(json.dumps(results))

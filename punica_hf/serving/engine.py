@@ -304,6 +304,8 @@ class Engine:
                 if not request.handle.done:
                     self._complete(request, "error", error=f"the engine stopped: {error}", error_code=GENERATION_FAILED)
                 self._release(request)
+            if self._control is not None and self._control.leader:
+                self._control.stop_followers()  # rather than leave them waiting for the next record
 
     def _loop(self) -> None:
         while True:

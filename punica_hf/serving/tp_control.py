@@ -12,13 +12,19 @@ The records travel over a gloo group of their own: small Python objects, whateve
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch.distributed as dist
 
 from .types import SamplingParams
 
+logger = logging.getLogger(__name__)
 HEARTBEAT_SECONDS = 0.5  # the longest rank 0 stays silent while idle: a follower's longest wait in a broadcast
+# A follower that hears nothing this long gives up (its engine stops with an error) rather than wait forever for a
+# rank 0 that hangs: far above any one step, CUDA graph captures included.
+CONTROL_TIMEOUT = timedelta(minutes=5)
 
 
 @dataclass(frozen=True)
@@ -58,7 +64,7 @@ class ControlChannel:
             raise ValueError("a tensor-parallel engine needs torch.distributed initialized (as the split model does)")
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
-        self._group = dist.new_group(backend="gloo")
+        self._group = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
         self.received = 0  # records a follower has taken (heartbeats included)
 
     @property
@@ -72,3 +78,11 @@ class ControlChannel:
         if not self.leader:
             self.received += 1
         return box[0]
+
+    def stop_followers(self) -> None:
+        """Rank 0's engine thread failed: tell the followers, waiting for its next record, to stop (best effort: a
+        follower that waits elsewhere fails on its own)."""
+        try:
+            self.share(StepControl(stop=True))
+        except Exception:
+            logger.exception("could not tell the other ranks to stop")
