@@ -145,13 +145,7 @@ def _stream_batch(
             f"(loaded: {', '.join(adapter_sources) or 'none'}; use '{BASE}' for the base model)"
         )
     if args.tp > 1:
-        if args.model == DEMO_MODEL:
-            raise ValueError("--tp splits a transformers model; the demo model is not split (leave out --tp)")
-        if args.device != "auto":
-            raise ValueError(
-                "--tp places each rank where transformers puts it (rank N on GPU N, or the CPU on a machine without "
-                "GPUs); leave out --device"
-            )
+        ranks.check_tp_arguments(args)
         if not args.as_tp_rank:  # this process starts the ranks; each runs the rest of this function
             ranks.launch(args.argv, args.tp)
             return

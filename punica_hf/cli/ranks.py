@@ -4,20 +4,21 @@ The command the user typed starts N copies of itself as one ``torchrun`` group (
 --standalone``, marked by a hidden ``--as-tp-rank`` option) and waits for them. Each rank joins the group (NCCL on
 GPUs, gloo on the CPU: where transformers places the ranks), loads the model split (``DistributedConfig(tp_plan="auto")``) and the adapters, and runs the
 same calls; only rank 0 prints. When a rank fails, torchrun stops the others and the command fails with a message
-saying so, never hanging.
+saying so, never hanging. A SIGTERM to the command goes on to torchrun, which passes it to every rank.
 """
 
 from __future__ import annotations
 
 import argparse
 import random
+import signal
 import subprocess
 import sys
 
 import torch
 import torch.distributed as dist
 
-from .common import positive_int
+from .common import DEMO_MODEL, positive_int
 
 RANK_OPTION = "--as-tp-rank"
 
@@ -31,12 +32,34 @@ def add_tp_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(RANK_OPTION, action="store_true", help=argparse.SUPPRESS)
 
 
+def check_tp_arguments(args: argparse.Namespace) -> None:
+    """Refuse what ``--tp`` cannot split or place, before anything loads."""
+    if args.model == DEMO_MODEL:
+        raise ValueError("--tp splits a transformers model; the demo model is not split (leave out --tp)")
+    if args.device != "auto":
+        raise ValueError(
+            "--tp places each rank where transformers puts it (rank N on GPU N, or the CPU on a machine without "
+            "GPUs); leave out --device"
+        )
+
+
 def launch(argv: list[str], ranks: int) -> None:
     """Run the command line ``argv`` again as ``ranks`` processes of one torchrun group and wait for them all."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
                "-m", "punica_hf", *argv, RANK_OPTION]
-    returncode = subprocess.run(command).returncode
-    if returncode != 0:
+    process = subprocess.Popen(command)
+    terminated = []
+
+    def pass_on(signum, _frame) -> None:  # to torchrun, which signals every rank (a server then drains)
+        terminated.append(signum)
+        process.send_signal(signum)
+
+    previous = signal.signal(signal.SIGTERM, pass_on)
+    try:
+        returncode = process.wait()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    if returncode != 0 and not terminated:
         raise RuntimeError(
             f"a rank of --tp {ranks} failed (exit code {returncode}); the others were stopped. Its error is above."
         )

@@ -14,6 +14,7 @@ from rich.console import Console
 
 from ..serving.names import ADAPTER_NAME_RULES, check_adapter_name
 
+from . import ranks
 from .common import (
     BASE, DEMO_MODEL, AppendUniqueName, adapter_name_and_path, add_device_arguments, demo_adapter_sources, load_model,
     positive_int, resolve_device, resolve_dtype,
@@ -29,7 +30,8 @@ def register(command: Callable[..., argparse.ArgumentParser]) -> None:
         "model): POST /v1/completions and /v1/chat/completions (stream: true for server-sent events), "
         "GET /v1/models, GET /health, GET /metrics (Prometheus), and with --allow-runtime-lora vLLM's "
         "POST /v1/load_lora_adapter and /v1/unload_lora_adapter. Needs the serve extra "
-        "(pip install 'punica-hf[serve]'). SIGTERM finishes the requests in flight, then exits.",
+        "(pip install 'punica-hf[serve]'). SIGTERM finishes the requests in flight, then exits. With --tp N the "
+        "model is split over N ranks the command starts itself; rank 0 serves HTTP.",
         "  punica-hf serve --model demo\n"
         "  punica-hf serve --model meta-llama/Llama-3.1-8B-Instruct --adapter sql=./sql-lora --adapter "
         "math=org/math-lora \\\n"
@@ -112,14 +114,41 @@ def register(command: Callable[..., argparse.ArgumentParser]) -> None:
     limits.add_argument("--max-stop-length", type=positive_int, default=512, metavar="N",
                         help="characters of one stop string (default: 512)")
     add_device_arguments(parser)
+    ranks.add_tp_arguments(parser)
 
 
 def run(args: argparse.Namespace, console: Console) -> None:
     check_arguments(args)
-    name = args.served_model_name or args.model
-    adapters = served_adapters(args)
     if args.replicas > 1 or args.ray_address:
         return _run_on_ray(args, console)
+    if args.tp > 1 and not args.as_tp_rank:  # this process starts the ranks, which serve
+        bind_listener(args.host, args.port).close()  # a busy address fails now, not after the ranks have loaded
+        return ranks.launch(args.argv, args.tp)
+    if args.tp == 1:
+        return _serve_http(args, console)
+    try:
+        rank = ranks.join(args.tp)
+        if rank == 0:
+            _serve_http(args, console)
+        else:
+            _follow(args, rank)
+    finally:
+        ranks.leave()
+
+
+def _follow(args: argparse.Namespace, rank: int) -> None:
+    """A rank > 0 of ``--tp``: run the steps rank 0 decides until rank 0 shuts down (it alone takes signals)."""
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_IGN)
+    engine = make_engine(args).start()
+    engine.shutdown()  # returns once rank 0 has stopped, or its engine thread has failed
+    if engine.error is not None:
+        raise RuntimeError(f"rank {rank}'s engine stopped: {engine.error}") from engine.error
+
+
+def _serve_http(args: argparse.Namespace, console: Console) -> None:
+    name = args.served_model_name or args.model
+    adapters = served_adapters(args)
     listener = bind_listener(args.host, args.port)  # a busy address fails now, not after the model has loaded
 
     try:
@@ -162,6 +191,13 @@ def check_arguments(args: argparse.Namespace) -> None:
             f"the adapter name {name!r} is the base model's served name: rename the adapter (--adapter OTHER=...) or "
             "the base model (--served-model-name)"
         )
+    if args.tp > 1:
+        ranks.check_tp_arguments(args)
+        if args.replicas > 1 or args.ray_address:
+            raise ValueError("--tp runs one engine over N ranks; it does not run on Ray (leave out --replicas and "
+                             "--ray-address)")
+        if args.allow_runtime_lora:  # a load on rank 0 alone would leave the ranks' adapters different
+            raise ValueError("--tp serves the adapters given at start only; leave out --allow-runtime-lora")
 
 
 def served_adapters(args: argparse.Namespace) -> dict[str, str]:
@@ -187,7 +223,8 @@ def make_engine(args: argparse.Namespace):
     from ..serving import DemoTokenizer, Engine, EngineConfig
 
     device = resolve_device(args.device)
-    base, _ = load_model(args.model, device, resolve_dtype(args.dtype, device, args.model), chat_template=False)
+    base, _ = load_model(args.model, device, resolve_dtype(args.dtype, device, args.model), chat_template=False,
+                         tp=args.tp)
     model = MultiLoraModel(base, max_adapters=args.max_adapters, max_rank=args.max_rank)
     adapters = served_adapters(args)
     if adapters:

@@ -1,0 +1,83 @@
+"""``punica-hf serve --tp 2``: the command starts its 2 ranks itself (gloo on the CPU), rank 0 answers HTTP with
+what the unsplit model's engine answers, and a SIGTERM to the command drains, then stops every rank."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from helpers import save_word_level_model
+from punica_hf import MultiLoraModel
+from punica_hf.serving import Engine, SamplingParams
+from server_process import child_env, free_port
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch without torch.distributed")
+
+STARTUP_TIMEOUT_S = 120
+PROMPTS = {"a": "w5 w6 w9", None: "w3 w4 w11"}  # adapter (None: the base model) -> prompt
+
+
+def _unsplit_answers(model_dir, adapters) -> dict:
+    model = MultiLoraModel(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval(), max_rank=8)
+    model.load_adapters(adapters)
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    with Engine(model, AutoTokenizer.from_pretrained(model_dir)) as engine:
+        return {adapter: engine.submit(prompt, adapter, params).result(timeout=60).text
+                for adapter, prompt in PROMPTS.items()}
+
+
+def _wait_for_health(process: subprocess.Popen, base: str, log) -> None:
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        assert process.poll() is None, f"the server exited:\n{log.read_text()[-6000:]}"
+        try:
+            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.3)
+    pytest.fail(f"the server did not start:\n{log.read_text()[-6000:]}")
+
+
+def test_serve_split_over_two_ranks_answers_as_the_unsplit_model_and_drains_on_sigterm(tmp_path):
+    model_dir, adapters = save_word_level_model(tmp_path)
+    expected = _unsplit_answers(model_dir, adapters)
+    port = free_port()
+    command = [sys.executable, "-m", "punica_hf", "serve", "--model", str(model_dir), "--adapter",
+               f"a={adapters['a']}", "--port", str(port), "--tp", "2"]
+    env = {**child_env(), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    log = tmp_path / "serve.log"
+    base = f"http://127.0.0.1:{port}"
+    with open(log, "w") as output:
+        # Its own session, so a failure ends the ranks with it (killpg), never leaving them behind.
+        process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            _wait_for_health(process, base, log)
+            for adapter, prompt in PROMPTS.items():
+                body = {"model": adapter or str(model_dir), "prompt": prompt, "max_tokens": 6, "temperature": 0,
+                        "ignore_eos": True}
+                answer = httpx.post(f"{base}/v1/completions", json=body, timeout=60).raise_for_status().json()
+                assert answer["choices"][0]["text"] == expected[adapter], adapter
+            body = {"model": "a", "prompt": PROMPTS["a"], "max_tokens": 300, "ignore_eos": True, "temperature": 0,
+                    "stream": True}
+            with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as stream:
+                events = (line[len("data: "):] for line in stream.iter_lines() if line.startswith("data: "))
+                next(events)
+                process.send_signal(signal.SIGTERM)  # to the command the user started, not to the ranks
+                rest = list(events)
+            assert rest[-1] == "[DONE]"
+            assert json.loads(rest[-2])["usage"]["completion_tokens"] == 300
+            assert process.wait(timeout=60) == 0, log.read_text()[-6000:]
+        finally:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
