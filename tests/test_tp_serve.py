@@ -81,3 +81,22 @@ def test_serve_split_over_two_ranks_answers_as_the_unsplit_model_and_drains_on_s
             if process.poll() is None:
                 os.killpg(process.pid, signal.SIGKILL)
                 process.wait()
+
+
+@pytest.mark.parametrize("options, problem", [
+    (["--model", "demo"], "--tp splits a transformers model"),
+    (["--model", "MODEL", "--device", "cpu"], "--tp places each rank where transformers puts it"),
+    (["--model", "MODEL", "--replicas", "2"], "--tp runs one engine over N ranks; it does not run on Ray"),
+    (["--model", "MODEL", "--allow-runtime-lora", "--lora-dir", "LORA"], "leave out --allow-runtime-lora"),
+])
+def test_serve_tp_refusals_before_anything_loads(tmp_path, capsys, monkeypatch, options, problem):
+    from punica_hf.cli import main, ranks, serve
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("the options were not checked first")
+
+    monkeypatch.setattr(serve, "load_model", must_not_run)
+    monkeypatch.setattr(ranks, "launch", must_not_run)
+    options = [{"MODEL": str(tmp_path), "LORA": str(tmp_path)}.get(option, option) for option in options]
+    assert main(["serve", *options, "--port", "0", "--tp", "2"]) == 1
+    assert problem in capsys.readouterr().err
