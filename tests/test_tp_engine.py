@@ -83,3 +83,9 @@ def test_a_failure_of_rank_0_stops_the_followers(ranks):
     leader, follower = (seen["leader_failure"] for seen in ranks)
     assert "admission broke" in leader["error"] and "admission broke" in leader["engine_error"]
     assert follower["engine_error"] is None  # stopped by rank 0's record, not by a timeout
+
+
+def test_ranks_whose_adapter_slots_differ_all_stop_saying_so(ranks):
+    leader, follower = (seen["differing_adapters"] for seen in ranks)
+    for error in (leader["request_error"], leader["engine_error"], follower["engine_error"]):
+        assert "rank 1: adapter 'attn' is in slot" in error and "on rank 0" in error, error

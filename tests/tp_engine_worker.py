@@ -42,12 +42,12 @@ BASE = {"base-c3": ([88, 14, 29, 70, 51, 8], None, GREEDY)}  # c3 without its ad
 DRAINED = {"d0": ([3, 1, 4, 1, 5], "attn", GREEDY), "d1": ([9, 2, 6], None, SEEDED)}
 
 
-def serve(tensor_parallel: bool) -> tuple[MultiLoraModel, Engine, dict]:
+def serve(tensor_parallel: bool, adapters=("attn", "mlp")) -> tuple[MultiLoraModel, Engine, dict]:
     """The model (split or whole) with its adapters, an engine over it and the completions it will see by id."""
     split = dict(distributed_config=DistributedConfig(tp_plan="auto")) if tensor_parallel else {}
     base = AutoModelForCausalLM.from_pretrained(ROOT / "model", dtype=torch.float32, **split).eval()
     model = MultiLoraModel(base, max_adapters=2, max_rank=16)
-    model.load_adapters({name: ROOT / "adapters" / name for name in ("attn", "mlp")})
+    model.load_adapters({name: ROOT / "adapters" / name for name in adapters})
     engine = Engine(model, config=CONFIG)
     seen: dict = {}
     engine.add_listener(lambda c: seen.__setitem__(c.request_id, [list(c.token_ids), c.finish_reason]))
@@ -101,6 +101,20 @@ def leader_failure(results: dict) -> None:
     results["engine_error"] = None if engine.error is None else str(engine.error)
 
 
+def differing_adapters(results: dict) -> None:
+    """Rank 1 loads the adapters in another order and holds one: its slots differ from rank 0's, and every rank's
+    engine stops at the first request on them, saying so, rather than run a batch the ranks do not share."""
+    model, engine, _ = serve(tensor_parallel=True, adapters=("attn", "mlp") if RANK == 0 else ("mlp", "attn"))
+    held = model.acquire(["mlp"]) if RANK == 1 else None
+    engine.start()
+    if RANK == 0:
+        results["request_error"] = engine.submit([1, 2, 3], "attn", GREEDY).result(timeout=60).error
+    engine.shutdown(timeout=60)
+    results["engine_error"] = None if engine.error is None else str(engine.error)
+    if held is not None:
+        held.release()
+
+
 def main() -> None:
     results: dict = {}
     try:
@@ -128,6 +142,7 @@ def main() -> None:
                     handle.result(timeout=120)
             results["unsplit"] = whole_seen
         leader_failure(results.setdefault("leader_failure", {}))
+        differing_adapters(results.setdefault("differing_adapters", {}))
     except Exception:
         results["error"] = traceback.format_exc()
     (ROOT / f"rank{RANK}.json").write_text(json.dumps(results))

@@ -304,7 +304,7 @@ class Engine:
                 if not request.handle.done:
                     self._complete(request, "error", error=f"the engine stopped: {error}", error_code=GENERATION_FAILED)
                 self._release(request)
-            if self._control is not None and self._control.leader:
+            if self._control is not None and self._control.leader and not isinstance(error, tp_control.RanksDiffer):
                 self._control.stop_followers()  # rather than leave them waiting for the next record
 
     def _loop(self) -> None:
@@ -356,8 +356,14 @@ class Engine:
                 ))
             else:
                 record = control.share()
-                self._follow_admissions(record.admissions)
+                problem = None
+                try:
+                    self._follow_admissions(record.admissions)
+                except Exception as error:  # every rank stops, rather than run steps the others do not
+                    problem = f"rank {control.rank}: {error}"
                 cancelled = self._follow_cancellations(record.cancellations)
+            if record.admissions:
+                control.check_agreement(None if control.leader else problem)
             if record.stop:
                 return
             if self._run_pass(started, cancelled) or not control.leader:
@@ -381,9 +387,8 @@ class Engine:
                 if request.slot != admission.slot:
                     request.lease.release()
                     raise RuntimeError(
-                        f"rank {self._control.rank} placed adapter {admission.adapter!r} in slot {request.slot}, "
-                        f"rank 0 in slot {admission.slot}: load and unload the same adapters on every rank, in the "
-                        "same order"
+                        f"adapter {admission.adapter!r} is in slot {request.slot} here and in slot {admission.slot} "
+                        "on rank 0: load and unload the same adapters on every rank, in the same order"
                     )
             with self._lock:
                 self._requests[request.request_id] = request

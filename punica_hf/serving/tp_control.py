@@ -55,6 +55,10 @@ class StepSamples:
     tokens: tuple[tuple[int, int], ...]
 
 
+class RanksDiffer(RuntimeError):
+    """A follower could not do what rank 0 decided (its adapters differ): every rank's engine stops with this."""
+
+
 class ControlChannel:
     """Rank 0's values, broadcast to every rank of the default process group. Made on every rank at once (making
     its group is a collective)."""
@@ -78,6 +82,16 @@ class ControlChannel:
         if not self.leader:
             self.received += 1
         return box[0]
+
+    def check_agreement(self, problem: str | None) -> None:
+        """Every rank says whether it could follow this pass's admissions (``problem``: why not); ``RanksDiffer``
+        on every rank if one could not. Once per pass that admits, so a diverging rank never leaves the others
+        waiting in the model's collectives."""
+        problems = [None] * self.world_size
+        dist.all_gather_object(problems, problem, group=self._group)
+        reported = [p for p in problems if p is not None]
+        if reported:
+            raise RanksDiffer("; ".join(reported))
 
     def stop_followers(self) -> None:
         """Rank 0's engine thread failed: tell the followers, waiting for its next record, to stop (best effort: a
