@@ -57,6 +57,9 @@ class Engine:
             handle = engine.submit("Hello", adapter="sql", params=SamplingParams(max_new_tokens=32))
             for delta in handle:
                 print(delta.text, end="")
+
+    Over a model split by tensor parallelism every rank makes and starts its engine; rank 0 alone submits, the
+    other ranks run its steps until its shutdown (``shutdown()`` there waits for it).
     """
 
     def __init__(self, model, tokenizer=None, config: EngineConfig | None = None) -> None:
@@ -308,6 +311,7 @@ class Engine:
                 self._control.stop_followers()  # rather than leave them waiting for the next record
 
     def _loop(self) -> None:
+        """The engine thread's loop in one process: admit, cancel, step; idle, wait for a request."""
         while True:
             started = time.perf_counter()
             self._admit()
@@ -524,7 +528,8 @@ class Engine:
             ))
         else:
             samples = self._control.share()
-        return [(row_requests[row], reason) for row, reason in samples.failures], list(samples.tokens)
+        failed = [(row_requests[row], reason) for row, reason in samples.failures]
+        return [(request, reason) for request, reason in failed if request is not None], list(samples.tokens)
 
     def _fail_in_step(self, request: RequestState, reason: str) -> None:
         """End a request whose scores cannot give a token; transformers drops it (frees its KV) at the next step."""
