@@ -3,12 +3,14 @@ what the unsplit model's engine answers, and a SIGTERM to the command drains, th
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -48,39 +50,46 @@ def _wait_for_health(process: subprocess.Popen, base: str, log) -> None:
     pytest.fail(f"the server did not start:\n{log.read_text()[-6000:]}")
 
 
-def test_serve_split_over_two_ranks_answers_as_the_unsplit_model_and_drains_on_sigterm(tmp_path):
-    model_dir, adapters = save_word_level_model(tmp_path)
-    expected = _unsplit_answers(model_dir, adapters)
+@contextlib.contextmanager
+def _serve_tp(model_dir, adapters, log):
+    """``punica-hf serve --tp 2`` running: yields its process and base URL; killed with its ranks at the end."""
     port = free_port()
     command = [sys.executable, "-m", "punica_hf", "serve", "--model", str(model_dir), "--adapter",
                f"a={adapters['a']}", "--port", str(port), "--tp", "2"]
     env = {**child_env(), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    log = tmp_path / "serve.log"
     base = f"http://127.0.0.1:{port}"
     with open(log, "w") as output:
         # Its own session, so a failure ends the ranks with it (killpg), never leaving them behind.
         process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
             _wait_for_health(process, base, log)
-            for adapter, prompt in PROMPTS.items():
-                body = {"model": adapter or str(model_dir), "prompt": prompt, "max_tokens": 6, "temperature": 0,
-                        "ignore_eos": True}
-                answer = httpx.post(f"{base}/v1/completions", json=body, timeout=60).raise_for_status().json()
-                assert answer["choices"][0]["text"] == expected[adapter], adapter
-            body = {"model": "a", "prompt": PROMPTS["a"], "max_tokens": 300, "ignore_eos": True, "temperature": 0,
-                    "stream": True}
-            with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as stream:
-                events = (line[len("data: "):] for line in stream.iter_lines() if line.startswith("data: "))
-                next(events)
-                process.send_signal(signal.SIGTERM)  # to the command the user started, not to the ranks
-                rest = list(events)
-            assert rest[-1] == "[DONE]"
-            assert json.loads(rest[-2])["usage"]["completion_tokens"] == 300
-            assert process.wait(timeout=60) == 0, log.read_text()[-6000:]
+            yield process, base
         finally:
             if process.poll() is None:
                 os.killpg(process.pid, signal.SIGKILL)
                 process.wait()
+
+
+def test_serve_split_over_two_ranks_answers_as_the_unsplit_model_and_drains_on_sigterm(tmp_path):
+    model_dir, adapters = save_word_level_model(tmp_path)
+    expected = _unsplit_answers(model_dir, adapters)
+    log = tmp_path / "serve.log"
+    with _serve_tp(model_dir, adapters, log) as (process, base):
+        for adapter, prompt in PROMPTS.items():
+            body = {"model": adapter or str(model_dir), "prompt": prompt, "max_tokens": 6, "temperature": 0,
+                    "ignore_eos": True}
+            answer = httpx.post(f"{base}/v1/completions", json=body, timeout=60).raise_for_status().json()
+            assert answer["choices"][0]["text"] == expected[adapter], adapter
+        body = {"model": "a", "prompt": PROMPTS["a"], "max_tokens": 300, "ignore_eos": True, "temperature": 0,
+                "stream": True}
+        with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as stream:
+            events = (line[len("data: "):] for line in stream.iter_lines() if line.startswith("data: "))
+            next(events)
+            process.send_signal(signal.SIGTERM)  # to the command the user started, not to the ranks
+            rest = list(events)
+        assert rest[-1] == "[DONE]"
+        assert json.loads(rest[-2])["usage"]["completion_tokens"] == 300
+        assert process.wait(timeout=60) == 0, log.read_text()[-6000:]
 
 
 @pytest.mark.parametrize("options, problem", [
@@ -100,3 +109,31 @@ def test_serve_tp_refusals_before_anything_loads(tmp_path, capsys, monkeypatch, 
     options = [{"MODEL": str(tmp_path), "LORA": str(tmp_path)}.get(option, option) for option in options]
     assert main(["serve", *options, "--port", "0", "--tp", "2"]) == 1
     assert problem in capsys.readouterr().err
+
+
+def _rank_processes(launcher_pid: int) -> dict[int, int]:
+    """{rank: pid} of the ranks a ``--tp`` command started (its torchrun's children)."""
+    def children(pid: int) -> list[int]:
+        found = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+        return [int(child) for child in found.split()]
+
+    ranks = {}
+    for torchrun in children(launcher_pid):
+        for pid in children(torchrun):
+            variables = Path(f"/proc/{pid}/environ").read_text().split("\0")
+            rank = next(variable for variable in variables if variable.startswith("RANK="))
+            ranks[int(rank.removeprefix("RANK="))] = pid
+    return ranks
+
+
+def test_a_rank_that_dies_takes_the_server_down_with_a_message(tmp_path):
+    model_dir, adapters = save_word_level_model(tmp_path)
+    log = tmp_path / "serve.log"
+    with _serve_tp(model_dir, adapters, log) as (process, base):
+        ranks = _rank_processes(process.pid)
+        assert sorted(ranks) == [0, 1]
+        os.kill(ranks[1], signal.SIGKILL)
+        assert process.wait(timeout=90) == 1
+        assert "a rank of --tp 2 failed" in log.read_text()
+        with pytest.raises(httpx.TransportError):
+            httpx.get(f"{base}/health", timeout=2)
