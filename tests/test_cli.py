@@ -350,3 +350,17 @@ def test_demo_prints_every_task(capsys):
         assert any(f"│ {demo.make_prompt(word)} " in line and f"│ {task} " in line and f"│ {answer} " in line
                    for line in lines), f"no row for {task}"
     assert any("│ base " in line for line in lines)
+
+
+@pytest.mark.parametrize("options, ray", [
+    ([], False),
+    (["--replicas", "1"], True),  # one replica that Ray restarts and routes to
+    (["--replicas", "3"], True),
+    (["--ray-address", "10.0.0.1:6379"], True),
+])
+def test_replicas_on_ray_serve_whenever_replicas_or_a_cluster_is_named(options, ray):
+    from punica_hf.cli import build_parser
+    from punica_hf.cli.serve import on_ray
+
+    args = build_parser().parse_args(["serve", "--model", "demo", *options])
+    assert on_ray(args) is ray

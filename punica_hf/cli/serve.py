@@ -92,9 +92,9 @@ def register(command: Callable[..., argparse.ArgumentParser]) -> None:
                         help="capture decoding steps in CUDA graphs (default: auto, transformers decides)")
     replicas = parser.add_argument_group("replicas on Ray Serve (needs the ray extra: pip install 'punica-hf[ray]')")
     replicas.add_argument(
-        "--replicas", type=positive_int, default=1, metavar="N",
+        "--replicas", type=positive_int, default=None, metavar="N",
         help="serve N copies of the engine behind Ray Serve's HTTP proxy, each request routed to a replica that "
-        "holds its adapter (default: 1, no Ray unless --ray-address)",
+        "holds its adapter (without it: one engine, no Ray, unless --ray-address)",
     )
     replicas.add_argument(
         "--ray-address", metavar="ADDR",
@@ -117,9 +117,14 @@ def register(command: Callable[..., argparse.ArgumentParser]) -> None:
     ranks.add_tp_arguments(parser)
 
 
+def on_ray(args: argparse.Namespace) -> bool:
+    """Whether the options ask for replicas on Ray Serve (``--replicas 1`` too: one replica that Ray restarts)."""
+    return args.replicas is not None or args.ray_address is not None
+
+
 def run(args: argparse.Namespace, console: Console) -> None:
     check_arguments(args)
-    if args.replicas > 1 or args.ray_address:
+    if on_ray(args):
         return _run_on_ray(args, console)
     if args.tp > 1 and not args.as_tp_rank:  # this process starts the ranks, which serve
         bind_listener(args.host, args.port).close()  # a busy address fails now, not after the ranks have loaded
@@ -193,7 +198,7 @@ def check_arguments(args: argparse.Namespace) -> None:
         )
     if args.tp > 1:
         ranks.check_tp_arguments(args)
-        if args.replicas > 1 or args.ray_address:
+        if on_ray(args):
             raise ValueError("--tp runs one engine over N ranks; it does not run on Ray (leave out --replicas and "
                              "--ray-address)")
         if args.allow_runtime_lora:  # a load on rank 0 alone would leave the ranks' adapters different
@@ -269,7 +274,7 @@ def build_ray_app(args: argparse.Namespace):
 
         gpus = 1 if args.device != "cpu" and torch.cuda.is_available() else 0
     return build_app(
-        partial(make_engine, args), args.served_model_name or args.model, replicas=args.replicas,
+        partial(make_engine, args), args.served_model_name or args.model, replicas=args.replicas or 1,
         max_adapters=args.max_adapters, api_key=args.api_key,
         lora_dirs=args.lora_dir if args.allow_runtime_lora else None, limits=request_limits(args),
         replica_actor_options={"num_gpus": gpus},
@@ -287,10 +292,10 @@ def _run_on_ray(args: argparse.Namespace, console: Console) -> None:
         ray.init(address=args.ray_address, configure_logging=False)
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
-        with console.status(f"starting {args.replicas} replica(s) of {args.model} on Ray Serve"):
+        with console.status(f"starting {args.replicas or 1} replica(s) of {args.model} on Ray Serve"):
             serve.run(app, name="punica-hf", route_prefix="/")
         console.print(
-            f"serving [bold]{args.served_model_name or args.model}[/bold] with {args.replicas} replica(s) on "
+            f"serving [bold]{args.served_model_name or args.model}[/bold] with {args.replicas or 1} replica(s) on "
             f"http://{args.host}:{args.port}/v1" + (" (API key required)" if args.api_key else ""),
             highlight=False,
         )
