@@ -200,16 +200,19 @@ def replicas_of(results: list[Streamed]) -> list[str]:
     return sorted({result.replica for result in results if result.replica is not None})
 
 
-def measure(base_url: str, saturation_calls: list[Call], ttft_calls: list[Call], clients: int,
-            served: list[str]) -> dict:
-    """Warm-up, saturation, then TTFT at low load, against the server at ``base_url``."""
+def measure(base_url: str, saturation_calls: list[Call], ttft_calls: list[Call], clients: int, served: list[str],
+            repeats: int) -> dict:
+    """Warm-up, saturation ``repeats`` times (the run of median throughput is the result), then TTFT at low load,
+    against the server at ``base_url``."""
     warm_up = [Call(saturation_calls[0].prompt, 2, model) for model in served]
     asyncio.run(run_one_by_one(base_url, warm_up))  # each adapter's first load (and a replica claims it)
     burst = [Call(c.prompt, min(c.new_tokens, TTFT_NEW_TOKENS), c.model) for c in saturation_calls[:clients]]
     asyncio.run(run_concurrently(base_url, burst, clients))
-    saturation = asyncio.run(run_concurrently(base_url, saturation_calls, clients))
+    runs = [asyncio.run(run_concurrently(base_url, saturation_calls, clients)) for _ in range(repeats)]
+    saturation = sorted(runs, key=lambda run: run["tokens_per_second"])[(repeats - 1) // 2]
     low_load = asyncio.run(run_one_by_one(base_url, ttft_calls))
-    return {"saturation": saturation, "low_load": low_load}
+    return {"saturation": saturation, "saturation_tokens_per_second": [run["tokens_per_second"] for run in runs],
+            "low_load": low_load}
 
 
 class ServerProcess:
@@ -279,16 +282,16 @@ def run_system(name: str, serve_args: list[str], workdir: Path, start_timeout: f
         raise
     finally:
         server.stop()
-    saturation, low_load = result["saturation"], result["low_load"]
-    print(f"{name}: {saturation['tokens_per_second']:.0f} tokens/s at saturation, TTFT p50 at low load "
-          f"{low_load['ttft_p50_ms']:.1f} ms", flush=True)
+    runs = ", ".join(f"{tokens_per_second:.0f}" for tokens_per_second in result["saturation_tokens_per_second"])
+    print(f"{name}: {runs} tokens/s at saturation, TTFT p50 at low load {result['low_load']['ttft_p50_ms']:.1f} ms",
+          flush=True)
     return result
 
 
 def check_replicas(result: dict, expected: int, name: str) -> None:
     """``name``'s answers came from ``expected`` Ray Serve replicas (none: not through Ray Serve), or the
     comparison would not be the one it says."""
-    replicas = sorted({replica for phase in result.values() for replica in phase["replicas"]})
+    replicas = sorted({*result["saturation"]["replicas"], *result["low_load"]["replicas"]})
     if len(replicas) != expected:
         raise RuntimeError(f"{name}: answers from {len(replicas)} Ray Serve replica(s) {replicas}, not {expected}")
 
@@ -309,7 +312,8 @@ def print_table(systems: dict, comparison: dict) -> None:
     for name, result in systems.items():
         saturation, low_load = result["saturation"], result["low_load"]
         print(f"| {name} | {saturation['tokens_per_second']:.0f} | {saturation['ttft_p50_ms']:.0f} / "
-              f"{saturation['ttft_p90_ms']:.0f} ms | {low_load['ttft_p50_ms']:.1f} / {low_load['ttft_p90_ms']:.1f} ms |")
+              f"{saturation['ttft_p90_ms']:.0f} ms | {low_load['ttft_p50_ms']:.1f} / "
+              f"{low_load['ttft_p90_ms']:.1f} ms |")
     ratio, overhead = comparison["throughput_ratio"], comparison["ttft_p50_overhead_ms"]
     print(f"throughput, ray / engine: {ratio:.3f} (target >= {THROUGHPUT_TARGET}: "
           f"{'met' if comparison['throughput_met'] else 'missed'})")
@@ -328,6 +332,8 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=16, help="LoRA rank of every adapter")
     parser.add_argument("--clients", type=int, help="concurrent clients at saturation (default: 64; 4 with --smoke)")
     parser.add_argument("--requests", type=int, help="requests at saturation (default: 512; 12 with --smoke)")
+    parser.add_argument("--repeats", type=int, help="saturation runs of each system, the median one kept (default: "
+                        "3; 1 with --smoke)")
     parser.add_argument("--ttft-requests", type=int, help="sequential requests at low load (default: 50; 5 with "
                         "--smoke)")
     parser.add_argument("--max-running", type=int, help="passed to both servers (default: theirs)")
@@ -349,6 +355,7 @@ def main() -> None:
     args.clients = args.clients or (4 if smoke else 64)
     args.requests = args.requests or (12 if smoke else 512)
     args.ttft_requests = args.ttft_requests or (5 if smoke else 50)
+    args.repeats = args.repeats or (1 if smoke else 3)
     args.start_timeout = args.start_timeout or (120 if smoke else 900)
     args.output = args.output or RESULTS / ("bench_ray_smoke.json" if smoke else "bench_ray.json")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a time limit's SIGTERM still stops the servers
@@ -376,7 +383,7 @@ def main() -> None:
     requests = make_requests(args.requests + args.ttft_requests, config.vocab_size, SMOKE if smoke else FULL,
                              args.seed)
     calls = [Call(r.prompt, r.new_tokens, served[i % len(served)]) for i, r in enumerate(requests)]
-    workload = dict(saturation_calls=calls[:args.requests], clients=args.clients, served=served,
+    workload = dict(saturation_calls=calls[:args.requests], clients=args.clients, served=served, repeats=args.repeats,
                     ttft_calls=[Call(c.prompt, min(c.new_tokens, TTFT_NEW_TOKENS), c.model)
                                 for c in calls[args.requests:]])
     print(f"setup {time.perf_counter() - setup_start:.1f} s in {workdir}: {args.requests} requests at saturation "
