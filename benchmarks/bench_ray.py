@@ -137,14 +137,13 @@ class Call:
 class Streamed:
     sent: float
     first_event: float
-    finished: float
     tokens: int
     replica: str | None  # the Ray Serve replica that answered (its response header), None from the engine's server
 
 
 async def stream(client: httpx.AsyncClient, call: Call) -> Streamed:
-    """Send ``call``; when its first event and its end came, and the tokens its usage event counts (which must be
-    the tokens asked for: ``ignore_eos``)."""
+    """Send ``call``; when its first event came, the tokens its usage event counts (which must be the tokens
+    asked for: ``ignore_eos``) and the replica that answered."""
     sent = time.perf_counter()
     first_event, last_payload = None, None
     async with client.stream("POST", "/v1/completions", json=call.body()) as response:
@@ -159,11 +158,10 @@ async def stream(client: httpx.AsyncClient, call: Call) -> Streamed:
             if line == "data: [DONE]":
                 break
             last_payload = line
-    finished = time.perf_counter()
     usage = json.loads(last_payload[len("data: "):]).get("usage") if last_payload else None
     if first_event is None or not usage or usage["completion_tokens"] != call.new_tokens:
         raise RuntimeError(f"the stream for {call.model} ended without {call.new_tokens} tokens: {last_payload!r}")
-    return Streamed(sent, first_event, finished, usage["completion_tokens"], replica)
+    return Streamed(sent, first_event, usage["completion_tokens"], replica)
 
 
 async def run_concurrently(base_url: str, calls: list[Call], clients: int) -> dict:
@@ -340,7 +338,7 @@ def main() -> None:
     parser.add_argument("--ray-address", default="local",
                         help="--ray-address of the Ray system (default: local, a cluster of this machine started "
                         "and stopped with the command)")
-    parser.add_argument("--start-timeout", type=float, help="seconds for a server to answer /health (default: 900; "
+    parser.add_argument("--start-timeout", type=float, help="seconds for a server to answer /health (default: 600; "
                         "120 with --smoke)")
     parser.add_argument("--workdir", type=Path, help="where the model, adapters and server logs go (default: a "
                         "temporary folder, removed at the end unless a server failed)")
@@ -356,7 +354,7 @@ def main() -> None:
     args.requests = args.requests or (12 if smoke else 512)
     args.ttft_requests = args.ttft_requests or (5 if smoke else 50)
     args.repeats = args.repeats or (1 if smoke else 3)
-    args.start_timeout = args.start_timeout or (120 if smoke else 900)
+    args.start_timeout = args.start_timeout or (120 if smoke else 600)
     args.output = args.output or RESULTS / ("bench_ray_smoke.json" if smoke else "bench_ray.json")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a time limit's SIGTERM still stops the servers
 
