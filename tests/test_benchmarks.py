@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import importlib.util
 import json
 import os
 import subprocess
@@ -14,6 +15,7 @@ import pytest
 import torch
 from helpers import save_peft_adapter, tiny_llama
 from opaque_kernels import route_to_opaque_kernels
+from server_process import child_env
 from transformers import CompileConfig
 
 from punica_hf import MultiLoraModel
@@ -154,3 +156,35 @@ def test_every_benchmark_script_imports_without_triton_or_a_gpu():
     scripts, outcomes = import_each_script(blocked=("triton",))
     assert len(outcomes) == len(scripts) >= 8
     assert {outcome for outcome in outcomes.values()} == {"ok"}, outcomes
+
+
+def test_ray_benchmark_smoke_run_measures_both_servers_on_the_same_workload(tmp_path):
+    """``bench_ray.py --smoke`` (the demo model on the CPU, a local Ray cluster): both systems serve every request
+    of one workload to its last token (the script checks each stream's count), the Ray system answers through one
+    Ray Serve replica and the engine's own server through none, and the ratios are those of the measurements."""
+    if importlib.util.find_spec("ray") is None:
+        pytest.skip("needs the ray extra (pip install 'punica-hf[ray]')")
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_ray.py"
+    output = tmp_path / "bench_ray.json"
+    command = [sys.executable, str(script), "--smoke", "--output", str(output), "--workdir", str(tmp_path / "work")]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env())
+    try:
+        log, _ = process.communicate(timeout=300)  # about a minute on an idle machine of 2 cores
+    except subprocess.TimeoutExpired:
+        process.terminate()  # the script stops its servers on SIGTERM
+        log, _ = process.communicate(timeout=120)
+        pytest.fail(f"bench_ray.py --smoke ran past 300 s:\n{log[-4000:]}")
+    assert process.returncode == 0, log[-4000:]
+    report = json.loads(output.read_text())
+    engine, ray = report["systems"]["engine"], report["systems"]["ray serve, 1 replica"]
+    for system in (engine, ray):
+        assert system["saturation"]["requests"] == 12 and system["low_load"]["requests"] == 5
+        assert 0 < system["low_load"]["ttft_p50_ms"] <= system["low_load"]["ttft_p90_ms"]
+    assert engine["saturation"]["tokens"] == ray["saturation"]["tokens"] > 0
+    assert engine["saturation"]["replicas"] == engine["low_load"]["replicas"] == []
+    assert len(ray["saturation"]["replicas"]) == 1 and ray["low_load"]["replicas"] == ray["saturation"]["replicas"]
+    comparison = report["comparison"]
+    assert comparison["throughput_ratio"] == pytest.approx(
+        ray["saturation"]["tokens_per_second"] / engine["saturation"]["tokens_per_second"])
+    assert comparison["ttft_p50_overhead_ms"] == pytest.approx(
+        ray["low_load"]["ttft_p50_ms"] - engine["low_load"]["ttft_p50_ms"])

@@ -1,0 +1,428 @@
+"""Ray Serve's overhead: one replica of ``punica-hf serve`` on Ray Serve against the engine's own HTTP server, on
+the same workload (issue 32's targets: throughput at saturation >= 0.95x, median TTFT overhead <= 10 ms).
+
+A model folder is saved once (random weights in bf16, the Llama-3.2-1B shape by default: the smallest model makes
+the most tokens per second, so the proxy's cost per token weighs the most; ``--shape llama-3-8b``; ``--model DIR``
+for an existing folder; ``--smoke``: the demo model on the CPU), with a word-level tokenizer covering its
+vocabulary, beside ``--adapters`` rank-16 PEFT adapter folders (random non-zero factors on q, k, v, o, gate, up,
+down). Then each system is started as a subprocess, waited for on ``/health``, measured and stopped (SIGTERM, then
+its whole process group killed), one after the other:
+
+- ``engine``: ``punica-hf serve --model DIR --adapter a0=... ...``;
+- ``ray serve, 1 replica``: the same command with ``--replicas 1 --ray-address local`` (``--replicas 1`` alone
+  serves without Ray; ``local`` starts a Ray cluster of this machine for the command, stopped with it).
+
+Both get the same requests, streamed (``/v1/completions``, prompts as token ids, ``ignore_eos``: every request
+generates exactly its length), adapters round-robin over the adapters and the base model:
+
+- saturation: ``--clients`` concurrent clients over ``--requests`` requests (log-normal prompt and output lengths
+  of ``bench_serving.py``, seeded); throughput = generated tokens / wall time;
+- TTFT at low load: ``--ttft-requests`` single requests one after the other; TTFT = first streamed event - send.
+
+Each system is warmed up first (one request per adapter and the base, then one concurrent burst). Writes JSON under
+benchmarks/results/ and prints a table with the ratios beside their targets. If a server does not come up, the
+tail of its log says why.
+
+    python benchmarks/bench_ray.py --output benchmarks/results/bench_ray_h200.json   # needs ray[serve] >= 2.60
+    python benchmarks/bench_ray.py --smoke        # the demo model on the CPU, < 60 s
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.metadata
+import json
+import os
+import platform
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import torch
+import transformers
+from bench_generate import TARGETS, build_llama, llama_config, random_adapter
+from bench_serving import FULL, LengthMix, make_requests, percentile
+from peft import LoraConfig
+from safetensors.torch import save_file
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
+
+from punica_hf import demo
+
+try:
+    from punica_hf.serving.ray import REPLICA_HEADER
+except ImportError:  # ray is not installed: main() says so before anything runs
+    REPLICA_HEADER = None
+
+RESULTS = Path(__file__).resolve().parent / "results"
+REPOSITORY = Path(__file__).resolve().parents[1]
+THROUGHPUT_TARGET = 0.95  # Ray Serve / engine, saturation tokens/s, at least
+TTFT_OVERHEAD_TARGET_MS = 10.0  # Ray Serve - engine, median TTFT at low load, at most
+SMOKE = dict(prompts=LengthMix(8, 0.5, 2, 20), outputs=LengthMix(8, 0.5, 2, 24))  # the demo model: 64 positions
+TTFT_NEW_TOKENS = 16  # a low-load request streams this many tokens at most: its first one is what is timed
+
+
+def llama_3_2_1b_config() -> LlamaConfig:
+    """Llama-3.2-1B's shape (hidden 2048, 16 layers, GQA 32/8 heads of 64, MLP 8192, vocab 128256, tied
+    embeddings), positions cut to 4096."""
+    return LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                       num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=4096,
+                       tie_word_embeddings=True, rope_theta=500000.0)
+
+
+SHAPES = {"llama-3.2-1b": llama_3_2_1b_config, "llama-3-8b": lambda: llama_config(32)}
+
+
+def save_random_model(config: LlamaConfig, folder: Path) -> None:
+    """Random bf16 weights (made on the GPU when there is one: seconds) and a word-level tokenizer whose words
+    ``w<id>`` cover the whole vocabulary, so any generated id decodes; ``</s>`` (id 1) ends a sequence."""
+    config.bos_token_id, config.eos_token_id = 0, 1
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = build_llama(config, device)
+    model.generation_config.bos_token_id, model.generation_config.eos_token_id = 0, 1
+    model.save_pretrained(folder)
+    del model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    vocab = {"<s>": 0, "</s>": 1, **{f"w{i}": i for i in range(2, config.vocab_size)}}
+    word_level = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<s>"))
+    word_level.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=word_level, bos_token="<s>", eos_token="</s>").save_pretrained(folder)
+
+
+def save_random_adapters(model_config, count: int, rank: int, base_path: str, folder: Path) -> dict[str, Path]:
+    """``count`` PEFT folders ``a0``, ``a1``, ... under ``folder`` with random rank-``rank`` factors (different
+    for each) on every targeted projection of the model ``model_config`` describes."""
+    with torch.device("meta"):  # the modules' names and sizes, no weights
+        shape = AutoModelForCausalLM.from_config(model_config)
+    generator = torch.Generator().manual_seed(1)
+    paths = {}
+    for index in range(count):
+        weights = random_adapter(shape, rank, generator)
+        path = paths[f"a{index}"] = folder / f"a{index}"
+        LoraConfig(r=rank, lora_alpha=rank, target_modules=TARGETS, task_type="CAUSAL_LM",
+                   base_model_name_or_path=base_path).save_pretrained(path)
+        tensors = {}
+        for module, factors in weights.modules.items():
+            tensors[f"base_model.model.{module}.lora_A.weight"] = factors.lora_a.contiguous()
+            tensors[f"base_model.model.{module}.lora_B.weight"] = factors.lora_b.contiguous()
+        save_file(tensors, path / "adapter_model.safetensors")
+    return paths
+
+
+@dataclass(frozen=True)
+class Call:
+    """One streamed completion: prompt token ids, tokens to generate, the ``model`` field (an adapter or the
+    base model's served name)."""
+
+    prompt: list[int]
+    new_tokens: int
+    model: str
+
+    def body(self) -> dict:
+        return {"model": self.model, "prompt": self.prompt, "max_tokens": self.new_tokens, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+
+
+@dataclass(frozen=True)
+class Streamed:
+    sent: float
+    first_event: float
+    tokens: int
+    replica: str | None  # the Ray Serve replica that answered (its response header), None from the engine's server
+
+
+async def stream(client: httpx.AsyncClient, call: Call) -> Streamed:
+    """Send ``call``; when its first event came, the tokens its usage event counts (which must be the tokens
+    asked for: ``ignore_eos``) and the replica that answered."""
+    sent = time.perf_counter()
+    first_event, last_payload = None, None
+    async with client.stream("POST", "/v1/completions", json=call.body()) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"HTTP {response.status_code} for {call.model}: {(await response.aread())[:500]!r}")
+        replica = response.headers.get(REPLICA_HEADER)
+        async for line in response.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            if first_event is None:
+                first_event = time.perf_counter()
+            if line == "data: [DONE]":
+                break
+            last_payload = line
+    usage = json.loads(last_payload[len("data: "):]).get("usage") if last_payload else None
+    if first_event is None or not usage or usage["completion_tokens"] != call.new_tokens:
+        raise RuntimeError(f"the stream for {call.model} ended without {call.new_tokens} tokens: {last_payload!r}")
+    return Streamed(sent, first_event, usage["completion_tokens"], replica)
+
+
+async def run_concurrently(base_url: str, calls: list[Call], clients: int) -> dict:
+    """``clients`` clients, each sending its next call when the last one ends, until ``calls`` are done."""
+    pending = list(reversed(calls))
+    done: list[Streamed] = []
+
+    async def client_loop(client: httpx.AsyncClient) -> None:
+        while pending:
+            done.append(await stream(client, pending.pop()))
+
+    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+    async with httpx.AsyncClient(base_url=base_url, timeout=600, limits=limits) as client:
+        cpu_start, start = time.process_time(), time.perf_counter()
+        await asyncio.gather(*(client_loop(client) for _ in range(min(clients, len(calls)))))
+        seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
+    tokens = sum(result.tokens for result in done)
+    ttft = sorted(result.first_event - result.sent for result in done)
+    return {"requests": len(done), "tokens": tokens, "seconds": seconds, "tokens_per_second": tokens / seconds,
+            "ttft_p50_ms": 1e3 * percentile(ttft, 50), "ttft_p90_ms": 1e3 * percentile(ttft, 90),
+            # near 1, the client process, not the server, may be what limits the throughput
+            "client_cpu_share": cpu_seconds / seconds, "replicas": replicas_of(done)}
+
+
+async def run_one_by_one(base_url: str, calls: list[Call]) -> dict:
+    async with httpx.AsyncClient(base_url=base_url, timeout=600) as client:
+        results = [await stream(client, call) for call in calls]
+    ttft = sorted(result.first_event - result.sent for result in results)
+    return {"requests": len(results), "ttft_p50_ms": 1e3 * statistics.median(ttft),
+            "ttft_p90_ms": 1e3 * percentile(ttft, 90), "ttft_min_ms": 1e3 * ttft[0], "replicas": replicas_of(results)}
+
+
+def replicas_of(results: list[Streamed]) -> list[str]:
+    return sorted({result.replica for result in results if result.replica is not None})
+
+
+def measure(base_url: str, saturation_calls: list[Call], ttft_calls: list[Call], clients: int, served: list[str],
+            repeats: int) -> dict:
+    """Warm-up, saturation ``repeats`` times (the run of median throughput is the result), then TTFT at low load,
+    against the server at ``base_url``."""
+    warm_up = [Call(saturation_calls[0].prompt, 2, model) for model in served]
+    asyncio.run(run_one_by_one(base_url, warm_up))  # each adapter's first load (and a replica claims it)
+    burst = [Call(c.prompt, min(c.new_tokens, TTFT_NEW_TOKENS), c.model) for c in saturation_calls[:clients]]
+    asyncio.run(run_concurrently(base_url, burst, clients))
+    runs = [asyncio.run(run_concurrently(base_url, saturation_calls, clients)) for _ in range(repeats)]
+    saturation = sorted(runs, key=lambda run: run["tokens_per_second"])[(repeats - 1) // 2]
+    low_load = asyncio.run(run_one_by_one(base_url, ttft_calls))
+    return {"saturation": saturation, "saturation_tokens_per_second": [run["tokens_per_second"] for run in runs],
+            "low_load": low_load}
+
+
+class ServerProcess:
+    """``python -m punica_hf serve ARGS`` in its own process group on a free port of 127.0.0.1; ``stop()`` ends
+    it and everything it started (a local Ray cluster's processes join the command's group)."""
+
+    def __init__(self, name: str, args: list[str], log_path: Path, start_timeout: float) -> None:
+        self.name, self.log_path = name, log_path
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            self.port = probe.getsockname()[1]
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        command = [sys.executable, "-m", "punica_hf", "serve", *args, "--host", "127.0.0.1", "--port", str(self.port)]
+        environment = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0",
+                       "PYTHONPATH": os.pathsep.join(filter(None, [str(REPOSITORY), os.environ.get("PYTHONPATH")]))}
+        with open(log_path, "w") as log:
+            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=environment,
+                                            cwd=REPOSITORY, start_new_session=True)
+        print(f"{name}: {' '.join(command[1:])}", flush=True)
+        try:
+            self._wait_for_health(start_timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_for_health(self, timeout: float) -> None:
+        started = time.perf_counter()
+        while True:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with status {self.process.returncode} before it served:\n"
+                                   f"{self.log_tail()}")
+            try:
+                if httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200:
+                    print(f"{self.name}: up after {time.perf_counter() - started:.1f} s", flush=True)
+                    return
+            except httpx.TransportError:
+                pass
+            if time.perf_counter() - started > timeout:
+                raise TimeoutError(f"{self.name} did not answer /health within {timeout:.0f} s:\n{self.log_tail()}")
+            time.sleep(0.5)
+
+    def log_tail(self, lines: int = 40) -> str:
+        text = self.log_path.read_text(errors="replace").splitlines()
+        return "\n".join(f"  | {line}" for line in text[-lines:]) + f"\n  (whole log: {self.log_path})"
+
+    def stop(self, grace: float = 60.0) -> None:
+        """SIGTERM (the command drains and stops Ray Serve), then SIGKILL to the whole group after ``grace``."""
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(grace)
+            except subprocess.TimeoutExpired:
+                print(f"{self.name}: still running {grace:.0f} s after SIGTERM: killed", flush=True)
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)  # what the command started and left behind, if anything
+        except ProcessLookupError:
+            pass
+        self.process.wait()
+
+
+def run_system(name: str, serve_args: list[str], workdir: Path, start_timeout: float, **workload) -> dict:
+    server = ServerProcess(name, serve_args, workdir / f"{name.split(',')[0].replace(' ', '_')}.log", start_timeout)
+    try:
+        result = measure(server.base_url, **workload)
+    except BaseException:
+        print(f"{name} failed while measured; its log:\n{server.log_tail()}", flush=True)
+        raise
+    finally:
+        server.stop()
+    runs = ", ".join(f"{tokens_per_second:.0f}" for tokens_per_second in result["saturation_tokens_per_second"])
+    print(f"{name}: {runs} tokens/s at saturation, TTFT p50 at low load {result['low_load']['ttft_p50_ms']:.1f} ms",
+          flush=True)
+    return result
+
+
+def check_replicas(result: dict, expected: int, name: str) -> None:
+    """``name``'s answers came from ``expected`` Ray Serve replicas (none: not through Ray Serve), or the
+    comparison would not be the one it says."""
+    replicas = sorted({*result["saturation"]["replicas"], *result["low_load"]["replicas"]})
+    if len(replicas) != expected:
+        raise RuntimeError(f"{name}: answers from {len(replicas)} Ray Serve replica(s) {replicas}, not {expected}")
+
+
+def versions() -> dict:
+    found = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__}
+    for package in ("ray", "httpx"):
+        try:
+            found[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            found[package] = None
+    return found
+
+
+def print_table(systems: dict, comparison: dict) -> None:
+    print("| system | tokens/s at saturation | TTFT p50 / p90 at saturation | TTFT p50 / p90 at low load |")
+    print("|---|---|---|---|")
+    for name, result in systems.items():
+        saturation, low_load = result["saturation"], result["low_load"]
+        print(f"| {name} | {saturation['tokens_per_second']:.0f} | {saturation['ttft_p50_ms']:.0f} / "
+              f"{saturation['ttft_p90_ms']:.0f} ms | {low_load['ttft_p50_ms']:.1f} / "
+              f"{low_load['ttft_p90_ms']:.1f} ms |")
+    ratio, overhead = comparison["throughput_ratio"], comparison["ttft_p50_overhead_ms"]
+    print(f"throughput, ray / engine: {ratio:.3f} (target >= {THROUGHPUT_TARGET}: "
+          f"{'met' if comparison['throughput_met'] else 'missed'})")
+    print(f"median TTFT overhead at low load: {overhead:.1f} ms (target <= {TTFT_OVERHEAD_TARGET_MS:.0f} ms: "
+          f"{'met' if comparison['ttft_met'] else 'missed'})")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    model = parser.add_mutually_exclusive_group()
+    model.add_argument("--shape", choices=sorted(SHAPES), default="llama-3.2-1b",
+                       help="shape of the random-weights model (default: llama-3.2-1b)")
+    model.add_argument("--model", type=Path, metavar="DIR", help="an existing model folder (with its tokenizer)")
+    model.add_argument("--smoke", action="store_true", help="the demo model on the CPU: a smoke test of this script")
+    parser.add_argument("--adapters", type=int, help="rank-16 adapters (default: 8; 2 with --smoke)")
+    parser.add_argument("--rank", type=int, default=16, help="LoRA rank of every adapter")
+    parser.add_argument("--clients", type=int, help="concurrent clients at saturation (default: 64; 4 with --smoke)")
+    parser.add_argument("--requests", type=int, help="requests at saturation (default: 512; 12 with --smoke)")
+    parser.add_argument("--repeats", type=int, help="saturation runs of each system, the median one kept (default: "
+                        "3; 1 with --smoke)")
+    parser.add_argument("--ttft-requests", type=int, help="sequential requests at low load (default: 50; 5 with "
+                        "--smoke)")
+    parser.add_argument("--max-running", type=int, help="passed to both servers (default: theirs)")
+    parser.add_argument("--ray-address", default="local",
+                        help="--ray-address of the Ray system (default: local, a cluster of this machine started "
+                        "and stopped with the command)")
+    parser.add_argument("--start-timeout", type=float, help="seconds for a server to answer /health (default: 600; "
+                        "120 with --smoke)")
+    parser.add_argument("--workdir", type=Path, help="where the model, adapters and server logs go (default: a "
+                        "temporary folder, removed at the end unless a server failed)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output", type=Path, help="JSON path (default: results/bench_ray.json; "
+                        "results/bench_ray_smoke.json with --smoke)")
+    args = parser.parse_args()
+    if REPLICA_HEADER is None:
+        parser.error("the Ray system needs the ray extra here: pip install 'punica-hf[ray]'")
+    smoke = args.smoke
+    args.adapters = args.adapters if args.adapters is not None else (2 if smoke else 8)
+    args.clients = args.clients or (4 if smoke else 64)
+    args.requests = args.requests or (12 if smoke else 512)
+    args.ttft_requests = args.ttft_requests or (5 if smoke else 50)
+    args.repeats = args.repeats or (1 if smoke else 3)
+    args.start_timeout = args.start_timeout or (120 if smoke else 600)
+    args.output = args.output or RESULTS / ("bench_ray_smoke.json" if smoke else "bench_ray.json")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a time limit's SIGTERM still stops the servers
+
+    setup_start = time.perf_counter()
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="bench_ray_"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    if smoke:
+        served_model, config = "demo", demo.load_base_model().config
+        model_args = ["--model", "demo", "--device", "cpu", "--served-model-name", "demo"]
+    else:
+        if args.model is None:
+            config = SHAPES[args.shape]()
+            args.model = workdir / "model"
+            save_random_model(config, args.model)
+        config = AutoConfig.from_pretrained(args.model)
+        served_model = "base-model"
+        model_args = ["--model", str(args.model), "--served-model-name", served_model]
+    adapters = save_random_adapters(config, args.adapters, args.rank, str(args.model or "demo"), workdir / "adapters")
+    serve_args = [*model_args, *(arg for name, path in adapters.items() for arg in ("--adapter", f"{name}={path}"))]
+    serve_args += ["--max-rank", str(args.rank)]
+    if args.max_running:
+        serve_args += ["--max-running", str(args.max_running)]
+    served = [*adapters, served_model]
+    requests = make_requests(args.requests + args.ttft_requests, config.vocab_size, SMOKE if smoke else FULL,
+                             args.seed)
+    calls = [Call(r.prompt, r.new_tokens, served[i % len(served)]) for i, r in enumerate(requests)]
+    workload = dict(saturation_calls=calls[:args.requests], clients=args.clients, served=served, repeats=args.repeats,
+                    ttft_calls=[Call(c.prompt, min(c.new_tokens, TTFT_NEW_TOKENS), c.model)
+                                for c in calls[args.requests:]])
+    print(f"setup {time.perf_counter() - setup_start:.1f} s in {workdir}: {args.requests} requests at saturation "
+          f"({sum(c.new_tokens for c in workload['saturation_calls'])} output tokens), {args.ttft_requests} at low "
+          f"load, {len(adapters)} adapters and the base model", flush=True)
+
+    systems = {
+        "engine": serve_args,
+        "ray serve, 1 replica": [*serve_args, "--replicas", "1", "--ray-address", args.ray_address],
+    }
+    results = {name: run_system(name, system_args, workdir, args.start_timeout, **workload)
+               for name, system_args in systems.items()}
+    engine, ray = results["engine"], results["ray serve, 1 replica"]
+    check_replicas(engine, 0, "engine")
+    check_replicas(ray, 1, "ray serve, 1 replica")
+    ratio = ray["saturation"]["tokens_per_second"] / engine["saturation"]["tokens_per_second"]
+    overhead = ray["low_load"]["ttft_p50_ms"] - engine["low_load"]["ttft_p50_ms"]
+    comparison = {"throughput_ratio": ratio, "throughput_target": THROUGHPUT_TARGET,
+                  "throughput_met": ratio >= THROUGHPUT_TARGET, "ttft_p50_overhead_ms": overhead,
+                  "ttft_overhead_target_ms": TTFT_OVERHEAD_TARGET_MS, "ttft_met": overhead <= TTFT_OVERHEAD_TARGET_MS}
+    report = {
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() and not smoke else "cpu",
+        "versions": versions(),
+        "setup": {key: (str(value) if isinstance(value, Path) else value) for key, value in vars(args).items()},
+        "model": {"vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
+                  "layers": config.num_hidden_layers},
+        "systems": results,
+        "comparison": comparison,
+        "wall_seconds": time.perf_counter() - setup_start,
+    }
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(report, indent=2))
+    print_table(results, comparison)
+    for name, result in results.items():
+        if result["saturation"]["client_cpu_share"] > 0.8:
+            print(f"note: the client process was busy {result['saturation']['client_cpu_share']:.0%} of the "
+                  f"{name} saturation run: the client may be what limits it")
+    print(f"wrote {args.output} after {report['wall_seconds']:.0f} s")
+    if args.workdir is None:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
