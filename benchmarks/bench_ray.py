@@ -9,8 +9,8 @@ down). Then each system is started as a subprocess, waited for on ``/health``, m
 its whole process group killed), one after the other:
 
 - ``engine``: ``punica-hf serve --model DIR --adapter a0=... ...``;
-- ``ray serve, 1 replica``: the same command with ``--replicas 1 --ray-address local`` (``--replicas 1`` alone
-  serves without Ray; ``local`` starts a Ray cluster of this machine for the command, stopped with it).
+- ``ray serve, 1 replica``: the same command with ``--replicas 1`` (a Ray cluster of this machine, no dashboard,
+  started and stopped with the command; ``--ray-address`` for another).
 
 Both get the same requests, streamed (``/v1/completions``, prompts as token ids, ``ignore_eos``: every request
 generates exactly its length), adapters round-robin over the adapters and the base model:
@@ -335,8 +335,8 @@ def main() -> None:
     parser.add_argument("--ttft-requests", type=int, help="sequential requests at low load (default: 50; 5 with "
                         "--smoke)")
     parser.add_argument("--max-running", type=int, help="passed to both servers (default: theirs)")
-    parser.add_argument("--ray-address", default="local",
-                        help="--ray-address of the Ray system (default: local, a cluster of this machine started "
+    parser.add_argument("--ray-address",
+                        help="--ray-address of the Ray system (default: none, a cluster of this machine started "
                         "and stopped with the command)")
     parser.add_argument("--start-timeout", type=float, help="seconds for a server to answer /health (default: 600; "
                         "120 with --smoke)")
@@ -390,7 +390,8 @@ def main() -> None:
 
     systems = {
         "engine": serve_args,
-        "ray serve, 1 replica": [*serve_args, "--replicas", "1", "--ray-address", args.ray_address],
+        "ray serve, 1 replica": [*serve_args, "--replicas", "1",
+                                 *(["--ray-address", args.ray_address] if args.ray_address else [])],
     }
     results = {name: run_system(name, system_args, workdir, args.start_timeout, **workload)
                for name, system_args in systems.items()}
