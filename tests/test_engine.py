@@ -201,6 +201,47 @@ def test_the_engines_attention_reads_the_paged_cache_in_place(tiny_model, monkey
         assert {key_memory, value_memory} <= cache_memory and slots_memory in slot_memory
 
 
+def test_padded_steps_are_keyed_by_their_query_count_alone(tiny_model, monkeypatch):
+    """Steps padded to static shapes as under CUDA graphs (run without graphs: a CPU has none). Every step's graph
+    key is its padded query count, whatever number of keys it reads: the kernel gets slot lists as long as the
+    cache's readable tokens plus the queries, every step. The tokens equal ``generate()``'s."""
+    from punica_hf import ops
+    from punica_hf.serving import transformers_cb
+
+    warm_up = transformers_cb.ContinuousBatchingBackend.warm_up
+
+    def padded(backend):  # steps padded as on a GPU with CUDA graphs on
+        backend._runner.pad_inputs = True
+        warm_up(backend)
+
+    steps, slot_lists = [], []  # per step: (graph key, padded queries, keys read); per kernel call: (slots, rows)
+    prepare = transformers_cb._AdapterSlotIOs.prepare_batch_tensors
+
+    def recording_prepare(io, *args, **kwargs):
+        prepare(io, *args, **kwargs)
+        steps.append((io._get_graph_key(), io.num_q_tokens, io.true_read_sizes[0]))
+
+    paged_attention = ops.paged_attention
+
+    def recording_attention(query, key_cache, value_cache, key_slots, *args, **kwargs):
+        slot_lists.append((key_slots.shape[0], query.shape[0]))
+        return paged_attention(query, key_cache, value_cache, key_slots, *args, **kwargs)
+
+    monkeypatch.setattr(transformers_cb.ContinuousBatchingBackend, "warm_up", padded)
+    monkeypatch.setattr(transformers_cb._AdapterSlotIOs, "prepare_batch_tensors", recording_prepare)
+    monkeypatch.setattr(ops, "paged_attention", recording_attention)
+    plan = [(adapter, tiny_prompt(70 + i, 4 + 21 * i), 5 + 4 * i) for i, adapter in enumerate(["b", "a", None, "c"])]
+    expected = [reference_tokens(tiny_model, prompt, adapter, n) for adapter, prompt, n in plan]
+    with Engine(tiny_model, config=EngineConfig(max_running=4, max_batch_tokens=32)) as engine:
+        assert engine._backend.graphs_on
+        handles = [engine.submit(prompt, adapter, SamplingParams(max_new_tokens=n)) for adapter, prompt, n in plan]
+        completions = [handle.result(timeout=60) for handle in handles]
+    assert [list(c.token_ids) for c in completions] == expected
+    assert all(key == (queries,) for key, queries, _ in steps), steps
+    assert len({keys for *_, keys in steps}) > 10  # the steps read many different numbers of keys
+    assert len({slots - rows for slots, rows in slot_lists}) == 1, set(slot_lists)
+
+
 def test_streamed_pieces_add_up_to_the_completion(demo_model):
     model, answers = demo_model
     with Engine(model, DemoTokenizer()) as engine:
