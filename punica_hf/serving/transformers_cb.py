@@ -2,8 +2,8 @@
 ``TESTED_TRANSFORMERS``); the engine drives it through ``ContinuousBatchingBackend``.
 
 transformers' continuous batching does the work (paged KV cache, scheduler with chunked prefill and offloading,
-packed ``[1, T]`` batches, attention paths, CUDA graphs) but has no per-request adapter and no per-request
-sampling, so this module extends it at three points:
+packed ``[1, T]`` batches, attention paths, CUDA graphs) but has no per-request adapter, no per-request
+sampling and, from 5.24, no attention that reads the paged cache in place, so this module extends it at four points:
 
 - ``_AdapterSlotIOs``: the batch inputs gain ``adapter_ids`` ``[1, T]``, the GPU slot of each packed token's
   request (-1 = base model and padding), in a static buffer that CUDA graphs captured once read at every replay;
@@ -12,9 +12,11 @@ sampling, so this module extends it at three points:
   scores into a static buffer; the engine draws each sampling request's token from it with the request's own
   settings and generator, so a seeded request gives the same text whatever else is in the batch.
 - ``_OutputRouter``: each step's outputs wait until the engine hands them out, while the next step runs.
+- ``_InPlaceCache``: the paged cache's ``update`` hands the engine's attention the cache itself rather than a copy
+  of every key the step reads (``layer_cache`` finds a layer's keys and values in it).
 
 transformers builds those objects inside its batch processor with no hook to pass other classes, so the backend
-switches the class of the two instances (keeping every reference transformers holds). Each use of a private name
+switches the class of those instances (keeping every reference transformers holds). Each use of a private name
 carries a note, "upstream hook:", naming what would remove it. Prefix caching (block sharing) is off: two requests
 with the same prompt but different adapters have different keys and values; transformers' block hashes know only
 the tokens.
