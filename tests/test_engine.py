@@ -167,6 +167,81 @@ def test_key_slots_built_on_the_device_are_transformers_own(tiny_model, monkeypa
     assert page == 16 and max(requests for requests, _ in checked) == 6 and max(keys for _, keys in checked) > 30 * page
 
 
+def test_the_engines_attention_reads_the_paged_cache_in_place(tiny_model, monkeypatch):
+    """At every layer of every step the attention kernel gets the paged cache's own memory and the step's slot
+    lists: no step copies the keys and values it reads out of the cache (transformers' own cache update does, from
+    transformers 5.24 on). Prefills, chunked prefills and decodes, tokens still equal ``generate()``'s."""
+    from punica_hf import ops
+
+    calls = []  # per kernel call: (key cache memory, value cache memory, slot list memory, keys read, queries)
+    paged_attention = ops.paged_attention
+
+    def recording(query, key_cache, value_cache, key_slots, cu_seq_lens_q, cu_seq_lens_k, *args, **kwargs):
+        calls.append((key_cache.untyped_storage().data_ptr(), value_cache.untyped_storage().data_ptr(),
+                      key_slots.untyped_storage().data_ptr(), int(cu_seq_lens_k[-1]), int(cu_seq_lens_q[-1])))
+        return paged_attention(query, key_cache, value_cache, key_slots, cu_seq_lens_q, cu_seq_lens_k, *args,
+                               **kwargs)
+
+    monkeypatch.setattr(ops, "paged_attention", recording)
+    plan = [(adapter, tiny_prompt(60 + i, 5 + 29 * i), 6 + 3 * i) for i, adapter in enumerate(["a", None, "b", "c"])]
+    expected = [reference_tokens(tiny_model, prompt, adapter, n) for adapter, prompt, n in plan]
+    with Engine(tiny_model, config=EngineConfig(max_running=4, max_batch_tokens=32)) as engine:
+        handles = [engine.submit(prompt, adapter, SamplingParams(max_new_tokens=n)) for adapter, prompt, n in plan]
+        completions = [handle.result(timeout=60) for handle in handles]
+        cache, io = engine._backend._processor.cache, engine._backend._io
+    assert [list(c.token_ids) for c in completions] == expected
+    if hasattr(cache, "cache_tensor"):  # transformers >= 5.18: one tensor holds every layer's pages
+        cache_memory = {cache.cache_tensor.untyped_storage().data_ptr()}
+    else:
+        cache_memory = {t.untyped_storage().data_ptr() for t in [*cache.key_cache, *cache.value_cache]}
+    slot_memory = {index.untyped_storage().data_ptr() for index in (io.read_index_storage, io.write_index_storage)}
+    layers = tiny_model.model.config.num_hidden_layers
+    assert len(calls) > 10 * layers and any(keys > 2 * queries for *_, keys, queries in calls)  # decodes ran
+    for key_memory, value_memory, slots_memory, *_ in calls:
+        assert {key_memory, value_memory} <= cache_memory and slots_memory in slot_memory
+
+
+def test_padded_steps_are_keyed_by_their_query_count_alone(tiny_model, monkeypatch):
+    """Steps padded to static shapes as under CUDA graphs (run without graphs: a CPU has none). Every step's graph
+    key is its padded query count, whatever number of keys it reads: the kernel gets slot lists as long as the
+    cache's readable tokens plus the queries, every step. The tokens equal ``generate()``'s."""
+    from punica_hf import ops
+    from punica_hf.serving import transformers_cb
+
+    warm_up = transformers_cb.ContinuousBatchingBackend.warm_up
+
+    def padded(backend):  # steps padded as on a GPU with CUDA graphs on
+        backend._runner.pad_inputs = True
+        warm_up(backend)
+
+    steps, slot_lists = [], []  # per step: (graph key, padded queries, keys read); per kernel call: (slots, rows)
+    prepare = transformers_cb._AdapterSlotIOs.prepare_batch_tensors
+
+    def recording_prepare(io, *args, **kwargs):
+        prepare(io, *args, **kwargs)
+        steps.append((io._get_graph_key(), io.num_q_tokens, io.true_read_sizes[0]))
+
+    paged_attention = ops.paged_attention
+
+    def recording_attention(query, key_cache, value_cache, key_slots, *args, **kwargs):
+        slot_lists.append((key_slots.shape[0], query.shape[0]))
+        return paged_attention(query, key_cache, value_cache, key_slots, *args, **kwargs)
+
+    monkeypatch.setattr(transformers_cb.ContinuousBatchingBackend, "warm_up", padded)
+    monkeypatch.setattr(transformers_cb._AdapterSlotIOs, "prepare_batch_tensors", recording_prepare)
+    monkeypatch.setattr(ops, "paged_attention", recording_attention)
+    plan = [(adapter, tiny_prompt(70 + i, 4 + 21 * i), 5 + 4 * i) for i, adapter in enumerate(["b", "a", None, "c"])]
+    expected = [reference_tokens(tiny_model, prompt, adapter, n) for adapter, prompt, n in plan]
+    with Engine(tiny_model, config=EngineConfig(max_running=4, max_batch_tokens=32)) as engine:
+        assert engine._backend.graphs_on
+        handles = [engine.submit(prompt, adapter, SamplingParams(max_new_tokens=n)) for adapter, prompt, n in plan]
+        completions = [handle.result(timeout=60) for handle in handles]
+    assert [list(c.token_ids) for c in completions] == expected
+    assert all(key == (queries,) for key, queries, _ in steps), steps
+    assert len({keys for *_, keys in steps}) > 10  # the steps read many different numbers of keys
+    assert len({slots - rows for slots, rows in slot_lists}) == 1, set(slot_lists)
+
+
 def test_streamed_pieces_add_up_to_the_completion(demo_model):
     model, answers = demo_model
     with Engine(model, DemoTokenizer()) as engine:

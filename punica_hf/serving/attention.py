@@ -55,25 +55,25 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
                             **kwargs) -> tuple[torch.Tensor, None]:
     """Attention of one layer over transformers' paged cache, called by the model's attention modules.
 
-    ``query`` ``[1, Hq, T, D]``: the step's ``T`` packed tokens (padding included); ``cu_seq_lens_q`` /
-    ``cu_seq_lens_k`` ``[B + 1]`` in ``kwargs`` delimit each sequence's queries and keys. transformers 5.17 hands
-    the attention function the new ``key`` / ``value`` ``[1, Hkv, T, D]`` with the ``cache`` and the step's slot
-    lists (``write_index``: the new tokens' slots, ``read_index``: every sequence's key slots in order, both per
-    attention group); this writes the new tokens and reads the keys where they lie. Later versions update the cache
-    in the model and pass each sequence's keys gathered, ``[1, Hkv, Tk, D]``. Returns ``[1, T, Hq, D]``.
+    ``query`` ``[1, Hq, T, D]``: the step's ``T`` packed tokens (padding included); ``key`` / ``value``
+    ``[1, Hkv, T, D]``: their new keys and values; ``cu_seq_lens_q`` / ``cu_seq_lens_k`` ``[B + 1]`` in ``kwargs``
+    delimit each sequence's queries and keys. ``kwargs`` also hold the paged ``cache`` and the step's slot lists
+    (``write_index``: the new tokens' slots, ``read_index``: every sequence's key slots in order, both per attention
+    group): transformers hands them over itself up to 5.23, ``transformers_cb``'s cache from 5.24 on, where
+    transformers' own ``cache.update`` would copy the keys out. This writes the new tokens into the cache and reads
+    every key where it lies. Returns ``[1, T, Hq, D]``.
     """
     cache = kwargs.get("cache")
-    if cache is not None:
-        group, key_cache, value_cache = layer_cache(cache, module.layer_idx)
-        write_index = kwargs["write_index"][group]
-        read_index = kwargs["read_index"][group]
-        key_cache.index_copy_(0, write_index, key[0].transpose(0, 1))
-        value_cache.index_copy_(0, write_index, value[0].transpose(0, 1))
-        # No cached keys (prefills only): the keys are the new tokens, in the slots just written, cu_k == cu_q.
-        key_slots = read_index if read_index.numel() else write_index
-    else:
-        key_cache, value_cache = key[0].transpose(0, 1).contiguous(), value[0].transpose(0, 1).contiguous()
-        key_slots = torch.arange(key_cache.shape[0], device=key_cache.device)
+    if cache is None:
+        raise ValueError("punica_hf's paged attention needs transformers' paged cache in its arguments: it runs "
+                         "inside the serving engine's continuous batching only")
+    group, key_cache, value_cache = layer_cache(cache, module.layer_idx)
+    write_index = kwargs["write_index"][group]
+    read_index = kwargs["read_index"][group]
+    key_cache.index_copy_(0, write_index, key[0].transpose(0, 1))
+    value_cache.index_copy_(0, write_index, value[0].transpose(0, 1))
+    # No cached keys (prefills only): the keys are the new tokens, in the slots just written, cu_k == cu_q.
+    key_slots = read_index if read_index.numel() else write_index
     cu_seq_lens_k = kwargs["cu_seq_lens_k"]
     if isinstance(cu_seq_lens_k, dict):  # one entry per layer type
         cu_seq_lens_k = cu_seq_lens_k["full_attention"]

@@ -510,6 +510,5 @@ class Engine(TensorParallelLoop):
         return transformers_cb.batching_config(
             device, max_running=max_running, max_batch_tokens=max_batch_tokens, kv_blocks=self.config.kv_blocks,
             cuda_graphs=self.config.cuda_graphs, max_model_len=self.max_model_len,
-            pad_keys_to_cache=(self.attention.implementation == attention.NAME and transformers_cb.READS_CACHE_IN_PLACE
-                               and device.type == "cuda"),
+            pad_keys_to_cache=self.attention.implementation == attention.NAME and device.type == "cuda",
         )

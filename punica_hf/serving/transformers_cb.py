@@ -2,8 +2,8 @@
 ``TESTED_TRANSFORMERS``); the engine drives it through ``ContinuousBatchingBackend``.
 
 transformers' continuous batching does the work (paged KV cache, scheduler with chunked prefill and offloading,
-packed ``[1, T]`` batches, attention paths, CUDA graphs) but has no per-request adapter and no per-request
-sampling, so this module extends it at three points:
+packed ``[1, T]`` batches, attention paths, CUDA graphs) but has no per-request adapter, no per-request
+sampling and, from 5.24, no attention that reads the paged cache in place, so this module extends it at four points:
 
 - ``_AdapterSlotIOs``: the batch inputs gain ``adapter_ids`` ``[1, T]``, the GPU slot of each packed token's
   request (-1 = base model and padding), in a static buffer that CUDA graphs captured once read at every replay;
@@ -12,9 +12,11 @@ sampling, so this module extends it at three points:
   scores into a static buffer; the engine draws each sampling request's token from it with the request's own
   settings and generator, so a seeded request gives the same text whatever else is in the batch.
 - ``_OutputRouter``: each step's outputs wait until the engine hands them out, while the next step runs.
+- ``_InPlaceCache``: the paged cache's ``update`` hands the engine's attention the cache itself rather than a copy
+  of every key the step reads (``layer_cache`` finds a layer's keys and values in it).
 
 transformers builds those objects inside its batch processor with no hook to pass other classes, so the backend
-switches the class of the two instances (keeping every reference transformers holds). Each use of a private name
+switches the class of those instances (keeping every reference transformers holds). Each use of a private name
 carries a note, "upstream hook:", naming what would remove it. Prefix caching (block sharing) is off: two requests
 with the same prompt but different adapters have different keys and values; transformers' block hashes know only
 the tokens.
@@ -56,6 +58,7 @@ check_transformers_version()
 
 # After the version check, so that an old transformers gets its message rather than a failed import:
 from transformers import AttentionInterface, ContinuousBatchingConfig, GenerationConfig  # noqa: E402
+from transformers.generation.continuous_batching.cache import PagedAttentionCache  # noqa: E402
 from transformers.generation.continuous_batching.input_outputs import ContinuousBatchingIOs  # noqa: E402
 from transformers.generation.continuous_batching.model_runner import ModelRunner  # noqa: E402
 
@@ -67,9 +70,6 @@ PAGED_PREFIX = "paged|" if "paged|sdpa" in AttentionInterface._global_mapping el
 # upstream hook: attention functions registered with their own "needs a mask / graphable" flags
 ATTENTION_NAME = PAGED_PREFIX + "punica_flash"
 SDPA_NAME = PAGED_PREFIX + "sdpa"
-# 5.17 hands the attention function the cache and the step's slot lists (the kernel reads keys where they lie);
-# later versions gather every listed key slot in the model first, so there the slot lists' length costs copies.
-READS_CACHE_IN_PLACE = bool(PAGED_PREFIX)
 ONE_KV_PADDING = 1 << 40  # a padding interval longer than any cache: every step's slot list padded to the cache
 
 
@@ -96,8 +96,15 @@ def restore_attention(saved: list[tuple[object, str | None]]) -> None:
 
 
 def layer_cache(cache, layer_idx: int) -> tuple[int, torch.Tensor, torch.Tensor]:
-    """(attention group, keys ``[N, Hkv, D]``, values ``[N, Hkv, D]``) of one layer in a 5.17 paged cache, by slot.
+    """(attention group, keys ``[N, Hkv, D]``, values ``[N, Hkv, D]``) of one layer of the paged cache, indexed by
+    the slots of the group's ``read_index`` / ``write_index``: views of the cache itself, no copy.
     upstream hook: the attention function handed its layer's key and value caches"""
+    if hasattr(cache, "layer_to_allocator"):  # 5.18 on: one allocator per attention type, its views per layer
+        allocator = cache.layer_to_allocator[layer_idx]
+        keys, values = allocator._kv_token_views[layer_idx]  # what transformers' own update writes and reads
+        # views shifted along one tensor, the values' by a page: every slot of the layer lies in both
+        slots = min(keys.shape[0], values.shape[0])
+        return allocator.index, keys[:slots], values[:slots]
     group, index_in_group = cache.layer_index_to_group_indices[layer_idx]
     return group, cache.key_cache[index_in_group], cache.value_cache[index_in_group]
 
@@ -157,6 +164,8 @@ class ContinuousBatchingBackend:
             # upstream hook: init_continuous_batching taking the batch processor's IO, runner and router classes
             processor = self._manager._create_batch_processor()
             _AdapterSlotIOs.adopt(processor.inputs_and_outputs, slot_of, self._own_attention)
+            if self._own_attention:
+                _InPlaceCache.adopt(processor.cache)
             _ScoreKeepingRunner.adopt(processor.model_runner, processor.cb_config.max_requests_per_batch, vocab_size)
             self._router = processor.output_router = _OutputRouter(on_tokens, on_failure)
             self._manager.batch_processor = processor
@@ -275,8 +284,8 @@ class ContinuousBatchingBackend:
         transformers' own warm-up runs one request as long as the whole KV cache: right for its attention paths,
         whose graphs need room for a copy of the cache, but ours reads the cache in place and would attend over
         every slot. Ours captures the largest step first (its memory pool then holds every smaller one), then every
-        smaller padded query count, each over one page of cached tokens: where the kernel reads the cache in place
-        the graphs are keyed by query count alone, so no step captures a graph while requests wait.
+        smaller padded query count, each over one page of cached tokens: the kernel reads the cache in place, so the
+        graphs are keyed by query count alone, and no step captures a graph while requests wait.
         transformers logs a failed capture and goes on; here each capture is checked: the forward raised nothing
         (``_ScoreKeepingRunner.compute_batch``) and stored its graph (``_AdapterSlotIOs.set_graph``).
         """
@@ -292,8 +301,7 @@ class ContinuousBatchingBackend:
                 failure = "transformers' warm-up captured no graph"
         elif runner.pad_inputs:  # graphs on
             interval, max_batch_tokens = cb_config.q_padding_interval_size, self._processor.cache.max_batch_tokens
-            last = max_batch_tokens if READS_CACHE_IN_PLACE else cb_config.max_requests_per_batch
-            padded = range(interval, last + interval, interval)  # what the runner pads up to, last included
+            padded = range(interval, max_batch_tokens + interval, interval)  # what the runner pads up to
             sizes = {max_batch_tokens} | {min(size, max_batch_tokens) for size in padded}
             for num_q_tokens in sorted(sizes, reverse=True):  # the largest first
                 stored = io.graphs_stored
@@ -331,9 +339,9 @@ class _AdapterSlotIOs(ContinuousBatchingIOs):
 
     On the engine's own attention path it also builds the keys' cache slots (``read_index``) on the device from
     each request's pages: transformers lists every key of every request in Python, a host cost that grows with
-    the batch's keys; this costs a list of pages per request and a few kernels. Where the kernel reads
-    the cache in place, graphs are keyed by query count alone: it reads each sequence's keys through
-    ``cu_seq_lens_k``, so the key counts are no part of its shapes.
+    the batch's keys; this costs a list of pages per request and a few kernels. Graphs are keyed by query count
+    alone: the kernel reads each sequence's keys in place through ``cu_seq_lens_k``, and the slot lists are padded
+    to the whole cache (``ONE_KV_PADDING``), so the key counts are no part of its shapes.
     """
 
     _slot_of: Callable[[str], int]
@@ -362,8 +370,7 @@ class _AdapterSlotIOs(ContinuousBatchingIOs):
                                       0 if own_key_slots else max_kv_read, use_padding)  # 0: it lists no keys
         if own_key_slots:
             self.max_kv_read = max_kv_read
-            self._fill_key_slots([s.state.request_id for s in requests_in_batch], key_lengths,
-                                 max_kv_read + num_q_tokens if use_padding else sum(key_lengths))
+            self._fill_key_slots([s.state.request_id for s in requests_in_batch], key_lengths)
         slots = [
             slot
             for future_state in requests_in_batch
@@ -374,9 +381,10 @@ class _AdapterSlotIOs(ContinuousBatchingIOs):
         if self.compute_stream is not None:  # the step runs there: after the inputs written on this stream
             self.compute_stream.wait_stream(torch.cuda.current_stream(self.device))
 
-    def _fill_key_slots(self, request_ids: list[str], key_lengths: list[int], size: int) -> None:
-        """``read_index_storage[g, :size]``: every request's keys' slots in order (full attention: all its
-        tokens, those of this step included), then the trash slot. transformers' own lists, built on the device."""
+    def _fill_key_slots(self, request_ids: list[str], key_lengths: list[int]) -> None:
+        """``read_index_storage[g, :total]``: every request's keys' slots in order (full attention: all its tokens,
+        those of this step included): transformers' own lists, built on the device. The padding past them is left
+        as it is: the attention reads no slot past ``cu_seq_lens_k``."""
         total = sum(key_lengths)
         lengths = torch.tensor(key_lengths, device=self.device)
         starts = lengths.cumsum(0) - lengths
@@ -388,12 +396,11 @@ class _AdapterSlotIOs(ContinuousBatchingIOs):
             page_table = torch.tensor([p + [0] * (width - len(p)) for p in pages], device=self.device)
             page_starts = page_table[rows, positions // group.tokens_per_page] * group.page_stride
             self.read_index_storage[index, :total] = page_starts + positions % group.tokens_per_page
-            self.read_index_storage[index, total:size] = group.trash_slot
             self.true_read_sizes[index] = total
 
     # upstream hook: a graph-key function in ContinuousBatchingConfig
     def _get_graph_key(self) -> tuple[int, ...]:
-        if self._page_groups is not None and READS_CACHE_IN_PLACE and not self.use_block_table:
+        if self._page_groups is not None and not self.use_block_table:
             return (self.num_q_tokens,)
         return super()._get_graph_key()
 
@@ -406,6 +413,32 @@ class _AdapterSlotIOs(ContinuousBatchingIOs):
         model_kwargs = super().get_model_kwargs(*args, **kwargs)
         model_kwargs["adapter_ids"] = self._token_slots[:, : model_kwargs["input_ids"].shape[1]]
         return model_kwargs
+
+
+class _InPlaceCache(PagedAttentionCache):
+    """transformers' paged cache (the 5.18 layout on) whose ``update`` hands the engine's attention the cache itself.
+
+    From transformers 5.24 the models' attention modules call ``cache.update(key, value, layer_idx, kwargs)``
+    before the attention function, and transformers' update copies every key and value the step reads out of the
+    cache into new tensors (at every layer of every step). Here it copies nothing: it puts the cache into the
+    attention function's ``kwargs``, as 5.17 to 5.23 hand it there themselves, so on every version the attention
+    function writes the step's new keys and values and reads the others where they lie, through the slot lists.
+    Up to 5.23 no one calls it while the engine's attention runs (transformers' own attention functions call it).
+    """
+
+    @classmethod
+    def adopt(cls, cache: PagedAttentionCache) -> None:
+        if type(cache) is not PagedAttentionCache:
+            raise TypeError(f"expected transformers' PagedAttentionCache, got {type(cache).__name__}")
+        if hasattr(cache, "layer_to_allocator"):  # 5.17's cache goes to the attention function as it is
+            cache.__class__ = cls  # upstream hook: attention functions that read the paged cache in place
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+               kwargs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        if kwargs.get("block_table") is not None:  # flash-attn's decode path: never the engine's attention
+            return super().update(key_states, value_states, layer_idx, kwargs)
+        kwargs["cache"] = self
+        return key_states, value_states
 
 
 class _ScoreKeepingRunner(ModelRunner):
@@ -471,15 +504,13 @@ class _PageGroup:
     owner: object  # transformers' object that holds the group's pages of each request (``block_table``)
     tokens_per_page: int
     page_stride: int
-    trash_slot: int  # what transformers reads for no key
 
 
 def _page_groups(cache) -> list[_PageGroup]:
     """The cache's attention groups (5.17: group cache managers; 5.18 on: cache allocators, one per layer type)."""
     if hasattr(cache, "cache_allocators"):
-        return [_PageGroup(a, a.tokens_per_page, a.block_physical_stride, a.read_trash_index)
-                for a in cache.cache_allocators.values()]
-    return [_PageGroup(m, m.block_size, m.block_size, cache.read_trash_index) for m in cache.group_cache_managers]
+        return [_PageGroup(a, a.tokens_per_page, a.block_physical_stride) for a in cache.cache_allocators.values()]
+    return [_PageGroup(m, m.block_size, m.block_size) for m in cache.group_cache_managers]
 
 
 def _configs(hf_model) -> list:

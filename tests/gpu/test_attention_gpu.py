@@ -235,6 +235,30 @@ def test_cache_views_with_a_slot_stride():
     assert torch.equal(out, _run(batch)), "the same values read through another layout must give the same bits"
 
 
+def test_cache_views_shifted_along_one_storage():
+    """K and V as transformers (5.18 on) lays out one layer of its paged cache, which the engine hands the kernel:
+    views of one [rows, Hkv, D] storage in which each block holds a page of keys then a page of values per layer,
+    the values' view a page past the keys', both past the layer's offset (a storage offset)."""
+    seed = secrets.randbits(31)
+    batch = _batch([1, 9, 1], [300, 9, 40], 32, 8, 128, torch.bfloat16, seed)
+    layers, layer = 3, 1
+    pages, slot_shape = batch.key_cache.shape[0] // PAGE_SIZE, batch.key_cache.shape[1:]
+    block_rows = 2 * layers * PAGE_SIZE
+    storage = torch.full((pages * block_rows, *slot_shape), float("nan"), dtype=torch.bfloat16, device="cuda")
+    blocks = storage.view(pages, 2 * layers, PAGE_SIZE, *slot_shape)
+    blocks[:, 2 * layer] = batch.key_cache.view(pages, PAGE_SIZE, *slot_shape)
+    blocks[:, 2 * layer + 1] = batch.value_cache.view(pages, PAGE_SIZE, *slot_shape)
+    keys, values = storage[2 * layer * PAGE_SIZE :], storage[(2 * layer + 1) * PAGE_SIZE :]
+    rows = min(keys.shape[0], values.shape[0])
+    slots = batch.key_slots.long()
+    block_slots = (slots // PAGE_SIZE * block_rows + slots % PAGE_SIZE).to(batch.key_slots.dtype)
+    shifted = Batch(batch.query, keys[:rows], values[:rows], block_slots, *batch.args()[4:], batch.used_rows)
+    assert shifted.key_cache.storage_offset() > 0 and shifted.value_cache.storage_offset() > 0
+    out = _run(shifted)
+    _assert_matches(out, _reference(batch), shifted, f"seed {seed}")
+    assert torch.equal(out, _run(batch)), "the same values read through another layout must give the same bits"
+
+
 def _scenario(gen, num_rows, num_seqs, max_keys, key_capacity, num_pages):
     """New lengths and slots for fixed shapes: q_lens summing to <= num_rows over <= num_seqs sequences (a few
     prefill chunks among decode rows), k_lens >= q_len (<= max_keys); returns (q_lens, k_lens, slots [capacity])."""
