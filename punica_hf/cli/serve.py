@@ -90,6 +90,9 @@ def register(command: Callable[..., argparse.ArgumentParser]) -> None:
                         help="prompt + generated tokens of a request at most (default: the model's limit)")
     sizing.add_argument("--cuda-graphs", choices=["auto", "on", "off"], default="auto",
                         help="capture decoding steps in CUDA graphs (default: auto, transformers decides)")
+    sizing.add_argument("--prefix-caching", choices=["on", "off"], default="on",
+                        help="requests with the same prompt prefix and the same adapter share its KV pages "
+                        "(default: on; never across adapters; off under --tp)")
     replicas = parser.add_argument_group("replicas on Ray Serve (needs the ray extra: pip install 'punica-hf[ray]')")
     replicas.add_argument(
         "--replicas", type=positive_int, default=None, metavar="N",
@@ -241,6 +244,7 @@ def make_engine(args: argparse.Namespace):
             max_queue=args.max_queue, max_running=args.max_running, max_batch_tokens=args.max_batch_tokens,
             kv_blocks=args.kv_blocks, max_model_len=args.max_model_len,
             cuda_graphs={"auto": None, "on": True, "off": False}[args.cuda_graphs],
+            prefix_caching=args.prefix_caching == "on",
         ),
     )
 

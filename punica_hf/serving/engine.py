@@ -105,7 +105,8 @@ class Engine(TensorParallelLoop):
         with torch.inference_mode():
             backend = transformers_cb.ContinuousBatchingBackend(
                 self.hf_model, self._cb_config(self.hf_model.device), eos_token_ids=sorted(self.eos_token_ids),
-                vocab_size=self.vocab_size, slot_of=self._slot_of, on_tokens=self._on_output,
+                vocab_size=self.vocab_size, slot_of=self._slot_of, prefix_key_of=self._prefix_key_of,
+                on_tokens=self._on_output,
                 on_failure=self._on_failure, attention=self.attention.implementation,
                 attention_forward=attention.paged_attention_forward,
             )
@@ -257,6 +258,7 @@ class Engine(TensorParallelLoop):
             rejected=self._counters["rejected"],
             kv_free_fraction=1.0 if backend is None else backend.kv_free_fraction,
             cuda_graphs=0 if backend is None else backend.cuda_graphs,
+            prefix_hit_tokens=0 if backend is None else backend.prefix_hit_tokens,
         )
 
     def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
@@ -288,6 +290,14 @@ class Engine(TensorParallelLoop):
         """GPU slot of a scheduled request's adapter (-1: base model, or transformers' own warm-up requests)."""
         request = self._requests.get(request_id)
         return -1 if request is None else request.slot
+
+    def _prefix_key_of(self, request_id: str) -> str | None:
+        """What a request's KV pages are shared under besides its tokens: its adapter's registration (None: the
+        base model). A request the engine does not know (transformers' warm-up) gets a key of its own: no sharing."""
+        request = self._requests.get(request_id)
+        if request is None:
+            return f"unknown {request_id} {next(self._ids)}"
+        return None if request.lease is None else f"adapter {request.lease.registrations[0]}"
 
     # ------------------------------------------------------------------ engine thread
     def _run(self) -> None:
@@ -511,4 +521,6 @@ class Engine(TensorParallelLoop):
             device, max_running=max_running, max_batch_tokens=max_batch_tokens, kv_blocks=self.config.kv_blocks,
             cuda_graphs=self.config.cuda_graphs, max_model_len=self.max_model_len,
             pad_keys_to_cache=self.attention.implementation == attention.NAME and device.type == "cuda",
+            # under tensor parallelism every rank would have to match the same prefixes: not agreed yet, so off
+            prefix_sharing=self.config.prefix_caching and self._control is None,
         )

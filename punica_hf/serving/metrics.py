@@ -89,6 +89,8 @@ class _EngineCollector:
             ("requests_dropped_and_freed", stats.dropped_and_freed,
              "Requests dropped while running (cancelled, client disconnected, stop string), their KV blocks freed."),
             ("prompt_tokens", stats.prompt_tokens, "Prompt tokens of the requests that started."),
+            ("prefix_cache_hit_tokens", stats.prefix_hit_tokens,
+             "Prompt tokens whose KV pages were shared from earlier requests of the same adapter (not computed)."),
             ("generation_tokens", stats.generated_tokens, "Generated tokens."),
             ("engine_steps", stats.steps, "Batched forward passes."),
         ):

@@ -12,18 +12,19 @@ sampling and, from 5.24, no attention that reads the paged cache in place, so th
   scores into a static buffer; the engine draws each sampling request's token from it with the request's own
   settings and generator, so a seeded request gives the same text whatever else is in the batch.
 - ``_OutputRouter``: each step's outputs wait until the engine hands them out, while the next step runs.
-- ``_InPlaceCache``: the paged cache's ``update`` hands the engine's attention the cache itself rather than a copy
-  of every key the step reads (``layer_cache`` finds a layer's keys and values in it).
+- ``_EngineCache``: prefix caching keyed by adapter (transformers' block hashes know only the tokens, but keys and
+  values depend on the adapter: each request's tokens are hashed with its adapter's registration, so only requests
+  of the same adapter load, or of the base model, share pages); and its ``update`` hands the engine's attention the
+  cache itself rather than a copy of every key the step reads (``layer_cache`` finds a layer's keys and values).
 
 transformers builds those objects inside its batch processor with no hook to pass other classes, so the backend
 switches the class of those instances (keeping every reference transformers holds). Each use of a private name
-carries a note, "upstream hook:", naming what would remove it. Prefix caching (block sharing) is off: two requests
-with the same prompt but different adapters have different keys and values; transformers' block hashes know only
-the tokens.
+carries a note, "upstream hook:", naming what would remove it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 import warnings
 from collections.abc import Callable
@@ -111,14 +112,15 @@ def layer_cache(cache, layer_idx: int) -> tuple[int, torch.Tensor, torch.Tensor]
 
 def batching_config(device: torch.device, *, max_running: int | None, max_batch_tokens: int | None,
                     kv_blocks: int | None, cuda_graphs: bool | None, max_model_len: int,
-                    pad_keys_to_cache: bool) -> ContinuousBatchingConfig:
+                    pad_keys_to_cache: bool, prefix_sharing: bool) -> ContinuousBatchingConfig:
     """transformers' batching settings; ``None`` sizes lets it size them (on a GPU). ``pad_keys_to_cache``: every
     step's key slot list is padded to one length (the kernel reads only the real slots), keeping key counts out of
-    the graphs' shapes."""
+    the graphs' shapes. ``prefix_sharing``: requests share the pages of a common prompt prefix (transformers turns
+    it off for models with sliding-window layers); only with the backend's ``prefix_key_of``."""
     cb_config = ContinuousBatchingConfig(
         max_requests_per_batch=max_running,
         max_batch_tokens=max_batch_tokens,
-        allow_block_sharing=False,
+        allow_block_sharing=prefix_sharing,
         use_async_batching=False,
         # transformers would turn graphs on for a CPU model on a machine with a GPU (it asks the machine)
         use_cuda_graph=cuda_graphs if device.type == "cuda" else False,
@@ -147,8 +149,9 @@ class ContinuousBatchingBackend:
     """
 
     def __init__(self, hf_model, cb_config: ContinuousBatchingConfig, *, eos_token_ids: list[int],
-                 vocab_size: int, slot_of: Callable[[str], int], on_tokens: Callable[[str, list[int], bool], None],
-                 on_failure: Callable[[str, object], None], attention: str | None, attention_forward: Callable):
+                 vocab_size: int, slot_of: Callable[[str], int], prefix_key_of: Callable[[str], int | None],
+                 on_tokens: Callable[[str, list[int], bool], None], on_failure: Callable[[str, object], None],
+                 attention: str | None, attention_forward: Callable):
         self.hf_model = hf_model
         self._own_attention = attention == ATTENTION_NAME
         self._saved_attention = [] if attention is None else set_attention(hf_model, attention, attention_forward)
@@ -164,8 +167,7 @@ class ContinuousBatchingBackend:
             # upstream hook: init_continuous_batching taking the batch processor's IO, runner and router classes
             processor = self._manager._create_batch_processor()
             _AdapterSlotIOs.adopt(processor.inputs_and_outputs, slot_of, self._own_attention)
-            if self._own_attention:
-                _InPlaceCache.adopt(processor.cache)
+            _EngineCache.adopt(processor.cache, self._own_attention, prefix_key_of)
             _ScoreKeepingRunner.adopt(processor.model_runner, processor.cb_config.max_requests_per_batch, vocab_size)
             self._router = processor.output_router = _OutputRouter(on_tokens, on_failure)
             self._manager.batch_processor = processor
@@ -201,10 +203,19 @@ class ContinuousBatchingBackend:
 
     @property
     def kv_free_fraction(self) -> float:
+        """The KV cache's free fraction, pages kept only for prefix sharing counted free (given back on demand)."""
         cache = self._processor.cache
         if hasattr(cache, "compute_free_capacity"):  # transformers >= 5.18
-            return float(cache.compute_free_capacity())
-        return cache.get_num_free_blocks() / cache.num_blocks
+            cached_bytes = sum(len(allocator.ledger.cached_blocks) * allocator.bytes_per_block
+                               for allocator in cache.cache_allocators.values())
+            free_bytes = cache.compute_free_capacity(relative=False) + cached_bytes
+            return float(free_bytes / (cache.num_sectors * cache.bytes_per_sector))
+        return cache.get_num_free_blocks() / cache.num_blocks  # 5.17 counts kept pages free itself
+
+    @property
+    def prefix_hit_tokens(self) -> int:
+        """Prompt tokens whose keys and values came from pages other requests had filled."""
+        return self._processor.cache.prefix_hit_tokens
 
     @property
     def cuda_graphs(self) -> int:
@@ -415,30 +426,83 @@ class _AdapterSlotIOs(ContinuousBatchingIOs):
         return model_kwargs
 
 
-class _InPlaceCache(PagedAttentionCache):
-    """transformers' paged cache (the 5.18 layout on) whose ``update`` hands the engine's attention the cache itself.
+class _EngineCache(PagedAttentionCache):
+    """transformers' paged cache with the engine's two changes.
 
-    From transformers 5.24 the models' attention modules call ``cache.update(key, value, layer_idx, kwargs)``
-    before the attention function, and transformers' update copies every key and value the step reads out of the
-    cache into new tensors (at every layer of every step). Here it copies nothing: it puts the cache into the
-    attention function's ``kwargs``, as 5.17 to 5.23 hand it there themselves, so on every version the attention
-    function writes the step's new keys and values and reads the others where they lie, through the slot lists.
-    Up to 5.23 no one calls it while the engine's attention runs (transformers' own attention functions call it).
+    Prefix sharing keyed by adapter: transformers hashes each full page from its tokens and its parent page's hash,
+    and a new request takes the pages of its prompt's longest hashed prefix. Keys and values depend on the adapter
+    as well, so here the tokens a request's pages are hashed from (and matched against) begin with two values made
+    from its adapter's registration (``prefix_key_of(request_id)``; None for the base model: its tokens as they
+    are). Those values are negative, never a token id, so an adapter's pages are never taken for the base model's,
+    and another adapter, or another load of the same name, meets a different pair (62 bits).
+
+    ``update`` (the 5.18 layout on, with the engine's attention): from transformers 5.24 the models' attention
+    modules call ``cache.update(key, value, layer_idx, kwargs)`` before the attention function, and transformers'
+    update copies every key and value the step reads out of the cache into new tensors (at every layer of every
+    step). Here it copies nothing: it puts the cache into the attention function's ``kwargs``, as 5.17 to 5.23 hand
+    it there themselves, so on every version the attention function writes the step's new keys and values and
+    reads the others where they lie, through the slot lists. Up to 5.23 no one calls it while the engine's
+    attention runs (transformers' own attention functions call it).
     """
 
+    _reads_in_place: bool
+    _prefix_key_of: Callable[[str], int | None]
+    prefix_hit_tokens: int  # prompt tokens served from shared pages so far
+
     @classmethod
-    def adopt(cls, cache: PagedAttentionCache) -> None:
+    def adopt(cls, cache: PagedAttentionCache, own_attention: bool,
+              prefix_key_of: Callable[[str], int | None]) -> None:
         if type(cache) is not PagedAttentionCache:
             raise TypeError(f"expected transformers' PagedAttentionCache, got {type(cache).__name__}")
-        if hasattr(cache, "layer_to_allocator"):  # 5.17's cache goes to the attention function as it is
-            cache.__class__ = cls  # upstream hook: attention functions that read the paged cache in place
+        # upstream hook: a cache class (or block-hash salt per request) as an argument of the batch processor
+        cache.__class__ = cls
+        cache._reads_in_place = own_attention and hasattr(cache, "layer_to_allocator")  # 5.17 reads in place as is
+        cache._prefix_key_of = prefix_key_of
+        cache.prefix_hit_tokens = 0
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
-               kwargs: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        if kwargs.get("block_table") is not None:  # flash-attn's decode path: never the engine's attention
-            return super().update(key_states, value_states, layer_idx, kwargs)
-        kwargs["cache"] = self
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        step = args[0] if args else kwargs.get("kwargs")  # 5.24 on: the attention call's kwargs, updated in place
+        # flash-attn's decode path (block tables) and transformers' own attention functions: transformers' update
+        if not self._reads_in_place or step is None or step.get("block_table") is not None:
+            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        step["cache"] = self
         return key_states, value_states
+
+    def search_prefix_match(self, request_id: str, prompt_ids: list[int]) -> int:
+        matched = super().search_prefix_match(request_id, self._keyed(request_id, prompt_ids))
+        self.prefix_hit_tokens += matched
+        return matched
+
+    def mark_complete_blocks(self, state, complete_blocks: dict[str, int]) -> None:  # transformers >= 5.18
+        super().mark_complete_blocks(self._keyed_state(state), complete_blocks)
+
+    def mark_shareable_blocks_as_complete(self, state, num_complete_blocks: int) -> None:  # transformers 5.17
+        super().mark_shareable_blocks_as_complete(self._keyed_state(state), num_complete_blocks)
+
+    def _keyed(self, request_id: str, tokens: list[int]) -> list[int]:
+        key = self._prefix_key_of(request_id)
+        if key is None or not tokens:
+            return tokens
+        digest = hashlib.blake2b(f"{key}:{tokens[:2]}".encode(), digest_size=8).digest()
+        salt = [-1 - (int.from_bytes(digest[:4], "little") & 0x7FFFFFFF),  # int32, as transformers packs tokens
+                -1 - (int.from_bytes(digest[4:], "little") & 0x7FFFFFFF)]
+        return salt[: len(tokens)] + list(tokens[2:])
+
+    def _keyed_state(self, state) -> "_KeyedTokens":
+        return _KeyedTokens(state, self._keyed(state.request_id, state.initial_tokens + state.generated_tokens))
+
+
+class _KeyedTokens:
+    """A request's state as the page hashes see it (``_EngineCache``): its tokens keyed by its adapter, the rest
+    its own."""
+
+    def __init__(self, state, tokens: list[int]) -> None:
+        self._state = state
+        self.initial_tokens = tokens
+        self.generated_tokens: list[int] = []
+
+    def __getattr__(self, name: str):
+        return getattr(self._state, name)
 
 
 class _ScoreKeepingRunner(ModelRunner):

@@ -94,6 +94,8 @@ class EngineConfig:
         cuda_graphs: capture each step shape in a CUDA graph (None: transformers decides on a GPU, on for the
             punica_hf attention kernel and flash-attn; never on the CPU).
         warmup: capture the graphs at start instead of on first use.
+        prefix_caching: requests with the same prompt prefix and the same adapter (or both none) share its KV pages
+            and skip computing it; pages of other adapters never (off under tensor parallelism).
     """
 
     max_queue: int = 256
@@ -103,12 +105,17 @@ class EngineConfig:
     max_model_len: int | None = None
     cuda_graphs: bool | None = None
     warmup: bool = True
+    prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_queue", "max_running", "max_batch_tokens", "kv_blocks", "max_model_len"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("cuda_graphs", "warmup", "prefix_caching"):
+            value = getattr(self, name)
+            if not isinstance(value, bool) and not (name == "cuda_graphs" and value is None):
+                raise ValueError(f"{name} must be True or False, got {value!r}")
 
     def batch_limits(self, device_type: str) -> tuple[int | None, int]:
         """(max_running, max_batch_tokens) for a model on ``device_type``, the defaults filled in (None: sized by
@@ -173,7 +180,8 @@ class EngineStats:
     its adapter); ``waiting``: in the scheduler, not yet started; ``running``: holding KV blocks;
     ``dropped_and_freed``: requests that ended while transformers still ran them (cancelled, client gone, stop
     string, NaN scores) and were dropped with their KV blocks freed; ``rejected``: submissions refused, the queue
-    full; ``cuda_graphs``: step shapes captured so far (all at start, unless a shape was not known in advance)."""
+    full; ``cuda_graphs``: step shapes captured so far (all at start, unless a shape was not known in advance);
+    ``prefix_hit_tokens``: prompt tokens whose KV pages were shared from earlier requests of the same adapter."""
 
     queued: int
     waiting: int
@@ -188,6 +196,7 @@ class EngineStats:
     rejected: int
     kv_free_fraction: float
     cuda_graphs: int
+    prefix_hit_tokens: int
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ original.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import numbers
 import threading
@@ -48,6 +49,7 @@ CAPACITY_WAIT_S = 60.0  # default time a call waits for the device room that oth
 # A waiting call looks again this often for leases the garbage collector ended: a finalizer cannot wake it (it may
 # run inside a store method of the waiter's own lock-holding thread, where it must not touch the store).
 _COLLECTED_LEASE_POLL_S = 0.05
+_REGISTRATIONS = itertools.count()  # never reused: an adapter loaded again under its name is a new registration
 
 
 class AdapterCapacityError(ValueError):
@@ -78,6 +80,7 @@ class Adapter:
     copies_done: dict[torch.device, torch.cuda.Event] = field(default_factory=dict)
     reading: Future | None = None  # a background read of the source in flight
     prefetched: HostCopy | None = None  # a read's result the host tier could not keep, for its next use
+    registration: int = field(default_factory=_REGISTRATIONS.__next__)  # this load of these weights, in the process
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "reading": None, "copies_done": {}}
@@ -129,16 +132,19 @@ class _Undo:
 
 class AdapterLease:
     """Holds adapters resident and registered until ``release()`` (or the end of its ``with`` block); ``slots`` =
-    their device slots (-1 = base).
+    their device slots (-1 = base); ``registrations`` = which load of each adapter it holds (None = base): a
+    number never given to another load in this process, so state computed with one adapter's weights (a KV cache)
+    is never taken for another's, even under the same name or slot.
 
     A lease dropped without ``release()`` is released once it is garbage collected. Releasing twice, from several
     threads, or by hand and by the collector, counts once.
     """
 
-    def __init__(self, store: "AdapterStore", adapters: list[Adapter], slots: list[int]) -> None:
+    def __init__(self, store: "AdapterStore", adapters: list[Adapter], entries: list[Adapter | None]) -> None:
         self._store = store
         self._adapters = adapters
-        self.slots = slots
+        self.slots = [-1 if a is None else a.slot for a in entries]
+        self.registrations = [None if a is None else a.registration for a in entries]
         # The finalizer is the lease's one release: whoever detaches or runs it first (release(), on any thread, or
         # the garbage collector) releases the adapters, and nobody after.
         self._release_once = weakref.finalize(self, store._release_collected, adapters)
@@ -390,7 +396,7 @@ class AdapterStore:
                 for device, done in adapter.copies_done.items():
                     torch.cuda.current_stream(device).wait_event(done)
                 adapter.copies_done = {}
-            return AdapterLease(self, needed, [-1 if a is None else a.slot for a in entries])
+            return AdapterLease(self, needed, entries)
 
     def _make_resident(self, needed: list[Adapter], block: bool) -> None:
         """Place the adapters of ``needed`` that are not resident, or raise ``AdapterCapacityError`` where the room

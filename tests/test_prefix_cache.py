@@ -1,0 +1,109 @@
+"""Prefix caching keyed by adapter: a prompt prefix's KV pages are shared between requests of the same adapter load
+(or of the base model), never between adapters, whose keys and values differ.
+
+Every answer is compared with ``generate()`` of the same prompt and adapter, computed before the engine takes the
+model; ``EngineStats.prefix_hit_tokens`` counts the prompt tokens served from shared pages.
+"""
+
+import pytest
+import torch
+from helpers import save_peft_adapter, tiny_llama
+
+from punica_hf import MultiLoraModel
+from punica_hf.serving import Engine, EngineConfig, SamplingParams
+from punica_hf.serving.metrics import ServingMetrics
+
+NEW_TOKENS = 6
+PROMPT_LENGTH = 300  # more than one KV page (256 tokens on the CPU), so a full page can be shared
+
+
+def tiny_base():
+    base = tiny_llama(max_position_embeddings=1024)
+    base.generation_config.eos_token_id = None  # every request runs to its max_new_tokens
+    return base
+
+
+def prompt(seed: int, length: int = PROMPT_LENGTH) -> list[int]:
+    return torch.randint(1, 100, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+SHARED = prompt(0)
+OTHER_END = SHARED[:-20] + prompt(1, 20)  # the same first page, another ending
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("adapters")
+    return {
+        name: save_peft_adapter(tiny_base(), folder / name, seed=10 + i, r=4, lora_alpha=16,
+                                target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+        for i, name in enumerate(["a", "b", "c"])
+    }
+
+
+@pytest.fixture(scope="module")
+def model_and_answers(adapters):
+    model = MultiLoraModel(tiny_base(), max_adapters=3)
+    model.load_adapters(adapters)
+    answers = {}
+    for adapter in ["a", "b", "c", None]:
+        for name, tokens in (("shared", SHARED), ("other end", OTHER_END)):
+            output = model.generate(torch.tensor([tokens]), adapter_ids=[adapter], max_new_tokens=NEW_TOKENS,
+                                    do_sample=False, pad_token_id=0)
+            answers[adapter, name] = output[0, len(tokens):].tolist()
+    assert len({tuple(answers[a, "shared"]) for a in ["a", "b", "c", None]}) == 4  # the adapters matter here
+    return model, answers
+
+
+def run(engine: Engine, tokens: list[int], adapter: str | None) -> tuple[list[int], int]:
+    """The request's new tokens, and the prompt tokens it took from shared pages."""
+    hits = engine.stats().prefix_hit_tokens
+    completion = engine.submit(tokens, adapter, SamplingParams(max_new_tokens=NEW_TOKENS)).result(timeout=120)
+    return list(completion.token_ids), engine.stats().prefix_hit_tokens - hits
+
+
+def test_the_same_prefix_and_adapter_share_pages_and_other_adapters_never(model_and_answers):
+    model, answers = model_and_answers
+    with Engine(model, None, EngineConfig(max_running=4)) as engine:
+        first, first_hits = run(engine, SHARED, "a")
+        assert first == answers["a", "shared"] and first_hits == 0
+        again, hits = run(engine, OTHER_END, "a")  # the same first page, same adapter: shared
+        assert again == answers["a", "other end"]
+        assert hits >= 256
+        for adapter in ["b", None]:  # the same tokens under another adapter, or none: computed anew
+            tokens, hits = run(engine, SHARED, adapter)
+            assert tokens == answers[adapter, "shared"], adapter
+            assert hits == 0, adapter
+        base_again, hits = run(engine, OTHER_END, None)  # the base model's own pages are shared among base requests
+        assert base_again == answers[None, "other end"] and hits >= 256
+        metrics = ServingMetrics(engine).render()[0].decode()
+        assert f"punica_prefix_cache_hit_tokens_total {float(engine.stats().prefix_hit_tokens)}" in metrics
+        assert engine.stats().kv_free_fraction == 1.0  # pages kept for sharing are given back on demand: free
+
+
+def test_an_adapter_loaded_again_under_its_name_never_meets_its_old_pages(model_and_answers, adapters):
+    model, answers = model_and_answers
+    with Engine(model, None, EngineConfig(max_running=4)) as engine:
+        assert run(engine, SHARED, "c")[0] == answers["c", "shared"]
+        model.unload_adapter("c")
+        model.load_adapters({"c": adapters["b"]})  # another adapter's weights under the same name (and slot)
+        try:
+            tokens, hits = run(engine, SHARED, "c")
+            assert tokens == answers["b", "shared"] and hits == 0
+        finally:
+            model.unload_adapter("c")
+            model.load_adapters({"c": adapters["c"]})
+
+
+def test_prefix_caching_can_be_turned_off(model_and_answers):
+    model, answers = model_and_answers
+    with Engine(model, None, EngineConfig(max_running=4, prefix_caching=False)) as engine:
+        for _ in range(2):
+            tokens, hits = run(engine, SHARED, "a")
+            assert tokens == answers["a", "shared"] and hits == 0
+
+
+@pytest.mark.parametrize("value", [1, "yes", None])
+def test_prefix_caching_is_a_bool(value):
+    with pytest.raises(ValueError, match="prefix_caching must be True or False"):
+        EngineConfig(prefix_caching=value)
