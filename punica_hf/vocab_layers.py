@@ -1,0 +1,137 @@
+"""LoRA on the vocabulary-sized layers: the input embeddings (``embed_tokens``) and the output layer (``lm_head``).
+
+An embedding's LoRA is a linear layer's LoRA on one-hot token ids: PEFT adds ``B (A[:, id])`` (``lora_embedding_A``
+``[r, vocab]``, ``lora_embedding_B`` ``[dim, r]``, scaling folded into B as for linear layers) to each token's
+embedding. So the adapter store keeps an embedding's factors exactly as a linear module's of ``in = vocab``:
+``A`` ``[r, vocab]`` and ``B^T`` ``[r, dim]`` in the pool, one row of the device tables per module.
+``EmbeddingLoraHook`` reads them with a gather of ``A``'s columns by token id and one matmul (``embedding_delta``).
+
+The output layer is a plain linear layer for the LoRA ops, but transformers often runs it on a few positions only
+(``logits_to_keep``: the last one in ``generate()``, each sequence's last one in the engine's packed batch), so its
+tokens are not the forward's. ``OutputLoraHook`` takes the slots of the kept positions, sliced from the forward's
+slots the way the model slices its hidden states.
+
+Tied weights (``lm_head.weight is embed_tokens.weight``) change nothing here: the two modules' hooks, like PEFT's
+layers without ``ensure_weight_tying``, carry each its own LoRA.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .layers import LoraHook
+from .ops import LoraSegments, build_segments
+
+
+def embedding_delta(
+    token_ids: torch.Tensor, token_slots: torch.Tensor, pool: torch.Tensor, a_offsets: torch.Tensor,
+    b_offsets: torch.Tensor, ranks: torch.Tensor, vocab_size: int, out_features: int, max_rank: int,
+) -> torch.Tensor:
+    """``[T, out_features]``: ``Bt_s^T A_s[:, id]`` for each token (``token_ids`` ``[T]``) of slot ``s >= 0`` whose
+    rank is not 0, zero for the others; the pool's dtype. Tables and pool as ``ops.torch_ops.lora_add`` reads them.
+
+    Fixed shapes and no host reads (capturable in a CUDA graph, traceable by ``torch.compile``), on any backend:
+    each token's ``A`` column is gathered into ``[T, max_rank]``, written into its slot's block of a
+    ``[T, S * max_rank]`` matrix, and multiplied by every slot's ``B^T`` rows stacked ``[S * max_rank, out]``.
+    """
+    num_slots = ranks.shape[0]
+    slots = token_slots.long()
+    has_adapter = slots >= 0
+    slot = slots.clamp(min=0)
+    rank_index = torch.arange(max_rank, device=pool.device)
+    token_ranks = torch.where(has_adapter, ranks.long()[slot], 0)
+    in_rank = rank_index[None, :] < token_ranks[:, None]  # [T, R]
+    # A_s[k, id] sits at a_offset + k * vocab + id; masked entries read element 0 and are zeroed (the free parts of
+    # the pool hold anything, NaN included, so they are never multiplied in).
+    a_index = a_offsets[slot][:, None] + rank_index[None, :] * vocab_size + token_ids.long()[:, None]
+    after_a = torch.where(in_rank, pool[torch.where(in_rank, a_index, 0)], 0)
+    wide = after_a.new_zeros(slots.shape[0], num_slots, max_rank)
+    wide[torch.arange(slots.shape[0], device=pool.device), slot] = after_a  # base tokens: a zero row at slot 0
+    # Row k of slot s's B^T starts at b_offset + k * out: rows of a strided view of the pool, no copy of the pool.
+    row_starts = b_offsets[:, None] + rank_index[None, :] * out_features  # [S, R]
+    slot_in_rank = rank_index[None, :] < ranks.long()[:, None]
+    pool_rows = pool.unfold(0, out_features, 1)
+    b_rows = pool_rows[torch.where(slot_in_rank, row_starts, 0)]  # [S, R, out]
+    b_rows = torch.where(slot_in_rank[:, :, None], b_rows, 0)
+    return wide.view(slots.shape[0], num_slots * max_rank) @ b_rows.view(num_slots * max_rank, out_features)
+
+
+class EmbeddingLoraHook(LoraHook):
+    """The LoRA add-on of an ``nn.Embedding``: ``output += Bt_s^T A_s[:, id]`` per token, times the module's
+    ``embed_scale`` where it has one (Gemma's scaled embeddings), as PEFT applies it. ``in_features`` is the
+    vocabulary size, ``out_features`` the embedding width."""
+
+    __slots__ = ()
+
+    def add_update(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+        tables = self.tables
+        segments = self.context.segments_on(tables.device)
+        if segments is None:
+            return output
+        token_ids = args[0] if args else None
+        if not isinstance(token_ids, torch.Tensor) or token_ids.is_floating_point():
+            raise ValueError(f"a LoRA-targeted {type(module).__name__} got no tensor of token ids")
+        if token_ids.numel() != segments.num_tokens:
+            raise ValueError(
+                f"a LoRA embedding got {token_ids.numel()} tokens but the batch's adapter mapping has "
+                f"{segments.num_tokens}; adapter_ids must cover every token of input_ids"
+            )
+        if torch.compiler.is_compiling():
+            a_offsets, b_offsets, ranks = (table[self.row] for table in (tables.a_offsets, tables.b_offsets, tables.ranks))
+        else:
+            a_offsets, b_offsets, ranks = tables.row(self.row)
+        delta = embedding_delta(
+            token_ids.reshape(-1).to(tables.device), segments.token_slots, tables.pool, a_offsets, b_offsets, ranks,
+            self.in_features, self.out_features, self.max_rank,
+        )
+        embed_scale = _embed_scale(module)
+        if embed_scale is not None:
+            delta = delta * embed_scale.to(device=delta.device, dtype=delta.dtype)
+        return output + delta.to(device=output.device, dtype=output.dtype).view(output.shape)
+
+
+def _embed_scale(module: nn.Module) -> torch.Tensor | None:
+    """The scalar an embedding module multiplies its output by (``embed_scale``), which PEFT applies to the LoRA
+    update too; None without one."""
+    scale = getattr(module, "embed_scale", None)
+    if isinstance(scale, (int, float)):
+        return torch.tensor(scale)
+    if isinstance(scale, torch.Tensor) and scale.numel() == 1:
+        return scale
+    return None  # PEFT, too, leaves a non-scalar one out (with a warning)
+
+
+class OutputLoraHook(LoraHook):
+    """The LoRA add-on of the output layer: the tokens it sees are the forward's positions that
+    ``logits_to_keep`` keeps (``LoraContext.logits_to_keep``), each with its own slot."""
+
+    __slots__ = ()
+
+    def token_segments(self, device: torch.device) -> LoraSegments | None:
+        context = self.context
+        segments = context.segments_on(device)
+        if segments is None or context.batch_shape is None or _keeps_all(context.logits_to_keep):
+            return segments
+        kept = context.kept_segments.get(device)
+        if kept is None:  # once per forward and device
+            slots = _kept_positions(segments.token_slots.view(context.batch_shape), context.logits_to_keep)
+            kept = context.kept_segments[device] = build_segments(slots.reshape(-1), segments.num_slots)
+        return kept
+
+
+def _keeps_all(logits_to_keep) -> bool:
+    return isinstance(logits_to_keep, int) and logits_to_keep == 0
+
+
+def _kept_positions(token_slots: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
+    """``token_slots`` ``[B, T]`` at the positions the model keeps for its output layer, as transformers slices the
+    hidden states: an int keeps the last ``n``; a 1-D tensor holds positions for every row; a 2-D integer tensor
+    positions per row; a 2-D boolean one is a mask (flattened)."""
+    if isinstance(logits_to_keep, torch.Tensor) and logits_to_keep.dim() == 2:
+        if logits_to_keep.dtype == torch.bool:
+            return token_slots[logits_to_keep.to(token_slots.device)]
+        return torch.take_along_dim(token_slots, logits_to_keep.to(token_slots.device), dim=1)
+    if isinstance(logits_to_keep, torch.Tensor):
+        return token_slots[:, logits_to_keep.to(token_slots.device)]
+    return token_slots[:, -logits_to_keep:]

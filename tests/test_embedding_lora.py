@@ -1,0 +1,232 @@
+"""LoRA on the input embeddings and on the output layer (``embed_tokens``, ``lm_head``), tied or not, equals PEFT.
+
+PEFT adapters with such targets are saved by PEFT in the test (random non-zero factors) and read from their folders.
+A mixed batch (embedding-LoRA rows, lm_head-LoRA rows, plain LoRA rows and base rows) through one
+``MultiLoraModel`` with fewer slots than adapters equals PEFT's ``PeftModel``, one adapter at a time, row by row:
+logits and ``generate()``. The engine gives the tokens of ``generate()``. What stays out is refused by name.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import assert_state_unchanged, capture_state, save_peft_adapter, tiny_llama
+from peft import PeftModel
+from safetensors.torch import load_file, save_file
+
+from punica_hf import MultiLoraModel
+from punica_hf.formats import convert_adapter
+from punica_hf.serving import Engine, EngineConfig, SamplingParams
+
+ATOL = 2e-5
+VOCAB = 96  # a multiple of 8, as the CUDA kernels take it (tests/gpu runs the same adapters)
+# name: (LoraConfig kwargs, save_pretrained kwargs)
+ADAPTERS = {
+    "embed": (dict(r=4, lora_alpha=8, target_modules=["q_proj", "embed_tokens"]), {}),
+    "head": (dict(r=8, lora_alpha=4, target_modules=["lm_head", "v_proj"]), {"save_embedding_layers": False}),
+    "both": (dict(r=2, lora_alpha=4, use_rslora=True, target_modules=["embed_tokens", "lm_head", "down_proj"]), {}),
+    "plain": (dict(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"]), {}),
+}
+MAX_SLOTS = 3  # fewer than the adapters: the two batches below evict one another's adapters
+BATCHES = [["embed", "head", None, "plain", "embed"], ["both", "head", "plain", None, "both"]]
+LENGTHS = [7, 4, 9, 2, 6]
+
+
+def make_base(tied: bool) -> torch.nn.Module:
+    base = tiny_llama(vocab_size=VOCAB, tie_word_embeddings=tied, max_position_embeddings=256)
+    assert (base.lm_head.weight is base.model.embed_tokens.weight) == tied
+    base.generation_config.eos_token_id = None  # every row runs to max_new_tokens
+    return base
+
+
+def save_adapters(base: torch.nn.Module, root: Path) -> dict[str, Path]:
+    return {
+        name: save_peft_adapter(base, root / name, seed=seed, save_kwargs=save_kwargs, **config)
+        for seed, (name, (config, save_kwargs)) in enumerate(ADAPTERS.items(), start=1)
+    }
+
+
+def left_padded(lengths: list[int], seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    input_ids = torch.randint(2, VOCAB, (len(lengths), max(lengths)), generator=torch.Generator().manual_seed(seed))
+    attention_mask = torch.zeros_like(input_ids)
+    for row, length in enumerate(lengths):
+        attention_mask[row, -length:] = 1
+        input_ids[row, :-length] = 0
+    return input_ids, attention_mask
+
+
+@dataclass
+class Setup:
+    model: MultiLoraModel
+    base: torch.nn.Module
+    peft: PeftModel
+    paths: dict[str, Path]
+
+    def oracle(self, adapter: str | None):
+        if adapter is None:
+            return self.base
+        self.peft.set_adapter(adapter)
+        return self.peft
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])
+def setup(request, tmp_path_factory) -> Setup:
+    base = make_base(tied=request.param)
+    paths = save_adapters(base, tmp_path_factory.mktemp("adapters"))
+    names = list(paths)
+    peft = PeftModel.from_pretrained(copy.deepcopy(base), paths[names[0]], adapter_name=names[0]).eval()
+    for name in names[1:]:
+        peft.load_adapter(paths[name], adapter_name=name)
+    model = MultiLoraModel(copy.deepcopy(base), max_adapters=MAX_SLOTS, max_rank=8)
+    model.load_adapters(paths)
+    return Setup(model, base, peft, paths)
+
+
+@pytest.mark.parametrize("batch", [0, 1])
+@torch.no_grad()
+def test_mixed_batch_logits_match_peft_row_by_row(setup, batch):
+    rows = BATCHES[batch]
+    input_ids, attention_mask = left_padded(LENGTHS, seed=batch)
+    logits = setup.model(input_ids, attention_mask=attention_mask, adapter_ids=rows).logits
+    base_logits = setup.base(input_ids, attention_mask=attention_mask).logits
+    real = attention_mask.bool()
+    for row, adapter in enumerate(rows):
+        expected = setup.oracle(adapter)(input_ids, attention_mask=attention_mask).logits
+        torch.testing.assert_close(logits[row][real[row]], expected[row][real[row]], atol=ATOL, rtol=0)
+        if adapter is not None:  # the adapter really changes this row
+            assert (logits[row][real[row]] - base_logits[row][real[row]]).abs().max() > 1e-3
+
+
+GENERATION_MODES = {
+    "greedy": dict(do_sample=False),
+    "greedy_static_cache": dict(do_sample=False, cache_implementation="static"),
+    "beam_search": dict(do_sample=False, num_beams=3, num_return_sequences=2),
+}
+
+
+@pytest.mark.parametrize("mode", sorted(GENERATION_MODES))
+@torch.no_grad()
+def test_generate_matches_peft_row_by_row(setup, mode):
+    kwargs = dict(GENERATION_MODES[mode], max_new_tokens=6, pad_token_id=0)
+    expand = kwargs.get("num_return_sequences", 1)
+    for batch, rows in enumerate(BATCHES):
+        input_ids, attention_mask = left_padded(LENGTHS, seed=batch)
+        generated = setup.model.generate(input_ids, attention_mask=attention_mask, adapter_ids=rows, **kwargs)
+        for row, adapter in enumerate(rows):
+            expected = setup.oracle(adapter).generate(input_ids, attention_mask=attention_mask, **kwargs)
+            out_rows = slice(row * expand, (row + 1) * expand)
+            assert torch.equal(generated[out_rows], expected[out_rows]), f"row {row} ({adapter}) differs"
+
+
+@pytest.mark.parametrize(
+    "logits_to_keep, positions",
+    [
+        pytest.param(1, [8], id="last"),
+        pytest.param(3, [6, 7, 8], id="last-3"),
+        pytest.param(torch.tensor([0, 4, 8]), [0, 4, 8], id="positions"),
+    ],
+)
+@torch.no_grad()
+def test_output_layer_lora_follows_the_positions_the_model_keeps(setup, logits_to_keep, positions):
+    """transformers runs lm_head on the kept positions only (generate: the last; the engine: each sequence's last):
+    each kept position gets its own row's adapter."""
+    rows = BATCHES[1]
+    input_ids, attention_mask = left_padded(LENGTHS, seed=1)
+    full = setup.model(input_ids, attention_mask=attention_mask, adapter_ids=rows).logits
+    kept = setup.model(input_ids, attention_mask=attention_mask, adapter_ids=rows, logits_to_keep=logits_to_keep).logits
+    torch.testing.assert_close(kept, full[:, positions], atol=1e-6, rtol=0)
+
+
+@torch.no_grad()
+def test_engine_tokens_equal_generate_with_embedding_and_output_layer_adapters(tmp_path):
+    base = make_base(tied=True)
+    model = MultiLoraModel(base, max_adapters=MAX_SLOTS, max_rank=8)
+    model.load_adapters(save_adapters(base, tmp_path))
+    prompts = [left_padded([length], seed=seed)[0][0].tolist() for seed, length in enumerate([5, 9, 3, 12, 4, 7])]
+    plan = list(zip(["both", "plain", "embed", None, "head", "both"], prompts, [6, 3, 8, 5, 4, 7]))
+
+    def generated(adapter: str | None, prompt: list[int], new_tokens: int) -> list[int]:
+        output = model.generate(torch.tensor([prompt]), adapter_ids=[adapter], max_new_tokens=new_tokens,
+                                do_sample=False, pad_token_id=0)
+        return output[0, len(prompt):].tolist()
+
+    expected = [generated(adapter, prompt, n) for adapter, prompt, n in plan]
+    for adapter, prompt, n in plan:  # each embedding or lm_head adapter changes its request's tokens
+        if adapter in ("both", "embed", "head"):
+            assert generated(None, prompt, n) != generated(adapter, prompt, n), adapter
+    with Engine(model, config=EngineConfig(max_running=4)) as engine:
+        handles = [engine.submit(prompt, adapter, SamplingParams(max_new_tokens=n)) for adapter, prompt, n in plan]
+        completions = [handle.result(timeout=120) for handle in handles]
+    assert [list(completion.token_ids) for completion in completions] == expected
+
+
+@torch.no_grad()
+def test_a_converted_adapter_equals_its_peft_folder(setup, tmp_path):
+    converted = convert_adapter(setup.paths["both"], tmp_path / "both.safetensors")
+    model = MultiLoraModel(copy.deepcopy(setup.base), max_adapters=2, max_rank=8)
+    model.load_adapters({"folder": setup.paths["both"], "converted": converted})
+    input_ids, attention_mask = left_padded(LENGTHS[:2])
+    folder = model(input_ids, attention_mask=attention_mask, adapter_ids=["folder"] * 2).logits
+    from_file = model(input_ids, attention_mask=attention_mask, adapter_ids=["converted"] * 2).logits
+    torch.testing.assert_close(from_file, folder, atol=0, rtol=0)
+
+
+# ------------------------------------------------------------------------------------------------ refused
+@pytest.fixture
+def unchanged(setup):
+    """A model with adapters in use, whose state is checked unchanged after each refusal."""
+    model = MultiLoraModel(copy.deepcopy(setup.base), max_adapters=2, max_rank=8)
+    model.load_adapters({name: setup.paths[name] for name in ("both", "plain")})
+    input_ids, _ = left_padded([5, 5])
+    before = capture_state(model, input_ids, ["both", "plain"])
+    yield model
+    assert_state_unchanged(model, before)
+
+
+def test_an_adapter_of_a_resized_vocabulary_is_refused(unchanged, setup, tmp_path):
+    resized = copy.deepcopy(setup.base)
+    resized.resize_token_embeddings(VOCAB + 8)
+    path = save_peft_adapter(resized, tmp_path / "resized", r=4, target_modules=["embed_tokens", "lm_head"])
+    problem = r"\.weight is \[104, 32\] but the base model's is \[96, 32\]: the adapter was trained on a resized vocab"
+    with pytest.raises(ValueError, match=problem):
+        unchanged.load_adapters({"x": path})
+
+
+def _with_changed_base_copy(path: Path) -> Path:
+    weights_file = path / "adapter_model.safetensors"
+    tensors = load_file(weights_file)
+    tensors["base_model.model.model.embed_tokens.base_layer.weight"][5] += 1.0  # a "retrained" token row
+    save_file(tensors, weights_file, metadata={"format": "pt"})
+    return path
+
+
+def test_an_adapter_whose_base_weight_copy_differs_from_the_model_is_refused(unchanged, setup, tmp_path):
+    """PEFT loads the copy of the embedding it saved over the base weight: serving cannot, so it refuses."""
+    path = _with_changed_base_copy(save_peft_adapter(setup.base, tmp_path / "x", r=4, target_modules=["embed_tokens"]))
+    with pytest.raises(ValueError, match=r"its copy of model\.embed_tokens\.weight differs from the base model's"):
+        unchanged.load_adapters({"x": path})
+    converted = convert_adapter(path, tmp_path / "x.safetensors")  # the copy travels in the converted file
+    with pytest.raises(ValueError, match=r"its copy of model\.embed_tokens\.weight differs from the base model's"):
+        unchanged.load_adapters({"x": converted})
+
+
+def test_lora_tied_by_ensure_weight_tying_is_refused(tmp_path):
+    base = make_base(tied=True)
+    path = save_peft_adapter(base, tmp_path / "x", r=4, target_modules=["embed_tokens", "lm_head"],
+                             ensure_weight_tying=True)
+    model = MultiLoraModel(base, max_adapters=2, max_rank=8)
+    with pytest.raises(ValueError, match=r"ensure_weight_tying=True .* is not supported"):
+        model.load_adapters({"x": path})
+    assert model.adapters == {}
+
+
+def test_trainable_token_indices_stay_refused(setup, tmp_path):
+    path = save_peft_adapter(setup.base, tmp_path / "x", r=4, target_modules=["q_proj"],
+                             trainable_token_indices=[3, 5])
+    model = MultiLoraModel(copy.deepcopy(setup.base), max_adapters=2, max_rank=8)
+    with pytest.raises(ValueError, match="trainable_token_indices is not supported"):
+        model.load_adapters({"x": path})
