@@ -32,29 +32,72 @@ def embedding_delta(
     rank is not 0, zero for the others; the pool's dtype. Tables and pool as ``ops.torch_ops.lora_add`` reads them.
 
     Fixed shapes and no host reads (capturable in a CUDA graph, traceable by ``torch.compile``), on any backend:
-    each token's ``A`` column is gathered into ``[T, max_rank]``, written into its slot's block of a
-    ``[T, S * max_rank]`` matrix, and multiplied by every slot's ``B^T`` rows stacked ``[S * max_rank, out]``.
+    each token's ``A`` column is gathered into ``[T, max_rank]``, then expanded by ``_expand``.
     """
-    num_slots = ranks.shape[0]
-    slots = token_slots.long()
-    has_adapter = slots >= 0
-    slot = slots.clamp(min=0)
+    slot, in_rank = _slots_and_ranks(token_slots, ranks, max_rank)
     rank_index = torch.arange(max_rank, device=pool.device)
-    token_ranks = torch.where(has_adapter, ranks.long()[slot], 0)
-    in_rank = rank_index[None, :] < token_ranks[:, None]  # [T, R]
     # A_s[k, id] sits at a_offset + k * vocab + id; masked entries read element 0 and are zeroed (the free parts of
     # the pool hold anything, NaN included, so they are never multiplied in).
     a_index = a_offsets[slot][:, None] + rank_index[None, :] * vocab_size + token_ids.long()[:, None]
     after_a = torch.where(in_rank, pool[torch.where(in_rank, a_index, 0)], 0)
-    wide = after_a.new_zeros(slots.shape[0], num_slots, max_rank)
-    wide[torch.arange(slots.shape[0], device=pool.device), slot] = after_a  # base tokens: a zero row at slot 0
-    # Row k of slot s's B^T starts at b_offset + k * out: rows of a strided view of the pool, no copy of the pool.
-    row_starts = b_offsets[:, None] + rank_index[None, :] * out_features  # [S, R]
-    slot_in_rank = rank_index[None, :] < ranks.long()[:, None]
-    pool_rows = pool.unfold(0, out_features, 1)
-    b_rows = pool_rows[torch.where(slot_in_rank, row_starts, 0)]  # [S, R, out]
-    b_rows = torch.where(slot_in_rank[:, :, None], b_rows, 0)
-    return wide.view(slots.shape[0], num_slots * max_rank) @ b_rows.view(num_slots * max_rank, out_features)
+    return _expand(after_a, slot, pool, b_offsets, ranks, out_features, max_rank)
+
+
+def linear_delta(
+    x: torch.Tensor, token_slots: torch.Tensor, pool: torch.Tensor, a_offsets: torch.Tensor, b_offsets: torch.Tensor,
+    ranks: torch.Tensor, out_features: int, max_rank: int,
+) -> torch.Tensor:
+    """``[T, out_features]``: ``Bt_s^T A_s x[t]`` per token of ``x`` ``[T, in]``, as ``ops.torch_ops.lora_add`` adds it,
+    with ``embedding_delta``'s fixed shapes: ``x`` times every slot's ``A`` rows stacked ``[S * max_rank, in]``,
+    each token's own slot's block kept, then ``_expand``. For sizes the CUDA kernels do not take."""
+    slot, in_rank = _slots_and_ranks(token_slots, ranks, max_rank)
+    num_tokens, num_slots = x.shape[0], ranks.shape[0]
+    a_rows = _slot_rows(pool, a_offsets, ranks, x.shape[1], max_rank)
+    every_slot = (x @ a_rows.view(num_slots * max_rank, x.shape[1]).T).view(num_tokens, num_slots, max_rank)
+    after_a = every_slot[torch.arange(num_tokens, device=pool.device), slot]
+    return _expand(torch.where(in_rank, after_a, 0), slot, pool, b_offsets, ranks, out_features, max_rank)
+
+
+def _slots_and_ranks(token_slots: torch.Tensor, ranks: torch.Tensor, max_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's slot (0 for tokens without one) and ``[T, max_rank]``: which of its rank rows count (none for
+    tokens without an adapter or whose adapter has rank 0 here)."""
+    slots = token_slots.long()
+    slot = slots.clamp(min=0)
+    token_ranks = torch.where(slots >= 0, ranks.long()[slot], 0)
+    return slot, torch.arange(max_rank, device=ranks.device)[None, :] < token_ranks[:, None]
+
+
+def _slot_rows(pool: torch.Tensor, offsets: torch.Tensor, ranks: torch.Tensor, width: int, max_rank: int) -> torch.Tensor:
+    """``[S, max_rank, width]``: rows ``k`` of every slot's ``[rank, width]`` factor at ``offsets``, zero past its
+    rank. Row ``k`` starts at ``offset + k * width``: rows of a strided view of the pool, which is not copied."""
+    rank_index = torch.arange(max_rank, device=pool.device)
+    row_starts = offsets[:, None] + rank_index[None, :] * width
+    in_rank = rank_index[None, :] < ranks.long()[:, None]
+    rows = pool.unfold(0, width, 1)[torch.where(in_rank, row_starts, 0)]
+    return torch.where(in_rank[:, :, None], rows, 0)
+
+
+def _expand(
+    after_a: torch.Tensor, slot: torch.Tensor, pool: torch.Tensor, b_offsets: torch.Tensor, ranks: torch.Tensor,
+    out_features: int, max_rank: int,
+) -> torch.Tensor:
+    """``[T, out]``: each token's ``after_a`` ``[T, max_rank]`` (zero past its rank) times its slot's ``B^T``: written
+    into its slot's block of a ``[T, S * max_rank]`` matrix, times every slot's ``B^T`` rows stacked."""
+    num_tokens, num_slots = after_a.shape[0], ranks.shape[0]
+    wide = after_a.new_zeros(num_tokens, num_slots, max_rank)
+    wide[torch.arange(num_tokens, device=pool.device), slot] = after_a
+    b_rows = _slot_rows(pool, b_offsets, ranks, out_features, max_rank)
+    return wide.view(num_tokens, num_slots * max_rank) @ b_rows.view(num_slots * max_rank, out_features)
+
+
+def _row_tables(hook: LoraHook) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(a_offsets, b_offsets, ranks)`` ``[S]`` of the hook's row: indexed inside compiled code (see DeviceTables),
+    else the views made once."""
+    tables = hook.tables
+    if torch.compiler.is_compiling():
+        row = hook.row
+        return tables.a_offsets[row], tables.b_offsets[row], tables.ranks[row]
+    return tables.row(hook.row)
 
 
 class EmbeddingLoraHook(LoraHook):
@@ -77,12 +120,8 @@ class EmbeddingLoraHook(LoraHook):
                 f"a LoRA embedding got {token_ids.numel()} tokens but the batch's adapter mapping has "
                 f"{segments.num_tokens}; adapter_ids must cover every token of input_ids"
             )
-        if torch.compiler.is_compiling():
-            a_offsets, b_offsets, ranks = (table[self.row] for table in (tables.a_offsets, tables.b_offsets, tables.ranks))
-        else:
-            a_offsets, b_offsets, ranks = tables.row(self.row)
         delta = embedding_delta(
-            token_ids.reshape(-1).to(tables.device), segments.token_slots, tables.pool, a_offsets, b_offsets, ranks,
+            token_ids.reshape(-1).to(tables.device), segments.token_slots, tables.pool, *_row_tables(self),
             self.in_features, self.out_features, self.max_rank,
         )
         embed_scale = _embed_scale(module)
@@ -107,6 +146,27 @@ class OutputLoraHook(LoraHook):
     ``logits_to_keep`` keeps (``LoraContext.logits_to_keep``), each with its own slot."""
 
     __slots__ = ()
+
+    def add_update(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+        pool = self.tables.pool
+        backend = self.context.backend(pool.device)
+        if backend.name == "torch" or backend.takes_unchecked(pool.dtype, self.in_features, self.out_features,
+                                                              self.max_rank):
+            return super().add_update(module, args, output)
+        # Sizes the CUDA kernels do not take (a vocabulary that is no multiple of 8, as GPT-2's 50257): PyTorch ops
+        # that read nothing on the host either, so captured graphs and compiled steps keep working.
+        segments = self.token_segments(pool.device)
+        if segments is None:
+            return output
+        x = args[0]
+        if x.numel() != segments.num_tokens * self.in_features:
+            raise ValueError(
+                f"the output layer got {x.numel() // self.in_features} tokens but logits_to_keep keeps "
+                f"{segments.num_tokens} positions of the batch's adapter mapping"
+            )
+        x_tokens = x.reshape(-1, self.in_features).to(device=pool.device, dtype=pool.dtype)
+        delta = linear_delta(x_tokens, segments.token_slots, pool, *_row_tables(self), self.out_features, self.max_rank)
+        return output + delta.to(device=output.device, dtype=output.dtype).view(output.shape)
 
     def token_segments(self, device: torch.device) -> LoraSegments | None:
         context = self.context

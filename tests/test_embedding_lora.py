@@ -18,9 +18,12 @@ from helpers import assert_state_unchanged, capture_state, save_peft_adapter, ti
 from peft import PeftModel
 from safetensors.torch import load_file, save_file
 
-from punica_hf import MultiLoraModel
+from punica_hf import MultiLoraModel, vocab_layers
 from punica_hf.formats import convert_adapter
+from punica_hf.ops import TorchLoraBackend, build_segments
+from punica_hf.ops.torch_ops import lora_add, pack_factors
 from punica_hf.serving import Engine, EngineConfig, SamplingParams
+from punica_hf.vocab_layers import embedding_delta, linear_delta
 
 ATOL = 2e-5
 VOCAB = 96  # a multiple of 8, as the CUDA kernels take it (tests/gpu runs the same adapters)
@@ -230,3 +233,55 @@ def test_trainable_token_indices_stay_refused(setup, tmp_path):
     model = MultiLoraModel(copy.deepcopy(setup.base), max_adapters=2, max_rank=8)
     with pytest.raises(ValueError, match="trainable_token_indices is not supported"):
         model.load_adapters({"x": path})
+
+
+# ------------------------------------------------------------------------------------------------ the ops
+def test_the_fixed_shape_ops_equal_the_reference_lora_add():
+    """``embedding_delta`` (LoRA on one-hot token ids) and ``linear_delta`` (the output layer's path where the CUDA
+    kernels do not take its sizes) equal ``torch_ops.lora_add``: tokens of four slots, one of rank 0 here, and base
+    tokens; the pool's free space holds NaN, which must never reach a result."""
+    generator = torch.Generator().manual_seed(0)
+    vocab, out_features, max_rank, ranks = 13, 11, 4, [3, 0, 4, 1]
+    factors, gaps = [], []
+    for rank in ranks:
+        rank = max(rank, 1)  # a rank-0 slot's offsets are never read; give it a factor to keep the layout simple
+        factors += [torch.randn(rank, vocab, generator=generator), torch.randn(rank, out_features, generator=generator)]
+        gaps += [7, 3]
+    pool, offsets = pack_factors(factors, gaps, fill=float("nan"))
+    a_offsets, b_offsets = torch.tensor(offsets[0::2]), torch.tensor(offsets[1::2])
+    lora_ranks = torch.tensor(ranks, dtype=torch.int32)
+    token_slots = torch.tensor([2, -1, 0, 1, 3, 0, 2, -1, 3], dtype=torch.int32)
+    segments = build_segments(token_slots, len(ranks))
+    token_ids = torch.randint(0, vocab, (token_slots.shape[0],), generator=generator)
+    x = torch.randn(token_slots.shape[0], vocab, generator=generator)
+    for name, inputs, delta in [
+        ("embedding", torch.nn.functional.one_hot(token_ids, vocab).float(),
+         embedding_delta(token_ids, token_slots, pool, a_offsets, b_offsets, lora_ranks, vocab, out_features, max_rank)),
+        ("linear", x, linear_delta(x, token_slots, pool, a_offsets, b_offsets, lora_ranks, out_features, max_rank)),
+    ]:
+        expected = torch.zeros(token_slots.shape[0], out_features)
+        lora_add(expected, inputs, pool, a_offsets, b_offsets, lora_ranks, segments, max_rank)
+        torch.testing.assert_close(delta, expected, atol=1e-5, rtol=1e-5, msg=name)
+        assert (expected[token_slots == 0] != 0).all() and (expected[token_slots < 0] == 0).all()
+
+
+class _BackendWithoutKernelSizes(TorchLoraBackend):
+    """The PyTorch ops under another name: the output layer's hook takes it for kernels that refuse its sizes."""
+
+    name = "no-kernel-sizes"
+
+
+@torch.no_grad()
+def test_an_output_layer_the_kernels_cannot_take_runs_the_fixed_shape_ops_and_equals_peft(setup, monkeypatch):
+    calls = []
+    monkeypatch.setattr(vocab_layers, "linear_delta", lambda *args: calls.append(1) or linear_delta(*args))
+    model = MultiLoraModel(copy.deepcopy(setup.base), max_adapters=MAX_SLOTS, max_rank=8)
+    model.load_adapters({name: setup.paths[name] for name in ("head", "both")})
+    model._injection.context._backends[torch.device("cpu")] = _BackendWithoutKernelSizes()
+    rows = ["head", None, "both", "head"]
+    input_ids, attention_mask = left_padded(LENGTHS[:4], seed=2)
+    logits = model(input_ids, attention_mask=attention_mask, adapter_ids=rows, logits_to_keep=1).logits
+    assert calls
+    for row, adapter in enumerate(rows):
+        expected = setup.oracle(adapter)(input_ids, attention_mask=attention_mask).logits
+        torch.testing.assert_close(logits[row, -1], expected[row, -1], atol=ATOL, rtol=0)
