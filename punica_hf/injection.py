@@ -86,9 +86,8 @@ class LoraInjection:
         ``formats.weights_for_model``); ValueError naming the adapter where PEFT refuses it. Under tensor
         parallelism, this rank's share of each split layer's factors."""
         try:
-            selected = weights_for_model(weights, ModelModules.of(self.model))
+            selected = self._with_tied_output_lora(weights, weights_for_model(weights, ModelModules.of(self.model)))
             self._check_base_copies(selected)
-            self._refuse_tied_lora(selected)
             if not self.splits:
                 return selected
             modules = dict(self.model.named_modules())
@@ -129,22 +128,26 @@ class LoraInjection:
                     "is not supported"
                 )
 
-    def _refuse_tied_lora(self, weights: AdapterWeights) -> None:
-        """ValueError for an adapter whose lm_head LoRA PEFT ties to its embedding LoRA: ``ensure_weight_tying`` on
-        a model with tied embeddings (PEFT then drops lm_head from the saved targets and rebuilds its LoRA from the
-        embedding's at load)."""
-        peft_config = weights.config.peft_config
+    def _with_tied_output_lora(self, weights: AdapterWeights, selected: AdapterWeights) -> AdapterWeights:
+        """``selected`` plus the output layer's LoRA where PEFT ties it to the embedding's: ``ensure_weight_tying``
+        on a model whose lm_head shares the embedding's weight, the embedding targeted. PEFT then leaves lm_head out
+        of the saved targets and gives it the embedding's factors transposed (``A = B_emb^T``, ``B = A_emb^T``) at
+        lm_head's own scaling; the checkpoint holds them under lm_head's name (``weights``, before selection)."""
         input_layer = getattr(self.model, "get_input_embeddings", lambda: None)()
         output_layer = self._output_layer()
-        if (
-            getattr(peft_config, "ensure_weight_tying", False) and input_layer is not None
-            and getattr(output_layer, "weight", None) is input_layer.weight
-            and any(module is input_layer and name in weights.modules for name, module in self.model.named_modules())
+        names = {module: name for name, module in self.model.named_modules()}
+        if not (
+            getattr(weights.config.peft_config, "ensure_weight_tying", False) and input_layer is not None
+            and getattr(output_layer, "weight", None) is input_layer.weight and names[input_layer] in selected.modules
         ):
+            return selected
+        output_name = names[output_layer]
+        if output_name not in weights.modules:
             raise ValueError(
-                "LoRA on tied embeddings with ensure_weight_tying=True (lm_head's LoRA tied to the embedding's) is "
-                "not supported yet"
+                f"its config ties {output_name}'s LoRA to {names[input_layer]}'s (ensure_weight_tying=True) but it "
+                f"holds no {output_name} weights"
             )
+        return replace(selected, modules={**selected.modules, output_name: weights.modules[output_name]})
 
     def check_targets(self, adapter: str, module_names: Iterable[str]) -> None:
         """Raise ValueError naming the first of ``module_names`` that cannot get a LoRA hook, and why."""

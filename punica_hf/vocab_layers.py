@@ -11,8 +11,9 @@ The output layer is a plain linear layer for the LoRA ops, but transformers ofte
 tokens are not the forward's. ``OutputLoraHook`` takes the slots of the kept positions, sliced from the forward's
 slots the way the model slices its hidden states.
 
-Tied weights (``lm_head.weight is embed_tokens.weight``) change nothing here: the two modules' hooks, like PEFT's
-layers without ``ensure_weight_tying``, carry each its own LoRA.
+Tied weights (``lm_head.weight is embed_tokens.weight``) change nothing here: the two modules' hooks carry each its
+own LoRA, as PEFT's layers do (with ``ensure_weight_tying``, lm_head's LoRA is the embedding's transposed, which the
+checkpoint holds under lm_head's name: ``injection`` selects it).
 """
 
 from __future__ import annotations

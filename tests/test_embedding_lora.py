@@ -217,13 +217,40 @@ def test_an_adapter_whose_base_weight_copy_differs_from_the_model_is_refused(unc
         unchanged.load_adapters({"x": converted})
 
 
-def test_lora_tied_by_ensure_weight_tying_is_refused(tmp_path):
+@pytest.mark.parametrize("targets", [["embed_tokens", "lm_head", "q_proj"], ["embed_tokens", "v_proj"]],
+                         ids=["lm_head-listed", "lm_head-unlisted"])
+@torch.no_grad()
+def test_lora_tied_by_ensure_weight_tying_equals_peft(tmp_path, targets):
+    """On tied embeddings with ensure_weight_tying=True, PEFT drops lm_head from the saved targets and ties its
+    LoRA to the embedding's (listed or not): served from the lm_head factors the checkpoint holds."""
     base = make_base(tied=True)
-    path = save_peft_adapter(base, tmp_path / "x", r=4, target_modules=["embed_tokens", "lm_head"],
+    path = save_peft_adapter(base, tmp_path / "tied", r=4, lora_alpha=8, target_modules=targets,
                              ensure_weight_tying=True)
-    model = MultiLoraModel(base, max_adapters=2, max_rank=8)
-    with pytest.raises(ValueError, match=r"ensure_weight_tying=True .* is not supported"):
-        model.load_adapters({"x": path})
+    model = MultiLoraModel(copy.deepcopy(base), max_adapters=2, max_rank=8)
+    model.load_adapters({"tied": path})
+    assert "lm_head" in model._injection.hooks
+    input_ids, attention_mask = left_padded(LENGTHS[:3], seed=4)
+    logits = model(input_ids, attention_mask=attention_mask, adapter_ids=["tied", None, "tied"]).logits
+    expected = PeftModel.from_pretrained(copy.deepcopy(base), path).eval()(input_ids, attention_mask=attention_mask).logits
+    real = attention_mask.bool()
+    # PEFT's tied lm_head factors are transposed views, which its GEMM rounds otherwise: by up to 5e-5 on logits of
+    # magnitude 200 here (1e-7 of their scale), where contiguous copies of its factors give ours to the bit
+    for row in (0, 2):
+        torch.testing.assert_close(logits[row][real[row]], expected[row][real[row]], atol=1e-4, rtol=0)
+
+    weights_file = path / "adapter_model.safetensors"
+    save_file({k: v for k, v in load_file(weights_file).items() if ".lm_head." not in k}, weights_file)
+    with pytest.raises(ValueError, match=r"ties lm_head's LoRA to model\.embed_tokens's \(ensure_weight_tying=True\) "
+                                         "but it holds no lm_head weights"):
+        MultiLoraModel(copy.deepcopy(base), max_adapters=2, max_rank=8).load_adapters({"tied": path})
+
+
+def test_an_embedding_with_max_norm_is_refused(setup):
+    """PEFT's lookup would renormalise the LoRA factors' rows in place."""
+    model = MultiLoraModel(copy.deepcopy(setup.base), max_adapters=2, max_rank=8)
+    model.model.model.embed_tokens.max_norm = 1.0
+    with pytest.raises(ValueError, match="LoRA on embedding model.embed_tokens is not supported: it has max_norm set"):
+        model.load_adapters({"x": setup.paths["embed"]})
     assert model.adapters == {}
 
 
