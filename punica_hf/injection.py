@@ -166,7 +166,9 @@ class LoraInjection:
             if isinstance(module, nn.Embedding):
                 problem = _embedding_problem(module)
                 if problem is not None:
-                    raise ValueError(f"adapter {adapter!r}: LoRA on embedding {module_name} is not supported: {problem}")
+                    raise ValueError(
+                        f"adapter {adapter!r}: LoRA on embedding {module_name} is not supported: {problem}"
+                    )
                 continue
             split = self.splits.get(module_name)
             if split is None:

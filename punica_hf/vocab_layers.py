@@ -59,7 +59,9 @@ def linear_delta(
     return _expand(torch.where(in_rank, after_a, 0), slot, pool, b_offsets, ranks, out_features, max_rank)
 
 
-def _slots_and_ranks(token_slots: torch.Tensor, ranks: torch.Tensor, max_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _slots_and_ranks(
+    token_slots: torch.Tensor, ranks: torch.Tensor, max_rank: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Each token's slot (0 for tokens without one) and ``[T, max_rank]``: which of its rank rows count (none for
     tokens without an adapter or whose adapter has rank 0 here)."""
     slots = token_slots.long()
@@ -68,7 +70,9 @@ def _slots_and_ranks(token_slots: torch.Tensor, ranks: torch.Tensor, max_rank: i
     return slot, torch.arange(max_rank, device=ranks.device)[None, :] < token_ranks[:, None]
 
 
-def _slot_rows(pool: torch.Tensor, offsets: torch.Tensor, ranks: torch.Tensor, width: int, max_rank: int) -> torch.Tensor:
+def _slot_rows(
+    pool: torch.Tensor, offsets: torch.Tensor, ranks: torch.Tensor, width: int, max_rank: int
+) -> torch.Tensor:
     """``[S, max_rank, width]``: rows ``k`` of every slot's ``[rank, width]`` factor at ``offsets``, zero past its
     rank. Row ``k`` starts at ``offset + k * width``: rows of a strided view of the pool, which is not copied."""
     rank_index = torch.arange(max_rank, device=pool.device)
@@ -172,7 +176,9 @@ class OutputLoraHook(LoraHook):
     def token_segments(self, device: torch.device) -> LoraSegments | None:
         context = self.context
         segments = context.segments_on(device)
-        if segments is None or context.batch_shape is None or _keeps_all(context.logits_to_keep):
+        if segments is None or context.batch_shape is None:
+            return segments
+        if _keeps_all(context.logits_to_keep, context.batch_shape[1]):
             return segments
         kept = context.kept_segments.get(device)
         if kept is None:  # once per forward and device
@@ -181,8 +187,10 @@ class OutputLoraHook(LoraHook):
         return kept
 
 
-def _keeps_all(logits_to_keep) -> bool:
-    return isinstance(logits_to_keep, int) and logits_to_keep == 0
+def _keeps_all(logits_to_keep: int | torch.Tensor, seq_len: int) -> bool:
+    """Whether ``logits_to_keep`` keeps every position of ``seq_len`` (a decode step's one token in ``generate()``),
+    so the forward's own grouping serves."""
+    return isinstance(logits_to_keep, int) and (logits_to_keep == 0 or logits_to_keep >= seq_len)
 
 
 def _kept_positions(token_slots: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:

@@ -231,7 +231,8 @@ def test_lora_tied_by_ensure_weight_tying_equals_peft(tmp_path, targets):
     assert "lm_head" in model._injection.hooks
     input_ids, attention_mask = left_padded(LENGTHS[:3], seed=4)
     logits = model(input_ids, attention_mask=attention_mask, adapter_ids=["tied", None, "tied"]).logits
-    expected = PeftModel.from_pretrained(copy.deepcopy(base), path).eval()(input_ids, attention_mask=attention_mask).logits
+    peft = PeftModel.from_pretrained(copy.deepcopy(base), path).eval()
+    expected = peft(input_ids, attention_mask=attention_mask).logits
     real = attention_mask.bool()
     # PEFT's tied lm_head factors are transposed views, which its GEMM rounds otherwise: by up to 5e-5 on logits of
     # magnitude 200 here (1e-7 of their scale), where contiguous copies of its factors give ours to the bit
@@ -281,10 +282,11 @@ def test_the_fixed_shape_ops_equal_the_reference_lora_add():
     segments = build_segments(token_slots, len(ranks))
     token_ids = torch.randint(0, vocab, (token_slots.shape[0],), generator=generator)
     x = torch.randn(token_slots.shape[0], vocab, generator=generator)
+    tables = (pool, a_offsets, b_offsets, lora_ranks)
     for name, inputs, delta in [
         ("embedding", torch.nn.functional.one_hot(token_ids, vocab).float(),
-         embedding_delta(token_ids, token_slots, pool, a_offsets, b_offsets, lora_ranks, vocab, out_features, max_rank)),
-        ("linear", x, linear_delta(x, token_slots, pool, a_offsets, b_offsets, lora_ranks, out_features, max_rank)),
+         embedding_delta(token_ids, token_slots, *tables, vocab, out_features, max_rank)),
+        ("linear", x, linear_delta(x, token_slots, *tables, out_features, max_rank)),
     ]:
         expected = torch.zeros(token_slots.shape[0], out_features)
         lora_add(expected, inputs, pool, a_offsets, b_offsets, lora_ranks, segments, max_rank)

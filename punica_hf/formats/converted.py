@@ -4,10 +4,10 @@ A PEFT checkpoint needs work at every load: find the config and weights files, p
 module's rank and scaling in the config and multiply the scaling into B. A converted file stores the result,
 ``AdapterWeights``, in the layout of the adapter pool: per module ``"<module>.lora_a"`` ``[r, in]`` and
 ``"<module>.lora_b_t"`` ``[r, out]`` (B transposed, the scaling folded in), so that placing an adapter copies
-contiguous rows and transposes nothing (an embedding's ``[r, vocab]`` and ``[r, dim]`` alike), plus
-``"<module>.base_weight"``, in its own dtype, for each full copy of a base layer PEFT saved beside an embedding's or
-lm_head's LoRA (checked against the base model when loaded into one); float32 by default (bit-identical to loading the PEFT checkpoint) or
-bf16/fp16 (half the size). Its safetensors metadata say what it is:
+contiguous rows and transposes nothing (an embedding's ``[r, vocab]`` and ``[r, dim]`` alike); float32 by default
+(bit-identical to loading the PEFT checkpoint) or bf16/fp16 (half the size). Beside them, in its own dtype,
+``"<module>.base_weight"`` for each full copy of a base layer that PEFT saved beside an embedding's or lm_head's LoRA
+(checked against the base model when loaded into one). Its safetensors metadata say what it is:
 
 - ``format``: ``"punica_hf.lora.v2"``, so any other safetensors file is refused by name (``v1`` files, which held
   ``"<module>.lora_b"`` ``[out, r]``, are still read);
@@ -115,7 +115,9 @@ def load_converted(path: str | Path) -> AdapterWeights:
     if metadata.get("base_model"):
         config = dataclasses.replace(config, base_model_name_or_path=metadata["base_model"])
     b_name = _READ_FORMATS[metadata["format"]]
-    base_weights = {key.removesuffix(_BASE_WEIGHT): tensors.pop(key) for key in list(tensors) if key.endswith(_BASE_WEIGHT)}
+    base_weights = {
+        key.removesuffix(_BASE_WEIGHT): tensors.pop(key) for key in list(tensors) if key.endswith(_BASE_WEIGHT)
+    }
     return AdapterWeights(
         modules=_module_factors(path, tensors, shapes, b_name), config=config, source=str(path),
         base_weights=base_weights,

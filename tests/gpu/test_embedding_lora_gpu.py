@@ -158,8 +158,9 @@ def test_an_output_layer_the_kernels_cannot_take_equals_peft(tmp_path):
     """A vocabulary that is no multiple of 8 (GPT-2's 50257, here 100): lm_head's LoRA runs on PyTorch ops instead
     of the kernels, eagerly and in a captured graph."""
     base = tiny_llama(vocab_size=100)
-    paths = {name: save_peft_adapter(base, tmp_path / name, seed=seed, r=4, lora_alpha=8, target_modules=targets)
-             for seed, (name, targets) in enumerate([("head", ["lm_head", "v_proj"]), ("both", ["embed_tokens", "lm_head"])])}
+    targets = {"head": ["lm_head", "v_proj"], "both": ["embed_tokens", "lm_head"]}
+    paths = {name: save_peft_adapter(base, tmp_path / name, seed=seed, r=4, lora_alpha=8, target_modules=modules)
+             for seed, (name, modules) in enumerate(targets.items())}
     model = _wrapped(base, paths, torch.float32)
     rows = ["head", None, "both", "head"]
     input_ids = torch.randint(1, 100, (4, 7))
