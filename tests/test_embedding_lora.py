@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from architectures import ARCHITECTURES, left_padded_batch
 from helpers import assert_state_unchanged, capture_state, save_peft_adapter, tiny_llama
 from peft import PeftModel
 from safetensors.torch import load_file, save_file
@@ -314,3 +315,32 @@ def test_an_output_layer_the_kernels_cannot_take_runs_the_fixed_shape_ops_and_eq
     for row, adapter in enumerate(rows):
         expected = setup.oracle(adapter)(input_ids, attention_mask=attention_mask).logits
         torch.testing.assert_close(logits[row, -1], expected[row, -1], atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+@torch.no_grad()
+def test_vocabulary_layers_of_each_architecture_match_peft(arch, tmp_path):
+    """GPT-2's ``wte`` and the others' ``embed_tokens``, with ``lm_head`` (tied in GPT-2 and OPT), in a batch with a
+    plain adapter's rows and base rows."""
+    torch.manual_seed(0)
+    base = ARCHITECTURES[arch].make_model().eval()
+    vocab_targets = ["wte", "lm_head"] if arch == "gpt2" else ["embed_tokens", "lm_head"]
+    paths = {
+        "vocab": save_peft_adapter(base, tmp_path / "vocab", seed=1, r=4, lora_alpha=8, target_modules=vocab_targets),
+        "plain": save_peft_adapter(base, tmp_path / "plain", seed=2, r=4, lora_alpha=8,
+                                   target_modules=ARCHITECTURES[arch].attention_targets[:1],
+                                   fan_in_fan_out=arch == "gpt2"),
+    }
+    model = MultiLoraModel(copy.deepcopy(base), max_adapters=2, max_rank=8)
+    model.load_adapters(paths)
+    input_ids, attention_mask = left_padded_batch([6, 3, 5, 4])
+    rows = ["vocab", "plain", None, "vocab"]
+    logits = model(input_ids, attention_mask=attention_mask, adapter_ids=rows).logits
+    real = attention_mask.bool()
+    for adapter in ("vocab", "plain", None):
+        oracle = base if adapter is None else PeftModel.from_pretrained(copy.deepcopy(base), paths[adapter]).eval()
+        expected = oracle(input_ids, attention_mask=attention_mask).logits
+        for row in (r for r, a in enumerate(rows) if a == adapter):
+            torch.testing.assert_close(logits[row][real[row]], expected[row][real[row]], atol=ATOL, rtol=0)
+            if adapter is not None:  # the adapter really changes this row
+                assert (logits[row] - base(input_ids, attention_mask=attention_mask).logits[row]).abs().max() > 1e-3
