@@ -22,6 +22,7 @@ from .base_layers import LinearModule, check_servable, linear_features, lora_dev
 from .formats import AdapterWeights, ModelModules, weights_for_model
 from .layers import DeviceTables, LoraContext, LoraHook, ProjectionGroup, find_projection_groups
 from .tensor_parallel import LinearSplit, find_splits, take_wrapper_off, wrap
+from .vocab_layers import EmbeddingLoraHook, OutputLoraHook
 
 
 class LoraInjection:
@@ -49,21 +50,29 @@ class LoraInjection:
 
     def features(self, name: str, module: nn.Module) -> tuple[int, int] | None:
         """``(in_features, out_features)`` of a linear module as its forward sees them: this rank's share of a
-        split layer."""
+        split layer. An embedding counts as a linear layer on one-hot token ids: ``(vocab size, width)``."""
         split = self.splits.get(name)
         if split is not None:
             return split.in_features, split.out_features
+        if isinstance(module, nn.Embedding):
+            return module.num_embeddings, module.embedding_dim
         return linear_features(module)
 
     def linear_modules(self) -> dict[str, LinearModule]:
-        """Every linear module of the model, in model order (the order of the device tables' rows)."""
+        """Every linear module of the model and every embedding (see ``features``), in model order (the order of
+        the device tables' rows)."""
         model_dtype = getattr(self.model, "dtype", torch.get_default_dtype())
         found = {}
         for name, module in self.model.named_modules():
             features = self.features(name, module)
             if features is None:
                 continue
-            servable = self.splits[name].problem is None if name in self.splits else _servable(module, name)
+            if name in self.splits:
+                servable = self.splits[name].problem is None
+            elif isinstance(module, nn.Embedding):
+                servable = _embedding_problem(module) is None
+            else:
+                servable = _servable(module, name)
             found[name] = LinearModule(
                 in_features=features[0], out_features=features[1],
                 device=lora_device(module) if servable else None,
@@ -77,7 +86,8 @@ class LoraInjection:
         ``formats.weights_for_model``); ValueError naming the adapter where PEFT refuses it. Under tensor
         parallelism, this rank's share of each split layer's factors."""
         try:
-            selected = weights_for_model(weights, ModelModules.of(self.model))
+            selected = self._with_tied_output_lora(weights, weights_for_model(weights, ModelModules.of(self.model)))
+            self._check_base_copies(selected)
             if not self.splits:
                 return selected
             modules = dict(self.model.named_modules())
@@ -92,18 +102,74 @@ class LoraInjection:
         except ValueError as error:
             raise ValueError(f"adapter {adapter!r}: {error}") from None
 
+    def _check_base_copies(self, weights: AdapterWeights) -> None:
+        """ValueError unless each full copy of a base layer the adapter carries (PEFT saves one beside LoRA on
+        embeddings and lm_head, and loads it over the base weight) equals the model's weight: a resized vocabulary
+        or retrained rows would need a base weight per adapter."""
+        modules = dict(self.model.named_modules())
+        for name, saved in weights.base_weights.items():
+            if name not in weights.modules:  # not put on this model (PEFT's selection): PEFT does not load it
+                continue
+            weight = getattr(modules.get(name), "weight", None)
+            if not isinstance(weight, torch.Tensor) or self.splits:  # refused by check_targets, with the reason
+                continue
+            if tuple(saved.shape) != tuple(weight.shape):
+                raise ValueError(
+                    f"its copy of {name}.weight is {list(saved.shape)} but the base model's is {list(weight.shape)}: "
+                    "the adapter was trained on a resized vocabulary, and extra vocabulary rows (a base weight per "
+                    "adapter) are not supported"
+                )
+            if weight.device.type == "meta":
+                raise ValueError(f"its copy of {name}.weight cannot be checked against the offloaded base weight")
+            if not torch.equal(saved.to(device=weight.device, dtype=weight.dtype), weight):
+                raise ValueError(
+                    f"its copy of {name}.weight differs from the base model's, and PEFT loads that copy over the "
+                    "base weight: a base weight per adapter (new or retrained vocabulary rows, another base model) "
+                    "is not supported"
+                )
+
+    def _with_tied_output_lora(self, weights: AdapterWeights, selected: AdapterWeights) -> AdapterWeights:
+        """``selected`` plus the output layer's LoRA where PEFT ties it to the embedding's: ``ensure_weight_tying``
+        on a model whose lm_head shares the embedding's weight, the embedding targeted. PEFT then leaves lm_head out
+        of the saved targets and gives it the embedding's factors transposed (``A = B_emb^T``, ``B = A_emb^T``) at
+        lm_head's own scaling; the checkpoint holds them under lm_head's name (``weights``, before selection)."""
+        input_layer = getattr(self.model, "get_input_embeddings", lambda: None)()
+        output_layer = self._output_layer()
+        names = {module: name for name, module in self.model.named_modules()}
+        if not (
+            getattr(weights.config.peft_config, "ensure_weight_tying", False) and input_layer is not None
+            and getattr(output_layer, "weight", None) is input_layer.weight and names[input_layer] in selected.modules
+        ):
+            return selected
+        output_name = names[output_layer]
+        if output_name not in weights.modules:
+            raise ValueError(
+                f"its config ties {output_name}'s LoRA to {names[input_layer]}'s (ensure_weight_tying=True) but it "
+                f"holds no {output_name} weights"
+            )
+        return replace(selected, modules={**selected.modules, output_name: weights.modules[output_name]})
+
     def check_targets(self, adapter: str, module_names: Iterable[str]) -> None:
         """Raise ValueError naming the first of ``module_names`` that cannot get a LoRA hook, and why."""
         modules = dict(self.model.named_modules())
-        output_layer = self.model.get_output_embeddings() if hasattr(self.model, "get_output_embeddings") else None
+        output_layer = self._output_layer()
         for module_name in module_names:
             module = modules.get(module_name)
             if module is None:
                 raise ValueError(f"adapter {adapter!r} does not fit the base model: it has no module {module_name}")
-            if module is output_layer:
-                raise ValueError(f"adapter {adapter!r}: LoRA on the output layer ({module_name}) is not supported yet")
+            vocab_layer = "the output layer" if module is output_layer else "embedding layers"
+            if (module is output_layer or isinstance(module, nn.Embedding)) and self.splits:
+                raise ValueError(
+                    f"adapter {adapter!r}: LoRA on {vocab_layer} ({module_name}) of a model split by tensor "
+                    "parallelism is not supported"
+                )
             if isinstance(module, nn.Embedding):
-                raise ValueError(f"adapter {adapter!r}: LoRA on embedding layers ({module_name}) is not supported yet")
+                problem = _embedding_problem(module)
+                if problem is not None:
+                    raise ValueError(
+                        f"adapter {adapter!r}: LoRA on embedding {module_name} is not supported: {problem}"
+                    )
+                continue
             split = self.splits.get(module_name)
             if split is None:
                 check_servable(module, module_name)
@@ -136,7 +202,11 @@ class LoraInjection:
                 hooked.append(module_name)  # from here on a failure undoes this module too
                 if split is not None:  # the hook goes inside the layer's tensor-parallel wrapper
                     self.tp_wrappers[module_name] = take_wrapper_off(module)
-                self.hooks[module_name] = LoraHook(
+                hook_kind = (
+                    EmbeddingLoraHook if isinstance(module, nn.Embedding)
+                    else OutputLoraHook if module is self._output_layer() else LoraHook
+                )
+                self.hooks[module_name] = hook_kind(
                     module, in_features, out_features, tables[lora_device(module)], rows[module_name], self.context,
                     self.max_rank, self.groups.get(module_name),
                 )
@@ -166,6 +236,24 @@ class LoraInjection:
 
     def detach_all(self) -> None:
         self.detach(list(self.hooks))
+
+    def _output_layer(self) -> nn.Module | None:
+        get_output = getattr(self.model, "get_output_embeddings", None)
+        return get_output() if callable(get_output) else None
+
+
+def _embedding_problem(module: nn.Embedding) -> str | None:
+    """Why LoRA on embedding ``module`` cannot be served, or None when it can."""
+    weight = module.weight
+    if type(weight) not in (torch.Tensor, nn.Parameter) or not weight.dtype.is_floating_point:
+        return f"its weight is a {type(weight).__qualname__} of {weight.dtype} (a quantized or sharded tensor)"
+    if module.max_norm is not None:  # PEFT's lookup would renormalise its LoRA factors in place
+        return "it has max_norm set"
+    try:
+        lora_device(module)
+    except ValueError as error:
+        return str(error)
+    return None
 
 
 def _servable(module: nn.Module, name: str) -> bool:

@@ -55,6 +55,11 @@ class LoraContext:
         self.capturing = False  # whether this forward is being captured in a CUDA graph (asked once per forward)
         # Group key -> (the input, its [T, sum of widths] updates, the member that computed them), this forward.
         self.group_deltas: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
+        # The forward's [batch, seq] and transformers' logits_to_keep (the positions that reach the output layer),
+        # and the output layer's grouping of those positions by device, made on first use (vocab_layers).
+        self.batch_shape: tuple[int, int] | None = None
+        self.logits_to_keep: int | torch.Tensor = 0
+        self.kept_segments: dict[torch.device, LoraSegments] = {}
         self._on_device: dict[torch.device, LoraSegments] = {}
         self._backends: dict[torch.device, LoraBackend] = {}
 
@@ -68,14 +73,25 @@ class LoraContext:
             self._backends[device] = ops.backend_for(device, self.requested_backend, self.kernels)
         return self._backends[device]
 
-    def build(self, token_slots: torch.Tensor, num_slots: int) -> LoraSegments:
-        """Group ``token_slots`` ``[T]`` by slot on their device and make it this forward's grouping."""
+    def build(
+        self, token_slots: torch.Tensor, num_slots: int, batch_shape: tuple[int, int] | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+    ) -> LoraSegments:
+        """Group ``token_slots`` ``[T]`` by slot on their device and make it this forward's grouping; ``batch_shape``
+        and ``logits_to_keep``: see ``begin``."""
         segments = build_segments(token_slots, num_slots)
-        self.begin(segments)
+        self.begin(segments, batch_shape, logits_to_keep)
         return segments
 
-    def begin(self, segments: LoraSegments) -> None:
+    def begin(
+        self, segments: LoraSegments, batch_shape: tuple[int, int] | None = None, logits_to_keep: int | torch.Tensor = 0
+    ) -> None:
+        """Start a forward of ``segments``; ``batch_shape`` ``(B, T)`` and the model's ``logits_to_keep`` tell the
+        output layer's hook which tokens it gets (None: all of them)."""
         self.segments = segments
+        self.batch_shape = batch_shape
+        self.logits_to_keep = logits_to_keep
+        self.kept_segments = {}
         self.capturing = (
             segments.token_slots.is_cuda and not torch.compiler.is_compiling()
             and torch.cuda.is_current_stream_capturing()
@@ -85,6 +101,9 @@ class LoraContext:
 
     def end(self) -> None:
         self.segments = None
+        self.batch_shape = None
+        self.logits_to_keep = 0
+        self.kept_segments = {}
         self.capturing = False
         self.group_deltas = {}
         self._on_device = {}
@@ -293,7 +312,7 @@ class LoraHook:
     def add_update(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
         """``output`` of ``module`` for positional ``args``, plus each token's LoRA update."""
         tables = self.tables
-        segments = self.context.segments_on(tables.device)
+        segments = self.token_segments(tables.device)
         if segments is None:
             return output
         x = args[0] if args else None
@@ -344,6 +363,10 @@ class LoraHook:
         if in_place:
             return output
         return output + y_tokens.to(device=output.device, dtype=output.dtype).view(output.shape)
+
+    def token_segments(self, device: torch.device) -> LoraSegments | None:
+        """The grouping of the tokens this module gets, on ``device``: the forward's (None outside a forward)."""
+        return self.context.segments_on(device)
 
     def _group_delta(self, x: torch.Tensor, x_tokens: torch.Tensor, segments: LoraSegments, backend: LoraBackend,
                      unchecked: bool) -> torch.Tensor | None:

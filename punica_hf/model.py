@@ -364,7 +364,7 @@ class AdapterForward:
             token_slots = adapter_ids[:, None].expand(batch_shape).reshape(-1)
         else:
             token_slots = adapter_ids.reshape(-1)
-        self.context.build(token_slots, self.num_slots)
+        self.context.build(token_slots, self.num_slots, batch_shape, kwargs.get("logits_to_keep", 0))
         try:
             return self._forward(*args, **kwargs)
         finally:

@@ -335,26 +335,6 @@ def test_unsupported_lora_feature_is_refused_by_name(unchanged, adapter, kind):
         unchanged.load_adapters({"x": unsupported_adapter(adapter, kind)})
 
 
-EMBEDDING_CASES = [
-    pytest.param(["embed_tokens", *MLP], "LoRA on embedding layers", id="embed_tokens"),
-    pytest.param(["lm_head"], r"LoRA on the output layer \(lm_head\)", id="lm_head"),
-]
-
-
-@pytest.mark.parametrize("targets, feature", EMBEDDING_CASES)
-def test_lora_on_embeddings_saved_without_base_copies_is_refused_by_name(unchanged, adapter, targets, feature):
-    path = adapter(f"{targets[0]}-lean", r=4, target_modules=targets, save_kwargs={"save_embedding_layers": False})
-    with pytest.raises(ValueError, match=feature):
-        unchanged.load_adapters({"x": path})
-
-
-@pytest.mark.parametrize("targets, feature", EMBEDDING_CASES)
-def test_lora_on_embeddings_saved_by_default_is_refused_by_name(unchanged, adapter, targets, feature):
-    path = adapter(f"{targets[0]}-default", r=4, target_modules=targets)
-    with pytest.raises(ValueError, match=feature):
-        unchanged.load_adapters({"x": path})
-
-
 @pytest.mark.parametrize(
     "peft_config, peft_type",
     [

@@ -4,8 +4,10 @@ A PEFT checkpoint needs work at every load: find the config and weights files, p
 module's rank and scaling in the config and multiply the scaling into B. A converted file stores the result,
 ``AdapterWeights``, in the layout of the adapter pool: per module ``"<module>.lora_a"`` ``[r, in]`` and
 ``"<module>.lora_b_t"`` ``[r, out]`` (B transposed, the scaling folded in), so that placing an adapter copies
-contiguous rows and transposes nothing; float32 by default (bit-identical to loading the PEFT checkpoint) or
-bf16/fp16 (half the size). Its safetensors metadata say what it is:
+contiguous rows and transposes nothing (an embedding's ``[r, vocab]`` and ``[r, dim]`` alike); float32 by default
+(bit-identical to loading the PEFT checkpoint) or bf16/fp16 (half the size). Beside them, in its own dtype,
+``"<module>.base_weight"`` for each full copy of a base layer that PEFT saved beside an embedding's or lm_head's LoRA
+(checked against the base model when loaded into one). Its safetensors metadata say what it is:
 
 - ``format``: ``"punica_hf.lora.v2"``, so any other safetensors file is refused by name (``v1`` files, which held
   ``"<module>.lora_b"`` ``[out, r]``, are still read);
@@ -41,6 +43,7 @@ _FORMAT_FAMILY = "punica_hf."
 SUFFIX = ".safetensors"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _REQUIRED_METADATA = ("adapter_config", "modules")
+_BASE_WEIGHT = ".base_weight"
 
 
 def save_converted(
@@ -58,6 +61,8 @@ def save_converted(
         tensors[f"{module_name}.lora_a"] = factors.lora_a.to(dtype).contiguous()
         tensors[f"{module_name}.lora_b_t"] = factors.lora_b.T.to(dtype).contiguous()
         shapes[module_name] = [factors.lora_a.shape[1], factors.lora_b.shape[0], factors.rank]
+    for module_name, weight in weights.base_weights.items():
+        tensors[module_name + _BASE_WEIGHT] = weight.contiguous()
     metadata = {
         "format": FORMAT,
         "adapter_config": json.dumps(_config_dict(weights)),
@@ -110,7 +115,13 @@ def load_converted(path: str | Path) -> AdapterWeights:
     if metadata.get("base_model"):
         config = dataclasses.replace(config, base_model_name_or_path=metadata["base_model"])
     b_name = _READ_FORMATS[metadata["format"]]
-    return AdapterWeights(modules=_module_factors(path, tensors, shapes, b_name), config=config, source=str(path))
+    base_weights = {
+        key.removesuffix(_BASE_WEIGHT): tensors.pop(key) for key in list(tensors) if key.endswith(_BASE_WEIGHT)
+    }
+    return AdapterWeights(
+        modules=_module_factors(path, tensors, shapes, b_name), config=config, source=str(path),
+        base_weights=base_weights,
+    )
 
 
 def _check_metadata(path: Path, metadata: dict[str, str]) -> None:

@@ -24,15 +24,20 @@ CONFIG_NAME = "adapter_config.json"
 SAFETENSORS_NAME = "adapter_model.safetensors"
 PICKLE_NAME = "adapter_model.bin"
 
-# base_model.model.<module>.lora_A.weight (an adapter name may sit before ".weight" in old checkpoints)
-_LORA_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.(?P<kind>lora_A|lora_B)(?:\.[^.]+)?\.weight$")
+# base_model.model.<module>.lora_A.weight (an adapter name may sit before ".weight" in old checkpoints); an
+# embedding's factors are parameters: <module>.lora_embedding_A [r, vocab] and lora_embedding_B [dim, r], the
+# factors of a linear layer on one-hot token ids, read as lora_A / lora_B.
+_LORA_KEY = re.compile(
+    r"^(?:base_model\.model\.)?(?P<module>.+)\."
+    r"(?:(?P<kind>lora_A|lora_B)(?:\.[^.]+)?\.weight|lora_embedding_(?P<embedding_kind>[AB])(?:\.[^.]+)?)$"
+)
 _UNSUPPORTED_KEYS = (
-    ("lora_embedding_", "LoRA on embedding layers"),
     ("lora_magnitude_vector", "DoRA (lora_magnitude_vector)"),
     ("modules_to_save", "modules_to_save"),
     ("lora_B.bias", "LoRA bias (lora_bias=True)"),
 )
-# PEFT saves a module's full weight beside its LoRA when it targets embeddings or lm_head (they may be resized).
+# PEFT saves a module's full weight beside its LoRA when it targets embeddings or lm_head (they may be resized) and
+# loads it over the base model's weight: kept in ``AdapterWeights.base_weights``, the model checks they are equal.
 _BASE_COPY_SUFFIX = ".base_layer.weight"
 
 
@@ -164,22 +169,21 @@ def adapter_weights_from_peft(
         if key is not None:
             raise ValueError(f"{feature} is not supported by punica_hf yet (found tensor {key!r} in {source})")
     factors: dict[str, dict[str, torch.Tensor]] = {}
-    base_copies = []
+    base_copies = {}
     for key, tensor in state_dict.items():
         match = _LORA_KEY.match(key)
         if match is not None:
-            factors.setdefault(match["module"], {})[match["kind"]] = tensor
+            kind = match["kind"] or f"lora_{match['embedding_kind']}"
+            factors.setdefault(match["module"], {})[kind] = tensor
         elif key.endswith(_BASE_COPY_SUFFIX):
-            base_copies.append(key)
+            base_copies[key.removeprefix("base_model.model.").removesuffix(_BASE_COPY_SUFFIX)] = tensor
         else:
             raise ValueError(f"unexpected tensor {key!r} in adapter {source}: not a LoRA A/B weight")
-    for key in base_copies:
-        # Beside a module's own LoRA the copy is skipped: the store then refuses that module (lm_head) by name.
-        module = key.removeprefix("base_model.model.").removesuffix(_BASE_COPY_SUFFIX)
-        if module not in factors:
+    for module in base_copies:
+        if module not in factors:  # a copy beside a module's own LoRA is that module's (possibly resized) weight
             raise ValueError(
                 f"full copies of base layers (modules_to_save / trainable tokens) are not supported by punica_hf "
-                f"yet (found tensor {key!r} in {source})"
+                f"yet (found tensor {module + _BASE_COPY_SUFFIX!r} in {source})"
             )
     if not factors:
         raise ValueError(f"adapter {source} holds no LoRA weights")
@@ -202,4 +206,4 @@ def adapter_weights_from_peft(
             )
         scaling = config.scaling_for(name)
         modules[name] = ModuleLora(lora_a=lora_a.float().contiguous(), lora_b=(lora_b.float() * scaling).contiguous())
-    return AdapterWeights(modules=modules, config=config, source=source)
+    return AdapterWeights(modules=modules, config=config, source=source, base_weights=base_copies)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -26,6 +26,9 @@ class ModuleLora:
 class AdapterWeights:
     """A whole adapter: base-model module name -> its LoRA factors.
 
+    ``base_weights``: full copies of base layers PEFT saved beside their LoRA (embeddings, lm_head), by module
+    name; PEFT loads them over the base model's weights, so serving checks they equal them.
+
     Every factor is checked to hold finite values only (``ValueError`` naming the module otherwise), whatever
     made it: a PEFT checkpoint, a converted file or code.
     """
@@ -33,6 +36,7 @@ class AdapterWeights:
     modules: dict[str, ModuleLora]
     config: LoraAdapterConfig
     source: str
+    base_weights: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for module_name, factors in self.modules.items():
