@@ -4,7 +4,9 @@ A PEFT checkpoint needs work at every load: find the config and weights files, p
 module's rank and scaling in the config and multiply the scaling into B. A converted file stores the result,
 ``AdapterWeights``, in the layout of the adapter pool: per module ``"<module>.lora_a"`` ``[r, in]`` and
 ``"<module>.lora_b_t"`` ``[r, out]`` (B transposed, the scaling folded in), so that placing an adapter copies
-contiguous rows and transposes nothing; float32 by default (bit-identical to loading the PEFT checkpoint) or
+contiguous rows and transposes nothing; where the adapter has them, ``"<module>.magnitude"`` (DoRA),
+``"<module>.lora_bias"`` (scaling folded in) and ``"<module>.base_bias"`` ``[out]``, and a ``bias="all"``
+checkpoint's biases of other modules as ``"<module>.bias"``; float32 by default (bit-identical to loading the PEFT checkpoint) or
 bf16/fp16 (half the size). Its safetensors metadata say what it is:
 
 - ``format``: ``"punica_hf.lora.v2"``, so any other safetensors file is refused by name (``v1`` files, which held
@@ -41,6 +43,7 @@ _FORMAT_FAMILY = "punica_hf."
 SUFFIX = ".safetensors"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _REQUIRED_METADATA = ("adapter_config", "modules")
+_SAVED_VECTORS = ("magnitude", "lora_bias", "base_bias")  # a model's output vectors are made from these at load
 
 
 def save_converted(
@@ -58,6 +61,11 @@ def save_converted(
         tensors[f"{module_name}.lora_a"] = factors.lora_a.to(dtype).contiguous()
         tensors[f"{module_name}.lora_b_t"] = factors.lora_b.T.to(dtype).contiguous()
         shapes[module_name] = [factors.lora_a.shape[1], factors.lora_b.shape[0], factors.rank]
+        for vector in _SAVED_VECTORS:
+            if getattr(factors, vector) is not None:
+                tensors[f"{module_name}.{vector}"] = getattr(factors, vector).to(dtype).contiguous()
+    for module_name, bias in weights.other_biases.items():
+        tensors[f"{module_name}.bias"] = bias.to(dtype).contiguous()
     metadata = {
         "format": FORMAT,
         "adapter_config": json.dumps(_config_dict(weights)),
@@ -110,7 +118,12 @@ def load_converted(path: str | Path) -> AdapterWeights:
     if metadata.get("base_model"):
         config = dataclasses.replace(config, base_model_name_or_path=metadata["base_model"])
     b_name = _READ_FORMATS[metadata["format"]]
-    return AdapterWeights(modules=_module_factors(path, tensors, shapes, b_name), config=config, source=str(path))
+    other_biases = {
+        key.removesuffix(".bias"): tensors.pop(key) for key in list(tensors)
+        if key.endswith(".bias") and key.removesuffix(".bias") not in shapes
+    }
+    modules = _module_factors(path, tensors, shapes, b_name)
+    return AdapterWeights(modules=modules, config=config, source=str(path), other_biases=other_biases)
 
 
 def _check_metadata(path: Path, metadata: dict[str, str]) -> None:
@@ -146,8 +159,9 @@ def _module_factors(
     or, in v1 files, ``lora_b``.
     """
     expected_keys = {f"{module}.{factor}" for module in shapes for factor in ("lora_a", b_name)}
-    if set(tensors) != expected_keys:
-        missing, unexpected = sorted(expected_keys - set(tensors)), sorted(set(tensors) - expected_keys)
+    optional_keys = {f"{module}.{vector}" for module in shapes for vector in _SAVED_VECTORS}
+    if not expected_keys <= set(tensors) <= expected_keys | optional_keys:
+        missing, unexpected = sorted(expected_keys - set(tensors)), sorted(set(tensors) - expected_keys - optional_keys)
         raise ValueError(
             f"{path}: tensors do not match its module list (missing: {missing[:3] or 'none'}, "
             f"unexpected: {unexpected[:3] or 'none'})"
@@ -169,7 +183,14 @@ def _module_factors(
             )
         if not (lora_a.is_floating_point() and lora_b.is_floating_point()):
             raise ValueError(f"{path}: module {module_name} has non-float factors ({lora_a.dtype}, {lora_b.dtype})")
-        modules[module_name] = ModuleLora(lora_a=lora_a, lora_b=lora_b)
+        vectors = {vector: tensors[f"{module_name}.{vector}"] for vector in _SAVED_VECTORS
+                   if f"{module_name}.{vector}" in tensors}
+        if not all(vector.is_floating_point() for vector in vectors.values()):
+            raise ValueError(f"{path}: module {module_name} has non-float vectors ({sorted(vectors)})")
+        try:
+            modules[module_name] = ModuleLora(lora_a=lora_a, lora_b=lora_b, **vectors)
+        except ValueError as error:
+            raise ValueError(f"{path}: module {module_name}: {error}") from None
     return modules
 
 

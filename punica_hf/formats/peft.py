@@ -24,13 +24,17 @@ CONFIG_NAME = "adapter_config.json"
 SAFETENSORS_NAME = "adapter_model.safetensors"
 PICKLE_NAME = "adapter_model.bin"
 
-# base_model.model.<module>.lora_A.weight (an adapter name may sit before ".weight" in old checkpoints)
-_LORA_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.(?P<kind>lora_A|lora_B)(?:\.[^.]+)?\.weight$")
+# base_model.model.<module>.lora_A.weight (an adapter name may sit before ".weight" in old checkpoints), lora_B's
+# bias (lora_bias=True), DoRA's magnitude, and the bias of the targeted base layer (bias="lora_only" / "all")
+_LORA_KEY = re.compile(
+    r"^(?:base_model\.model\.)?(?P<module>.+)\.(?:(?P<factor>lora_A|lora_B)(?:\.[^.]+)?\.(?P<param>weight|bias)"
+    r"|lora_magnitude_vector(?:\.[^.]+)?(?:\.weight)?|base_layer\.bias)$"
+)
+# A bias="all" checkpoint's biases of modules without LoRA
+_OTHER_BIAS_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.bias$")
 _UNSUPPORTED_KEYS = (
     ("lora_embedding_", "LoRA on embedding layers"),
-    ("lora_magnitude_vector", "DoRA (lora_magnitude_vector)"),
     ("modules_to_save", "modules_to_save"),
-    ("lora_B.bias", "LoRA bias (lora_bias=True)"),
 )
 # PEFT saves a module's full weight beside its LoRA when it targets embeddings or lm_head (they may be resized).
 _BASE_COPY_SUFFIX = ".base_layer.weight"
@@ -164,13 +168,15 @@ def adapter_weights_from_peft(
         if key is not None:
             raise ValueError(f"{feature} is not supported by punica_hf yet (found tensor {key!r} in {source})")
     factors: dict[str, dict[str, torch.Tensor]] = {}
-    base_copies = []
+    base_copies, biases = [], {}
     for key, tensor in state_dict.items():
         match = _LORA_KEY.match(key)
         if match is not None:
-            factors.setdefault(match["module"], {})[match["kind"]] = tensor
+            factors.setdefault(match["module"], {})[_tensor_kind(match)] = tensor
         elif key.endswith(_BASE_COPY_SUFFIX):
             base_copies.append(key)
+        elif _OTHER_BIAS_KEY.match(key):
+            biases[_OTHER_BIAS_KEY.match(key)["module"]] = tensor
         else:
             raise ValueError(f"unexpected tensor {key!r} in adapter {source}: not a LoRA A/B weight")
     for key in base_copies:
@@ -186,9 +192,11 @@ def adapter_weights_from_peft(
 
     modules = {}
     for name, pair in factors.items():
-        if set(pair) != {"lora_A", "lora_B"}:
+        if not {"lora_A", "lora_B"} <= set(pair):
             missing = ({"lora_A", "lora_B"} - set(pair)).pop()
             raise ValueError(f"adapter {source}: module {name} has no {missing} weight")
+        if "lora_A.bias" in pair:
+            raise ValueError(f"adapter {source}: module {name} has a lora_A bias, which PEFT never makes")
         lora_a, lora_b = pair["lora_A"], pair["lora_B"]
         if lora_a.dim() != 2 or lora_b.dim() != 2 or lora_a.shape[0] != lora_b.shape[1]:
             raise ValueError(
@@ -201,5 +209,27 @@ def adapter_weights_from_peft(
                 f"adapter {source}: module {name} has rank {lora_a.shape[0]} but its config gives r={rank}"
             )
         scaling = config.scaling_for(name)
-        modules[name] = ModuleLora(lora_a=lora_a.float().contiguous(), lora_b=(lora_b.float() * scaling).contiguous())
-    return AdapterWeights(modules=modules, config=config, source=source)
+        vectors = {kind: pair[kind].float() for kind in ("magnitude", "lora_bias", "base_bias") if kind in pair}
+        if "lora_bias" in vectors:
+            vectors["lora_bias"] = vectors["lora_bias"] * scaling
+        try:
+            modules[name] = ModuleLora(
+                lora_a=lora_a.float().contiguous(), lora_b=(lora_b.float() * scaling).contiguous(), **vectors
+            )
+        except ValueError as error:
+            raise ValueError(f"adapter {source}: module {name}: {error}") from None
+    return AdapterWeights(modules=modules, config=config, source=source, other_biases=_float(biases))
+
+
+def _tensor_kind(match: re.Match) -> str:
+    """What a ``_LORA_KEY`` match holds: lora_A, lora_B (weights), lora_bias, lora_A.bias, magnitude or base_bias."""
+    factor = match["factor"]
+    if factor is None:
+        return "magnitude" if "lora_magnitude_vector" in match[0] else "base_bias"
+    if match["param"] == "bias":
+        return "lora_bias" if factor == "lora_B" else "lora_A.bias"
+    return factor
+
+
+def _float(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {name: tensor.float() for name, tensor in tensors.items()}

@@ -279,6 +279,14 @@ class AdapterStore:
             planned[name] = AdapterPlan(
                 weights, source, source_kwargs, factors_by_device, layouts, device_bytes, factor_bytes, unsplit_bytes
             )
+        for plan in planned.values():  # tables of output vectors (DoRA, LoRA biases) where the adapter has them
+            for device, factors in plan.factors_by_device.items():
+                for module_name, module in factors.items():
+                    if module.output_scale is not None or module.output_shift is not None:
+                        self.pools[device].tables.add_vectors(
+                            rows[module_name], module.lora_b.shape[0],
+                            scale=module.output_scale is not None, shift=module.output_shift is not None,
+                        )
         targeted = sorted({m for plan in planned.values() for m in plan.weights.modules})
         if targeted:
             tables = {device: pool.tables for device, pool in self.pools.items()}

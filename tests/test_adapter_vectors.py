@@ -1,0 +1,139 @@
+"""DoRA, LoRA bias (``lora_bias=True``) and ``bias="lora_only"`` / ``"all"`` adapters equal PEFT row by row.
+
+Every adapter is saved by PEFT with random factors and vectors (``vector_adapters``); the oracle for a row is a
+PeftModel with that row's adapter alone (a ``bias="lora_only"`` adapter rewrites its PeftModel's base biases), or
+the untouched base model. Batches mix these adapters with plain LoRA rows and base rows.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from helpers import tiny_llama
+from vector_adapters import MODELS, left_padded_batch, make_base, peft_oracles, save_adapters, save_vector_adapter
+
+from punica_hf import MultiLoraModel
+from punica_hf.formats import convert_adapter
+from punica_hf.layers import LoraHook
+
+ATOL = 2e-5
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def setup(request, tmp_path_factory):
+    base = make_base(request.param)
+    paths = save_adapters(request.param, base, tmp_path_factory.mktemp(request.param))
+    oracles = peft_oracles(base, paths)
+    model = MultiLoraModel(copy.deepcopy(base), max_adapters=len(paths), max_rank=8)
+    model.load_adapters(paths)
+    return request.param, base, paths, oracles, model
+
+
+def mixed_rows(paths) -> list[str | None]:
+    """Every adapter, twice for the first, and a base row."""
+    names = list(paths)
+    return [names[0], None, *names[1:], names[0]]
+
+
+@torch.no_grad()
+def assert_rows_match(model, oracles, rows, input_ids, attention_mask):
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, adapter_ids=rows).logits
+    real = attention_mask.bool()
+    base_logits = oracles[None](input_ids=input_ids, attention_mask=attention_mask).logits
+    for row, adapter in enumerate(rows):
+        expected = oracles[adapter](input_ids=input_ids, attention_mask=attention_mask).logits
+        torch.testing.assert_close(logits[row][real[row]], expected[row][real[row]], atol=ATOL, rtol=0)
+        if adapter is not None:  # the adapter really changes this row
+            assert (expected[row][real[row]] - base_logits[row][real[row]]).abs().max() > 1e-3
+
+
+def test_mixed_batch_logits_match_peft_row_by_row(setup, monkeypatch):
+    _, _, paths, oracles, model = setup
+    rows = mixed_rows(paths)
+    grouped_calls = []
+    group_delta = LoraHook._group_delta
+    monkeypatch.setattr(LoraHook, "_group_delta", lambda self, *a: grouped_calls.append(1) or group_delta(self, *a))
+    assert_rows_match(model, oracles, rows, *left_padded_batch([7, 4, 9, 9, 2, 6, 5, 3][: len(rows)]))
+    if setup[0] == "llama":  # q/k/v and gate/up compute their updates in one call, the vectors follow each member
+        assert grouped_calls
+
+
+@torch.no_grad()
+def test_generate_matches_peft_row_by_row(setup):
+    _, _, paths, oracles, model = setup
+    rows = mixed_rows(paths)
+    input_ids, attention_mask = left_padded_batch([5, 3, 6, 6, 2, 4, 5, 3][: len(rows)], seed=1)
+    kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=6, do_sample=False)
+    tokens = model.generate(**kwargs, adapter_ids=rows)
+    for row, adapter in enumerate(rows):
+        assert tokens[row].tolist() == oracles[adapter].generate(**kwargs)[row].tolist(), adapter
+
+
+def test_more_adapters_than_slots_keep_their_vectors_through_the_host_tier_and_the_source(setup):
+    """Two slots for every adapter in turn: each is evicted and placed again, from the host tier and (with no host
+    tier) read again from its folder; its vectors come back with it."""
+    _, base, paths, oracles, _ = setup
+    input_ids, attention_mask = left_padded_batch([6, 4], seed=2)
+    one_adapter = 0  # a host tier that holds one adapter at a time: the others are read again from their folders
+    for name, path in paths.items():
+        scratch = MultiLoraModel(copy.deepcopy(base), max_adapters=1, max_rank=8)
+        scratch.load_adapters({name: path})
+        one_adapter = max(one_adapter, scratch.adapter_stats["host_bytes_used"])
+    for host_pool_bytes in (None, one_adapter):
+        model = MultiLoraModel(copy.deepcopy(base), max_adapters=2, max_rank=8, host_pool_bytes=host_pool_bytes)
+        model.load_adapters(paths)
+        names = list(paths)
+        for _ in range(2):
+            for first, second in zip(names, names[1:] + names[:1]):
+                assert_rows_match(model, oracles, [first, second], input_ids, attention_mask)
+        stats = model.adapter_stats
+        assert stats["evictions"] > 0
+        assert stats["disk_loads" if host_pool_bytes else "host_loads"] > 0
+
+
+def test_converted_files_carry_the_vectors(setup, tmp_path):
+    _, base, paths, oracles, _ = setup
+    converted = {adapter: convert_adapter(path, tmp_path / f"{adapter}.safetensors") for adapter, path in paths.items()}
+    model = MultiLoraModel(copy.deepcopy(base), max_adapters=len(paths), max_rank=8)
+    model.load_adapters(converted)
+    assert_rows_match(model, oracles, mixed_rows(paths), *left_padded_batch([5, 4, 3, 6, 2, 5, 4, 3][: len(paths) + 2]))
+
+
+def test_plain_lora_makes_no_vector_tables_and_a_dora_adapter_asks_for_new_graphs(tmp_path):
+    base = make_base("llama")
+    adapters = MODELS["llama"][1]
+    model = MultiLoraModel(copy.deepcopy(base), max_adapters=2, max_rank=8)
+    model.load_adapters({"plain": save_vector_adapter(base, tmp_path / "plain", 0, **adapters["plain"])})
+    tables = {id(hook.tables): hook.tables for hook in model._injection.hooks.values()}
+    assert all(t.vector_table_count == 0 for t in tables.values())  # plain LoRA applies no vectors: no ops
+    layout = model.layout_version
+    model.load_adapters({"dora": save_vector_adapter(base, tmp_path / "dora", 1, **adapters["dora_rs"])})
+    assert model.layout_version != layout  # hooks already there now apply vectors: captured graphs are stale
+    with_vectors = {name for name, hook in model._injection.hooks.items() if hook.row in hook.tables.vectors}
+    assert with_vectors == {f"model.layers.{i}.self_attn.{p}" for i in range(2) for p in ("q_proj", "v_proj")}
+
+
+def test_bias_all_that_changes_a_bias_outside_its_modules_is_refused(tmp_path):
+    base = make_base("llama")
+    changed = copy.deepcopy(base)
+    with torch.no_grad():
+        changed.model.layers[0].self_attn.k_proj.bias.add_(1.0)  # k_proj: not one of the adapter's modules
+    path = save_vector_adapter(changed, tmp_path / "all", 0, **MODELS["llama"][1]["bias_all"])
+    model = MultiLoraModel(copy.deepcopy(base), max_adapters=2, max_rank=8)
+    with pytest.raises(ValueError, match=r"changes the bias of model\.layers\.0\.self_attn\.k_proj"):
+        model.load_adapters({"all": path})
+    assert not model._injection.hooks and not model.adapter_stats["registered"]  # nothing changed
+
+
+def test_dora_on_a_model_without_biases(tmp_path):
+    """No base bias: DoRA is a scale alone, with no shift table."""
+    base = tiny_llama()
+    path = save_vector_adapter(base, tmp_path / "dora", 3, r=4, use_dora=True, target_modules=["q_proj", "down_proj"])
+    model = MultiLoraModel(copy.deepcopy(base), max_adapters=2, max_rank=8)
+    model.load_adapters({"dora": path})
+    hook = model._injection.hooks["model.layers.0.self_attn.q_proj"]
+    scale, shift = hook.tables.vectors[hook.row]
+    assert scale is not None and shift is None
+    assert_rows_match(model, peft_oracles(base, {"dora": path}), ["dora", None], *left_padded_batch([5, 3], seed=4))
