@@ -146,7 +146,8 @@ class DeviceTables:
         made = False
         for index, (wanted, identity) in enumerate(((scale, 1), (shift, 0))):
             if wanted and row_tables[index] is None:
-                table = torch.full((self.num_slots + 1, out_features), identity, dtype=self.pool.dtype, device=self.device)
+                shape = (self.num_slots + 1, out_features)
+                table = torch.full(shape, identity, dtype=self.pool.dtype, device=self.device)
                 if table.is_cuda:
                     mark_static_address(table)
                 row_tables[index] = table

@@ -17,6 +17,7 @@ from vector_adapters import MODELS, left_padded_batch, make_base, peft_oracles, 
 from punica_hf import MultiLoraModel
 from punica_hf.formats import convert_adapter
 from punica_hf.layers import LoraHook
+from punica_hf.serving import Engine, EngineConfig, SamplingParams
 
 ATOL = 2e-5
 
@@ -137,3 +138,27 @@ def test_dora_on_a_model_without_biases(tmp_path):
     scale, shift = hook.tables.vectors[hook.row]
     assert scale is not None and shift is None
     assert_rows_match(model, peft_oracles(base, {"dora": path}), ["dora", None], *left_padded_batch([5, 3], seed=4))
+
+
+def test_the_engine_serves_vector_adapters_as_generate_does(tmp_path):
+    """Requests with DoRA and bias adapters interleaved with plain LoRA and base requests in continuous batches give
+    generate()'s tokens, which are PEFT's."""
+    base = make_base("llama")
+    names = ["dora", "lora_only", "plain", "lora_bias"]
+    paths = {name: save_vector_adapter(base, tmp_path / name, seed, **MODELS["llama"][1][name])
+             for seed, name in enumerate(names)}
+    oracles = peft_oracles(base, paths)
+    model = MultiLoraModel(base, max_adapters=len(paths), max_rank=8)
+    model.load_adapters(paths)
+    plan = [(adapter, torch.randint(2, 96, (3 + 2 * i,), generator=torch.Generator().manual_seed(i)).tolist(), 4 + i)
+            for i, adapter in enumerate([*names, None, "dora"])]
+    expected = []  # generate() of ours and of PEFT agree
+    for adapter, prompt, new_tokens in plan:
+        kwargs = dict(input_ids=torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+        tokens = model.generate(**kwargs, adapter_ids=[adapter])[0, len(prompt):].tolist()
+        assert tokens == oracles[adapter].generate(**kwargs)[0, len(prompt):].tolist()
+        expected.append(tokens)
+    with Engine(model, config=EngineConfig(max_running=4)) as engine:
+        handles = [engine.submit(prompt, adapter, SamplingParams(max_new_tokens=n)) for adapter, prompt, n in plan]
+        completions = [handle.result(timeout=60) for handle in handles]
+    assert [list(completion.token_ids) for completion in completions] == expected

@@ -6,8 +6,8 @@ module's rank and scaling in the config and multiply the scaling into B. A conve
 ``"<module>.lora_b_t"`` ``[r, out]`` (B transposed, the scaling folded in), so that placing an adapter copies
 contiguous rows and transposes nothing; where the adapter has them, ``"<module>.magnitude"`` (DoRA),
 ``"<module>.lora_bias"`` (scaling folded in) and ``"<module>.base_bias"`` ``[out]``, and a ``bias="all"``
-checkpoint's biases of other modules as ``"<module>.bias"``; float32 by default (bit-identical to loading the PEFT checkpoint) or
-bf16/fp16 (half the size). Its safetensors metadata say what it is:
+checkpoint's biases of other modules as ``"<module>.bias"``; float32 by default (bit-identical to loading the PEFT
+checkpoint) or bf16/fp16 (half the size). Its safetensors metadata say what it is:
 
 - ``format``: ``"punica_hf.lora.v2"``, so any other safetensors file is refused by name (``v1`` files, which held
   ``"<module>.lora_b"`` ``[out, r]``, are still read);
