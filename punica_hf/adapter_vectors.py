@@ -3,7 +3,8 @@
 PEFT's inference output of a linear layer with one adapter, ``y_peft``, in terms of what a LoRA hook has at hand,
 ``y = W x + b0 + s B A x`` (the base layer's output with its own bias ``b0``, plus plain LoRA):
 
-- LoRA bias (``lora_bias=True``): lora_B is a linear layer with bias ``bB``, so ``y_peft = y + s bB``.
+- LoRA bias (``lora_bias=True``): lora_B is a linear layer with bias ``bB``, so ``y_peft = y + s bB`` (also on a
+  base layer without bias, where ``b0`` is 0).
 - ``bias="lora_only"`` / ``"all"``: PEFT loads the adapter's own bias ``b1`` into the base layer:
   ``y_peft = y + (b1 - b0)``.
 - DoRA: with ``g = m / ||W + s B A||`` per output row (PEFT's norm, over each row of the weight it builds from
@@ -34,13 +35,11 @@ def output_vectors(module_name: str, module: nn.Module, factors: ModuleLora) -> 
         return factors
     if not isinstance(module, (nn.Linear, Conv1D)):
         kind = type(module).__name__
-        raise ValueError(f"DoRA and LoRA biases are served on linear layers only; module {module_name} is a {kind}")
+        raise ValueError(f"DoRA and LoRA biases are served on linear layers only, not on {module_name} ({kind})")
     base_bias = _local_float(getattr(module, "bias", None), module_name, "bias")
     base_bias = None if base_bias is None else base_bias.cpu()
     if factors.base_bias is not None and base_bias is None:
         raise ValueError(f"module {module_name} has no bias in the base model, but the adapter holds one for it")
-    if factors.lora_bias is not None and base_bias is None:
-        raise ValueError(f"module {module_name} has no bias in the base model: PEFT refuses lora_bias=True on it")
     lora_b = factors.lora_b.float()
     lora_bias = None if factors.lora_bias is None else factors.lora_bias.float().to(lora_b.device)
     scale = None

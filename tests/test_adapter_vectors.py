@@ -15,7 +15,7 @@ from helpers import tiny_llama
 from vector_adapters import MODELS, left_padded_batch, make_base, peft_oracles, save_adapters, save_vector_adapter
 
 from punica_hf import MultiLoraModel
-from punica_hf.formats import convert_adapter
+from punica_hf.formats import AdapterWeights, LoraAdapterConfig, ModuleLora, convert_adapter
 from punica_hf.layers import LoraHook
 from punica_hf.serving import Engine, EngineConfig, SamplingParams
 
@@ -128,16 +128,22 @@ def test_bias_all_that_changes_a_bias_outside_its_modules_is_refused(tmp_path):
     assert not model._injection.hooks and not model.adapter_stats["registered"]  # nothing changed
 
 
-def test_dora_on_a_model_without_biases(tmp_path):
-    """No base bias: DoRA is a scale alone, with no shift table."""
+def test_vectors_on_a_model_without_biases(tmp_path):
+    """No base bias: DoRA is a scale alone (no shift table), LoRA bias a shift alone (PEFT serves it there too)."""
     base = tiny_llama()
-    path = save_vector_adapter(base, tmp_path / "dora", 3, r=4, use_dora=True, target_modules=["q_proj", "down_proj"])
+    targets = ["q_proj", "down_proj"]
+    paths = {
+        "dora": save_vector_adapter(base, tmp_path / "dora", 3, r=4, use_dora=True, target_modules=targets),
+        "lora_bias": save_vector_adapter(base, tmp_path / "lora_bias", 4, r=4, lora_bias=True, target_modules=targets),
+    }
     model = MultiLoraModel(copy.deepcopy(base), max_adapters=2, max_rank=8)
-    model.load_adapters({"dora": path})
+    model.load_adapters({"dora": paths["dora"]})
     hook = model._injection.hooks["model.layers.0.self_attn.q_proj"]
     scale, shift = hook.tables.vectors[hook.row]
     assert scale is not None and shift is None
-    assert_rows_match(model, peft_oracles(base, {"dora": path}), ["dora", None], *left_padded_batch([5, 3], seed=4))
+    model.load_adapters({"lora_bias": paths["lora_bias"]})
+    rows = ["dora", None, "lora_bias"]
+    assert_rows_match(model, peft_oracles(base, paths), rows, *left_padded_batch([5, 3, 4], seed=4))
 
 
 def test_the_engine_serves_vector_adapters_as_generate_does(tmp_path):
@@ -162,3 +168,18 @@ def test_the_engine_serves_vector_adapters_as_generate_does(tmp_path):
         handles = [engine.submit(prompt, adapter, SamplingParams(max_new_tokens=n)) for adapter, prompt, n in plan]
         completions = [handle.result(timeout=60) for handle in handles]
     assert [list(completion.token_ids) for completion in completions] == expected
+
+
+def test_dora_on_an_embedding_is_refused_by_name():
+    base = tiny_llama()
+    embedding = ModuleLora(torch.randn(2, 100), torch.randn(32, 2), magnitude=torch.rand(32) + 0.5)
+    weights = AdapterWeights({"model.embed_tokens": embedding}, LoraAdapterConfig(r=2, lora_alpha=2), "memory")
+    model = MultiLoraModel(base, max_adapters=2, max_rank=8)
+    with pytest.raises(ValueError, match=r"linear layers only, not on model\.embed_tokens \(Embedding\)"):
+        model.load_adapters({"x": weights})
+    assert not model._injection.hooks and not model.adapter_stats["registered"]
+
+
+def test_a_vector_that_does_not_fit_its_module_is_refused():
+    with pytest.raises(ValueError, match=r"magnitude has shape \[16\], expected \[32\]"):
+        ModuleLora(torch.randn(2, 32), torch.randn(32, 2), magnitude=torch.rand(16))
