@@ -36,8 +36,10 @@ def output_vectors(module_name: str, module: nn.Module, factors: ModuleLora) -> 
     if not isinstance(module, (nn.Linear, Conv1D)):
         kind = type(module).__name__
         raise ValueError(f"DoRA and LoRA biases are served on linear layers only, not on {module_name} ({kind})")
-    base_bias = _local_float(getattr(module, "bias", None), module_name, "bias")
-    base_bias = None if base_bias is None else base_bias.cpu()
+    base_bias = None  # b0 drops out of the shift unless DoRA scales it or the adapter has its own bias
+    if factors.magnitude is not None or factors.base_bias is not None:
+        base_bias = _local_float(getattr(module, "bias", None), module_name, "bias")
+        base_bias = None if base_bias is None else base_bias.cpu()
     if factors.base_bias is not None and base_bias is None:
         raise ValueError(f"module {module_name} has no bias in the base model, but the adapter holds one for it")
     lora_b = factors.lora_b.float()
