@@ -8,6 +8,7 @@ the untouched base model. Batches mix these adapters with plain LoRA rows and ba
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from helpers import tiny_llama
 from vector_adapters import MODELS, left_padded_batch, make_base, peft_oracles, save_adapters, save_vector_adapter
 
 from punica_hf import MultiLoraModel
-from punica_hf.formats import AdapterWeights, LoraAdapterConfig, ModuleLora, convert_adapter
+from punica_hf.formats import AdapterWeights, LoraAdapterConfig, ModuleLora, convert_adapter, load_adapter_weights
 from punica_hf.layers import LoraHook
 from punica_hf.serving import Engine, EngineConfig, SamplingParams
 
@@ -100,6 +101,24 @@ def test_converted_files_carry_the_vectors(setup, tmp_path):
     model = MultiLoraModel(copy.deepcopy(base), max_adapters=len(paths), max_rank=8)
     model.load_adapters(converted)
     assert_rows_match(model, oracles, mixed_rows(paths), *left_padded_batch([5, 4, 3, 6, 2, 5, 4, 3][: len(paths) + 2]))
+
+
+def test_a_copy_of_the_model_keeps_the_vectors(setup):
+    _, _, paths, oracles, model = setup
+    assert_rows_match(copy.deepcopy(model), oracles, mixed_rows(paths), *left_padded_batch([4] * (len(paths) + 2)))
+
+
+def test_a_scale_beyond_the_layers_dtype_is_refused(tmp_path):
+    """A DoRA magnitude whose scale float16 cannot hold would turn the layer's output into inf."""
+    base = make_base("llama").half()
+    path = save_vector_adapter(base.float(), tmp_path / "dora", 0, r=2, use_dora=True, target_modules=["q_proj"])
+    weights = load_adapter_weights(path)
+    q_proj = "model.layers.0.self_attn.q_proj"
+    huge = dataclasses.replace(weights.modules[q_proj], magnitude=torch.full((32,), 1e9))
+    model = MultiLoraModel(make_base("llama").half(), max_adapters=2, max_rank=8)
+    with pytest.raises(ValueError, match=f"module {q_proj} has values of magnitude up to .* in its output_scale"):
+        model.load_adapters({"x": dataclasses.replace(weights, modules={**weights.modules, q_proj: huge})})
+    assert not model._injection.hooks
 
 
 def test_plain_lora_makes_no_vector_tables_and_a_dora_adapter_asks_for_new_graphs(tmp_path):

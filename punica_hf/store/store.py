@@ -672,8 +672,9 @@ class AdapterStore:
                 raise ValueError(
                     f"adapter {name!r}: module {module_name} has rank {factors.rank} > max_rank={self.max_rank}"
                 )
-            for factor_name in ("lora_a", "lora_b"):
-                _check_in_range(name, module_name, factor_name, getattr(factors, factor_name), target.dtype)
+            for factor_name in ("lora_a", "lora_b", "output_scale", "output_shift"):
+                if getattr(factors, factor_name) is not None:
+                    _check_in_range(name, module_name, factor_name, getattr(factors, factor_name), target.dtype)
 
     def _check_sizes(self, name: str, layouts: dict[torch.device, ChunkLayout], device_bytes: int) -> None:
         for device, layout in layouts.items():
