@@ -153,6 +153,8 @@ class LoraInjection:
             raise
         vector_tables = sum(device_tables.vector_table_count for device_tables in tables.values())
         if hooked or vector_tables != self._vector_tables:
+            for hook in self.hooks.values():  # hooks installed before their layer's vector tables were made
+                hook.vectors = hook.tables.vectors.get(hook.row)
             self.layout_version += 1
             self._vector_tables = vector_tables
         return hooked

@@ -183,7 +183,8 @@ class DeviceTables:
         """Apply an ``nn.Module._apply`` function (``.to()``, ``.cuda()``, ...) to the tensors and remake views."""
         self.pool = fn(self.pool)
         self.a_offsets, self.b_offsets, self.ranks = fn(self.a_offsets), fn(self.b_offsets), fn(self.ranks)
-        self.vectors = {row: [None if t is None else fn(t) for t in tables] for row, tables in self.vectors.items()}
+        for row_tables in self.vectors.values():  # in place: hooks hold these lists
+            row_tables[:] = [None if table is None else fn(table) for table in row_tables]
         self._make_row_views()
 
     def _make_row_views(self) -> None:
@@ -274,7 +275,7 @@ class LoraHook:
 
     # No instance __dict__ (see ProjectionGroup): fewer guards per hook in a compiled forward.
     __slots__ = ("module", "replaced_forward", "installed", "in_features", "out_features", "tables", "row",
-                 "context", "max_rank", "group", "member", "column_start")
+                 "context", "max_rank", "group", "member", "column_start", "vectors")
 
     def __init__(
         self, module: nn.Module, in_features: int, out_features: int, tables: DeviceTables, row: int,
@@ -287,6 +288,9 @@ class LoraHook:
         self.context = context
         self.max_rank = max_rank
         self.group = group
+        # [scale, shift] tables of this row (``DeviceTables.vectors``), set once an adapter with output vectors on
+        # this layer is loaded; None (plain LoRA) costs a compiled forward one guard, not a dict lookup
+        self.vectors = tables.vectors.get(row)
         if group is not None:
             self.member = row - group.first_row
             self.column_start = group.column_starts[self.member]  # this module's columns of the group's updates
@@ -323,10 +327,9 @@ class LoraHook:
         if segments is None:
             return output
         output = self._add_lora(module, args, output, segments)
-        row_vectors = self.tables.vectors.get(self.row)
-        if row_vectors is None:  # no adapter with output vectors on this layer: nothing more to do
+        if self.vectors is None:  # no adapter with output vectors on this layer: nothing more to do
             return output
-        return _scale_and_shift(output, *row_vectors, segments.token_slots)
+        return _scale_and_shift(output, *self.vectors, segments.token_slots)
 
     def _add_lora(
         self, module: nn.Module, args: tuple, output: torch.Tensor, segments: LoraSegments

@@ -108,6 +108,19 @@ def test_a_copy_of_the_model_keeps_the_vectors(setup):
     assert_rows_match(copy.deepcopy(model), oracles, mixed_rows(paths), *left_padded_batch([4] * (len(paths) + 2)))
 
 
+def test_a_dtype_change_after_loading_keeps_the_vectors(tmp_path):
+    base = make_base("llama")
+    names = ["dora", "lora_only", "plain"]
+    paths = {name: save_vector_adapter(base, tmp_path / name, seed, **MODELS["llama"][1][name])
+             for seed, name in enumerate(names)}
+    model = MultiLoraModel(copy.deepcopy(base), max_adapters=2, max_rank=8)  # "plain" placed later, from the host
+    model.load_adapters(paths)
+    model.to(torch.float64)
+    oracles = {name: oracle.double() for name, oracle in peft_oracles(base, paths).items()}
+    assert_rows_match(model, oracles, ["dora", None, "lora_only"], *left_padded_batch([5, 3, 4], seed=5))
+    assert_rows_match(model, oracles, ["plain", "dora"], *left_padded_batch([5, 3], seed=6))
+
+
 def test_a_scale_beyond_the_layers_dtype_is_refused(tmp_path):
     """A DoRA magnitude whose scale float16 cannot hold would turn the layer's output into inf."""
     base = make_base("llama").half()
