@@ -90,9 +90,10 @@ def _local_float(tensor: torch.Tensor | None, module_name: str, what: str) -> to
     return tensor.detach().float()
 
 
-def check_other_biases(weights: AdapterWeights, model: nn.Module) -> None:
+def check_other_biases(weights: AdapterWeights, model: nn.Module, column_splits: dict[str, slice]) -> None:
     """A ``bias="all"`` checkpoint's biases of modules it puts no LoRA on must be the base model's own: PEFT would
-    load them into the base model, changing it for every request, base rows and other adapters included."""
+    load them into the base model, changing it for every request, base rows and other adapters included.
+    ``column_splits``: this rank's output rows of layers split by them (tensor parallelism), whose bias is split too."""
     for module_name, saved in weights.other_biases.items():
         try:
             bias = model.get_submodule(module_name).bias
@@ -100,6 +101,9 @@ def check_other_biases(weights: AdapterWeights, model: nn.Module) -> None:
             continue
         if not isinstance(bias, torch.Tensor):
             continue
+        if hasattr(bias, "to_local"):  # this rank's part of it
+            bias = bias.to_local()
+            saved = saved[column_splits[module_name]] if module_name in column_splits else saved
         if not torch.equal(saved.to(device=bias.device, dtype=bias.dtype), bias.detach()):
             raise ValueError(
                 f"its checkpoint (bias='all') changes the bias of {module_name}, a module without LoRA: that would "

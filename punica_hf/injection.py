@@ -82,7 +82,8 @@ class LoraInjection:
         parallelism, this rank's share of each split layer's factors."""
         try:
             selected = weights_for_model(weights, ModelModules.of(self.model))
-            check_other_biases(selected, self.model)
+            column_splits = {name: split.out_slice for name, split in self.splits.items() if split.style == COLUMN}
+            check_other_biases(selected, self.model, column_splits)
             if not self.splits and not any(factors.has_vectors for factors in selected.modules.values()):
                 return selected
             modules = dict(self.model.named_modules())

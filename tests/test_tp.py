@@ -49,11 +49,12 @@ def _save_models_and_adapters(root: Path) -> None:
     save_peft_adapter(models["qwen2"], qwen2 / "attn", r=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
                       seed=8)
     save_peft_adapter(models["qwen2"], qwen2 / "mlp", r=8, target_modules=["gate_proj", "up_proj", "down_proj"], seed=9)
-    # DoRA and LoRA bias on column-split layers with biases (q/k/v), and DoRA on a row-split one (refused)
+    # DoRA, LoRA bias and bias="all" on column-split layers with biases (q/k/v), DoRA on a row-split one (refused)
     column_split = ["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"]
     save_vector_adapter(models["qwen2"], qwen2 / "dora", 10, r=4, use_dora=True, target_modules=column_split)
     save_vector_adapter(models["qwen2"], qwen2 / "lora_bias", 11, r=4, lora_bias=True, target_modules=column_split[:3])
     save_vector_adapter(base, even / "dora_o", 12, r=4, use_dora=True, target_modules=["q_proj", "o_proj"])
+    save_vector_adapter(models["qwen2"], qwen2 / "bias_all", 13, r=4, bias="all", target_modules=["q_proj"])
 
 
 @pytest.fixture(scope="module")

@@ -181,8 +181,9 @@ def packed_refusal(results: dict) -> None:
 
 
 def vector_adapters(results: dict) -> None:
-    """DoRA and LoRA bias on column-split layers against the whole model; DoRA on a row-split layer is refused."""
-    compare_model("qwen2", ["dora", "lora_bias", "attn"], ["dora", None, "lora_bias", "attn"], results)
+    """DoRA, LoRA bias and bias="all" (its biases of k/v checked against this rank's rows) on column-split layers
+    against the whole model; DoRA on a row-split layer is refused."""
+    compare_model("qwen2", ["dora", "lora_bias", "attn", "bias_all"], ["dora", "bias_all", "lora_bias", None], results)
     split = MultiLoraModel(load("even", True), max_adapters=2, max_rank=16)
     results["row_split"] = refusal(lambda: split.load_adapters(adapters("even", "dora_o")))
     results["row_split_adapters"] = split.adapters
