@@ -175,8 +175,8 @@ def adapter_weights_from_peft(
             factors.setdefault(match["module"], {})[_tensor_kind(match)] = tensor
         elif key.endswith(_BASE_COPY_SUFFIX):
             base_copies.append(key)
-        elif _OTHER_BIAS_KEY.match(key):
-            biases[_OTHER_BIAS_KEY.match(key)["module"]] = tensor
+        elif (bias_match := _OTHER_BIAS_KEY.match(key)) is not None:
+            biases[bias_match["module"]] = tensor.float()
         else:
             raise ValueError(f"unexpected tensor {key!r} in adapter {source}: not a LoRA A/B weight")
     for key in base_copies:
@@ -218,7 +218,7 @@ def adapter_weights_from_peft(
             )
         except ValueError as error:
             raise ValueError(f"adapter {source}: module {name}: {error}") from None
-    return AdapterWeights(modules=modules, config=config, source=source, other_biases=_float(biases))
+    return AdapterWeights(modules=modules, config=config, source=source, other_biases=biases)
 
 
 def _tensor_kind(match: re.Match) -> str:
@@ -229,7 +229,3 @@ def _tensor_kind(match: re.Match) -> str:
     if match["param"] == "bias":
         return "lora_bias" if factor == "lora_B" else "lora_A.bias"
     return factor
-
-
-def _float(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {name: tensor.float() for name, tensor in tensors.items()}

@@ -22,7 +22,7 @@ class ModuleLora:
     Per-output-row vectors ``[out]`` of PEFT features beyond plain LoRA (None when the adapter lacks them):
     ``magnitude``: DoRA's magnitude; ``lora_bias``: lora_B's bias (``lora_bias=True``), scaling folded in;
     ``base_bias``: the adapter's own bias of the base layer (``bias="lora_only"`` / ``"all"``). A model turns them
-    into ``output_scale`` / ``output_shift`` (see ``injection.output_vectors``): the layer's output with LoRA
+    into ``output_scale`` / ``output_shift`` (``punica_hf.adapter_vectors``): the layer's output with LoRA
     becomes ``output * output_scale + output_shift``.
     """
 
