@@ -13,7 +13,15 @@ import dataclasses
 import pytest
 import torch
 from helpers import tiny_llama
-from vector_adapters import MODELS, left_padded_batch, make_base, peft_oracles, save_adapters, save_vector_adapter
+from vector_adapters import (
+    MODELS,
+    left_padded_batch,
+    make_base,
+    peft_oracles,
+    row_lengths,
+    save_adapters,
+    save_vector_adapter,
+)
 
 from punica_hf import MultiLoraModel
 from punica_hf.formats import AdapterWeights, LoraAdapterConfig, ModuleLora, convert_adapter, load_adapter_weights
@@ -57,7 +65,7 @@ def test_mixed_batch_logits_match_peft_row_by_row(setup, monkeypatch):
     grouped_calls = []
     group_delta = LoraHook._group_delta
     monkeypatch.setattr(LoraHook, "_group_delta", lambda self, *a: grouped_calls.append(1) or group_delta(self, *a))
-    assert_rows_match(model, oracles, rows, *left_padded_batch([7, 4, 9, 9, 2, 6, 5, 3][: len(rows)]))
+    assert_rows_match(model, oracles, rows, *left_padded_batch(row_lengths(len(rows))))
     if setup[0] == "llama":  # q/k/v and gate/up compute their updates in one call, the vectors follow each member
         assert grouped_calls
 
@@ -66,7 +74,7 @@ def test_mixed_batch_logits_match_peft_row_by_row(setup, monkeypatch):
 def test_generate_matches_peft_row_by_row(setup):
     _, _, paths, oracles, model = setup
     rows = mixed_rows(paths)
-    input_ids, attention_mask = left_padded_batch([5, 3, 6, 6, 2, 4, 5, 3][: len(rows)], seed=1)
+    input_ids, attention_mask = left_padded_batch(row_lengths(len(rows)), seed=1)
     kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=6, do_sample=False)
     tokens = model.generate(**kwargs, adapter_ids=rows)
     for row, adapter in enumerate(rows):
@@ -100,7 +108,7 @@ def test_converted_files_carry_the_vectors(setup, tmp_path):
     converted = {adapter: convert_adapter(path, tmp_path / f"{adapter}.safetensors") for adapter, path in paths.items()}
     model = MultiLoraModel(copy.deepcopy(base), max_adapters=len(paths), max_rank=8)
     model.load_adapters(converted)
-    assert_rows_match(model, oracles, mixed_rows(paths), *left_padded_batch([5, 4, 3, 6, 2, 5, 4, 3][: len(paths) + 2]))
+    assert_rows_match(model, oracles, mixed_rows(paths), *left_padded_batch(row_lengths(len(paths) + 2), seed=3))
 
 
 def test_a_copy_of_the_model_keeps_the_vectors(setup):

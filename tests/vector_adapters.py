@@ -30,6 +30,8 @@ MODELS = {
             "lora_bias": dict(r=4, lora_alpha=8, lora_bias=True, target_modules=["q_proj", "v_proj", "up_proj"]),
             "lora_only": dict(r=4, lora_alpha=8, bias="lora_only", target_modules=["k_proj", "o_proj", "down_proj"]),
             "bias_all": dict(r=3, lora_alpha=6, bias="all", target_modules=["v_proj", "gate_proj"]),
+            "dora_bias": dict(r=2, lora_alpha=4, use_dora=True, bias="lora_only",
+                              target_modules=["q_proj", "down_proj"]),
             "plain": dict(r=4, lora_alpha=8, target_modules=LLAMA_ATTENTION),
         },
     ),
@@ -77,6 +79,11 @@ def peft_oracles(base: torch.nn.Module, paths: dict[str, Path]) -> dict[str | No
     """One PeftModel per adapter (a bias="lora_only" adapter changes its PeftModel's base biases), and the base."""
     oracles = {name: PeftModel.from_pretrained(copy.deepcopy(base), path).eval() for name, path in paths.items()}
     return {**oracles, None: copy.deepcopy(base)}
+
+
+def row_lengths(count: int) -> list[int]:
+    """``count`` prompt lengths from 2 to 9, varied, for ragged batches."""
+    return [(3 + 5 * row) % 8 + 2 for row in range(count)]
 
 
 def left_padded_batch(lengths: list[int], seed: int = 0):

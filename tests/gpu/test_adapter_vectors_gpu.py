@@ -8,7 +8,15 @@ import copy
 
 import pytest
 import torch
-from vector_adapters import MODELS, left_padded_batch, make_base, peft_oracles, save_adapters, save_vector_adapter
+from vector_adapters import (
+    MODELS,
+    left_padded_batch,
+    make_base,
+    peft_oracles,
+    row_lengths,
+    save_adapters,
+    save_vector_adapter,
+)
 
 from punica_hf import MultiLoraModel, ops
 from punica_hf.serving import Engine, EngineConfig, SamplingParams
@@ -22,7 +30,7 @@ pytestmark = [
 def _wrapped(base, paths, device, dtype):
     if device == "cuda":  # a failed kernel build would fall back to PyTorch's ops: here it must fail the test
         assert isinstance(ops.backend_for(torch.device(device)), ops.CudaLoraBackend)
-    model = MultiLoraModel(copy.deepcopy(base).to(device=device, dtype=dtype), max_adapters=6, max_rank=8)
+    model = MultiLoraModel(copy.deepcopy(base).to(device=device, dtype=dtype), max_adapters=8, max_rank=8)
     model.load_adapters(paths)
     return model
 
@@ -38,7 +46,7 @@ def test_gpu_fp32_equals_the_cpu_path_and_bf16_is_close_to_peft(name, tmp_path):
     base = make_base(name)
     paths = save_adapters(name, base, tmp_path)
     rows = _rows(paths)
-    input_ids, attention_mask = left_padded_batch([7, 4, 9, 9, 2, 6, 5, 3][: len(rows)])
+    input_ids, attention_mask = left_padded_batch(row_lengths(len(rows)))
     batch = {"input_ids": input_ids, "attention_mask": attention_mask}
     gpu_batch = {key: value.cuda() for key, value in batch.items()}
     real = attention_mask.bool()
