@@ -8,15 +8,8 @@ import copy
 
 import pytest
 import torch
-from vector_adapters import (
-    MODELS,
-    left_padded_batch,
-    make_base,
-    peft_oracles,
-    row_lengths,
-    save_adapters,
-    save_vector_adapter,
-)
+from vector_adapters import MODELS, make_base, peft_oracles, save_adapters, save_vector_adapter
+from vector_adapters import left_padded_batch, row_lengths
 
 from punica_hf import MultiLoraModel, ops
 from punica_hf.serving import Engine, EngineConfig, SamplingParams
