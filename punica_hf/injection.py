@@ -19,17 +19,20 @@ import torch
 from torch import nn
 
 from .base_layers import LinearModule, check_servable, linear_features, lora_device, lora_dtype
-from .formats import AdapterWeights, ModelModules, weights_for_model
+from .adapter_vectors import check_other_biases, output_vectors
+from .formats import AdapterWeights, ModelModules, ModuleLora, weights_for_model
+from .formats.weights import VECTOR_NAMES
 from .layers import DeviceTables, LoraContext, LoraHook, ProjectionGroup, find_projection_groups
-from .tensor_parallel import LinearSplit, find_splits, take_wrapper_off, wrap
+from .tensor_parallel import COLUMN, LinearSplit, find_splits, take_wrapper_off, wrap
 from .vocab_layers import EmbeddingLoraHook, OutputLoraHook
 
 
 class LoraInjection:
     """The LoRA hooks of one model, by module name, and the projection groups they share.
 
-    ``layout_version`` is bumped whenever a hook is installed or removed: CUDA graphs captured before then run
-    another set of hooks and must be captured again. (A device pool is only ever made for modules that get their
+    ``layout_version`` is bumped whenever a hook is installed or removed, or ``attach`` finds new tables of output
+    vectors (DoRA, LoRA biases) that hooks apply: CUDA graphs captured before then run other ops and must be
+    captured again. (A device pool is only ever made for modules that get their
     first hook in the same call, so this also counts new pools.)
     """
 
@@ -40,6 +43,7 @@ class LoraInjection:
         self.hooks: dict[str, LoraHook] = {}
         self.groups: dict[str, ProjectionGroup] | None = None  # module name -> its group, made with the first hook
         self.layout_version = 0
+        self._vector_tables = 0  # output-vector tables seen by attach (they are never removed)
         self.splits: dict[str, LinearSplit] = find_splits(model)  # layers split by tensor parallelism
         self.tp_wrappers: dict[str, object] = {}  # split layer -> the tensor-parallel forward its hook's wrapper replaced
 
@@ -88,16 +92,19 @@ class LoraInjection:
         try:
             selected = self._with_tied_output_lora(weights, weights_for_model(weights, ModelModules.of(self.model)))
             self._check_base_copies(selected)
-            if not self.splits:
+            column_splits = {name: split.out_slice for name, split in self.splits.items() if split.style == COLUMN}
+            check_other_biases(selected, self.model, column_splits)
+            if not self.splits and not any(factors.has_vectors for factors in selected.modules.values()):
                 return selected
             modules = dict(self.model.named_modules())
             shares = {}
             for name, factors in selected.modules.items():
                 split = self.splits.get(name)
-                if split is None or split.problem is not None:  # refused by check_targets, with the reason
-                    shares[name] = factors
-                else:
-                    shares[name] = split.shard(name, factors, *linear_features(modules[name]))
+                if split is not None and split.problem is None:  # else refused by check_targets, with the reason
+                    factors = _shard(name, split, factors, modules[name])
+                if name in modules and (split is None or split.problem is None):  # else a stray check_targets refuses
+                    factors = output_vectors(name, modules[name], factors)
+                shares[name] = factors
             return replace(selected, modules=shares)
         except ValueError as error:
             raise ValueError(f"adapter {adapter!r}: {error}") from None
@@ -215,8 +222,12 @@ class LoraInjection:
         except BaseException:
             self.detach(hooked)
             raise
-        if hooked:
+        vector_tables = sum(device_tables.vector_table_count for device_tables in tables.values())
+        if hooked or vector_tables != self._vector_tables:
+            for hook in self.hooks.values():  # hooks installed before their layer's vector tables were made
+                hook.vectors = hook.tables.vectors.get(hook.row)
             self.layout_version += 1
+            self._vector_tables = vector_tables
         return hooked
 
     def detach(self, module_names: Iterable[str]) -> None:
@@ -254,6 +265,21 @@ def _embedding_problem(module: nn.Embedding) -> str | None:
     except ValueError as error:
         return str(error)
     return None
+
+
+def _shard(name: str, split: LinearSplit, factors: ModuleLora, module: nn.Module) -> ModuleLora:
+    """This rank's share of a split layer's factors and of their per-output-row vectors (column splits only: on a
+    row-split layer the vectors would apply to each rank's partial sum, before the all-reduce)."""
+    share = split.shard(name, factors, *linear_features(module))
+    if not factors.has_vectors:
+        return share
+    if split.style != COLUMN:
+        raise ValueError(
+            f"module {name} is split by its input features (tensor parallelism): DoRA and LoRA biases need its whole "
+            "output, which only the all-reduce after it has; they are served on column-split layers only"
+        )
+    rows = {key: getattr(factors, key)[split.out_slice] for key in VECTOR_NAMES if getattr(factors, key) is not None}
+    return replace(share, **rows)
 
 
 def _servable(module: nn.Module, name: str) -> bool:

@@ -125,6 +125,10 @@ class DeviceTables:
         a_offsets, b_offsets: ``[L, S]`` int64, element offsets of ``A`` ``[r, in]`` and ``B^T`` ``[r, out]`` of
             slot ``s`` in hook-row ``l``'s module.
         ranks: ``[L, S]`` int32, rank of slot ``s`` in row ``l``'s module, 0 when that adapter does not target it.
+        vectors: row ``l`` -> ``[scale, shift]``, each ``[S + 1, out]`` or None: the per-output-row vectors of
+            DoRA and LoRA biases (``punica_hf.adapter_vectors``), the layer's output becoming ``output * scale[s] +
+            shift[s]``. The last row is the base model's (a token without adapter has slot -1): scale 1, shift 0.
+            Made for a row only when an adapter that needs it is loaded: plain LoRA runs no op for them.
     ``L`` = rows (one per hooked module on this device, allocated up front for every module that could be hooked),
     ``S`` = slots. An eager forward reads each hook's row through views made once (``row(l)``): no indexing per
     call. A compiled forward indexes the whole tables inside the graph instead, so the graph takes four inputs per
@@ -137,6 +141,7 @@ class DeviceTables:
         self.a_offsets = torch.zeros(num_rows, num_slots, dtype=torch.int64, device=device)
         self.b_offsets = torch.zeros(num_rows, num_slots, dtype=torch.int64, device=device)
         self.ranks = torch.zeros(num_rows, num_slots, dtype=torch.int32, device=device)
+        self.vectors: dict[int, list[torch.Tensor | None]] = {}
         self._rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self._blocks: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._make_row_views()
@@ -148,6 +153,25 @@ class DeviceTables:
     @property
     def num_slots(self) -> int:
         return self.ranks.shape[1]
+
+    @property
+    def vector_table_count(self) -> int:
+        return sum(table is not None for row_tables in self.vectors.values() for table in row_tables)
+
+    def add_vectors(self, row: int, out_features: int, scale: bool, shift: bool) -> bool:
+        """Make row ``row``'s scale and / or shift tables if it has none yet (every slot the identity); whether any
+        was made (the hooks then run more ops: CUDA graphs must be captured again)."""
+        row_tables = self.vectors.setdefault(row, [None, None])
+        made = False
+        for index, (wanted, identity) in enumerate(((scale, 1), (shift, 0))):
+            if wanted and row_tables[index] is None:
+                shape = (self.num_slots + 1, out_features)
+                table = torch.full(shape, identity, dtype=self.pool.dtype, device=self.device)
+                if table.is_cuda:
+                    mark_static_address(table)
+                row_tables[index] = table
+                made = True
+        return made
 
     def row(self, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(a_offsets [S], b_offsets [S], ranks [S])`` of hook-row ``index``: views, updated in place."""
@@ -178,6 +202,8 @@ class DeviceTables:
         """Apply an ``nn.Module._apply`` function (``.to()``, ``.cuda()``, ...) to the tensors and remake views."""
         self.pool = fn(self.pool)
         self.a_offsets, self.b_offsets, self.ranks = fn(self.a_offsets), fn(self.b_offsets), fn(self.ranks)
+        for row_tables in self.vectors.values():  # in place: hooks hold these lists
+            row_tables[:] = [None if table is None else fn(table) for table in row_tables]
         self._make_row_views()
 
     def _make_row_views(self) -> None:
@@ -186,7 +212,8 @@ class DeviceTables:
         # CUDA graphs (torch.compile's reduce-overhead, static-cache decode) must read these tensors in place,
         # not copy them into the graph's own inputs at every replay: the pool alone can be gigabytes.
         if self.pool.is_cuda:
-            for tensor in (self.pool, self.a_offsets, self.b_offsets, self.ranks):
+            vector_tables = [table for tables in self.vectors.values() for table in tables if table is not None]
+            for tensor in (self.pool, self.a_offsets, self.b_offsets, self.ranks, *vector_tables):
                 mark_static_address(tensor)
 
 
@@ -267,7 +294,7 @@ class LoraHook:
 
     # No instance __dict__ (see ProjectionGroup): fewer guards per hook in a compiled forward.
     __slots__ = ("module", "replaced_forward", "installed", "in_features", "out_features", "tables", "row",
-                 "context", "max_rank", "group", "member", "column_start")
+                 "context", "max_rank", "group", "member", "column_start", "vectors")
 
     def __init__(
         self, module: nn.Module, in_features: int, out_features: int, tables: DeviceTables, row: int,
@@ -280,6 +307,9 @@ class LoraHook:
         self.context = context
         self.max_rank = max_rank
         self.group = group
+        # [scale, shift] tables of this row (``DeviceTables.vectors``), set once an adapter with output vectors on
+        # this layer is loaded; None (plain LoRA) costs a compiled forward one guard, not a dict lookup
+        self.vectors = tables.vectors.get(row)
         if group is not None:
             self.member = row - group.first_row
             self.column_start = group.column_starts[self.member]  # this module's columns of the group's updates
@@ -310,11 +340,20 @@ class LoraHook:
         return self.add_update(module, args or tuple(kwargs.values()), output)
 
     def add_update(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
-        """``output`` of ``module`` for positional ``args``, plus each token's LoRA update."""
-        tables = self.tables
-        segments = self.token_segments(tables.device)
+        """``output`` of ``module`` for positional ``args``, plus each token's LoRA update, then (DoRA, LoRA biases)
+        times each token's output scale plus its shift."""
+        segments = self.token_segments(self.tables.device)
         if segments is None:
             return output
+        output = self._add_lora(module, args, output, segments)
+        if self.vectors is None:  # no adapter with output vectors on this layer: nothing more to do
+            return output
+        return _scale_and_shift(output, *self.vectors, segments.token_slots)
+
+    def _add_lora(
+        self, module: nn.Module, args: tuple, output: torch.Tensor, segments: LoraSegments
+    ) -> torch.Tensor:
+        tables = self.tables
         x = args[0] if args else None
         if not isinstance(x, torch.Tensor):
             raise ValueError(f"a LoRA-targeted {type(module).__name__} got no input tensor")
@@ -404,3 +443,16 @@ class LoraHook:
             output.add_(delta_tokens.view(output.shape))
             return output
         return output + delta_tokens.to(device=output.device, dtype=output.dtype).view(output.shape)
+
+
+def _scale_and_shift(
+    output: torch.Tensor, scale: torch.Tensor | None, shift: torch.Tensor | None, token_slots: torch.Tensor
+) -> torch.Tensor:
+    """``output * scale[slot] + shift[slot]`` per token (tables ``[S + 1, out]``, slot -1 reading the last row)."""
+    tokens = output.reshape(-1, output.shape[-1])
+    slots = token_slots.long()
+    if scale is not None:
+        tokens = tokens * scale[slots].to(device=output.device, dtype=output.dtype)
+    if shift is not None:
+        tokens = tokens + shift[slots].to(device=output.device, dtype=output.dtype)
+    return tokens.view(output.shape)

@@ -316,10 +316,6 @@ def test_weights_whose_rank_contradicts_the_config(unchanged, path_mlp, tmp_path
 
 # ------------------------------------------------------------------------------- unsupported PEFT features
 UNSUPPORTED = {  # id: (LoraConfig kwargs, how the error names the feature)
-    "dora": (dict(use_dora=True), r"DoRA \(use_dora=True\)"),
-    "bias-all": (dict(bias="all"), "bias='all'"),
-    "bias-lora-only": (dict(bias="lora_only"), "bias='lora_only'"),
-    "lora-bias": (dict(lora_bias=True), r"LoRA bias \(lora_bias=True\)"),
     "modules-to-save": (dict(modules_to_save=["lm_head"]), "modules_to_save"),
     "trainable-tokens": (dict(trainable_token_indices=[1, 2]), "trainable_token_indices"),
 }
@@ -350,7 +346,7 @@ def test_non_lora_adapter_is_refused(unchanged, base, tmp_path, peft_config, pef
 
 
 # ----------------------------------------------------------------------------------------- all or nothing
-BAD_SOURCES = ["rank-too-high", "truncated-weights", "dora", "missing-folder", "does-not-fit"]
+BAD_SOURCES = ["rank-too-high", "truncated-weights", "unsupported-feature", "missing-folder", "does-not-fit"]
 
 
 def _bad_source(kind: str, adapter, tmp_path: Path) -> Path:
@@ -361,8 +357,8 @@ def _bad_source(kind: str, adapter, tmp_path: Path) -> Path:
         weights = folder / "adapter_model.safetensors"
         weights.write_bytes(weights.read_bytes()[:100])
         return folder
-    if kind == "dora":
-        return unsupported_adapter(adapter, "dora")
+    if kind == "unsupported-feature":
+        return unsupported_adapter(adapter, "modules-to-save")
     if kind == "missing-folder":
         return tmp_path / "missing"
     if kind == "does-not-fit":

@@ -17,6 +17,7 @@ from architectures import ARCHITECTURES
 from helpers import save_peft_adapter, tiny_llama
 from punica_hf.tensor_parallel import _share, _style_problem
 from two_ranks import run_two_ranks
+from vector_adapters import save_vector_adapter
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch without torch.distributed")
 
@@ -48,6 +49,12 @@ def _save_models_and_adapters(root: Path) -> None:
     save_peft_adapter(models["qwen2"], qwen2 / "attn", r=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
                       seed=8)
     save_peft_adapter(models["qwen2"], qwen2 / "mlp", r=8, target_modules=["gate_proj", "up_proj", "down_proj"], seed=9)
+    # DoRA, LoRA bias and bias="all" on column-split layers with biases (q/k/v), DoRA on a row-split one (refused)
+    column_split = ["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"]
+    save_vector_adapter(models["qwen2"], qwen2 / "dora", 10, r=4, use_dora=True, target_modules=column_split)
+    save_vector_adapter(models["qwen2"], qwen2 / "lora_bias", 11, r=4, lora_bias=True, target_modules=column_split[:3])
+    save_vector_adapter(base, even / "dora_o", 12, r=4, use_dora=True, target_modules=["q_proj", "o_proj"])
+    save_vector_adapter(models["qwen2"], qwen2 / "bias_all", 13, r=4, bias="all", target_modules=["q_proj"])
 
 
 @pytest.fixture(scope="module")
@@ -149,6 +156,15 @@ def test_refusals_name_the_reason_and_change_nothing(ranks):
     for seen in _section(ranks, "packed"):
         assert "gate_proj" in seen["packed"] and "packed" in seen["packed"]
         assert seen["packed_adapters"] == {}
+
+
+def test_dora_and_lora_bias_on_column_split_layers_and_dora_refused_on_row_split_ones(ranks):
+    for seen in _section(ranks, "vectors"):
+        assert seen["lora_effect"] > 1e-2
+        assert seen["logits_difference"] < TOLERANCE and seen["per_token_difference"] < TOLERANCE
+        assert seen["tokens"] == seen["expected_tokens"]
+        assert "o_proj" in seen["row_split"] and "column-split layers only" in seen["row_split"]
+        assert seen["row_split_adapters"] == {}
 
 
 def test_a_load_interrupted_while_hooking_split_layers_leaves_them_as_they_were(ranks):

@@ -71,7 +71,7 @@ MALFORMED_CONFIGS = {
     "null-peft-type": ({"peft_type": None}, "only LoRA adapters are supported, this config has peft_type=None"),
     "string-use-dora": ({"use_dora": "false"}, "use_dora must be true or false, got 'false'"),
     "int-lora-bias": ({"lora_bias": 1}, "lora_bias must be true or false, got 1"),
-    "bool-bias": ({"bias": True}, "bias must be a string ('none'), got True"),
+    "bool-bias": ({"bias": True}, "bias must be a string ('none', 'lora_only' or 'all'), got True"),
     "layer-replication": ({"layer_replication": [[0, 1]]}, "layer_replication is not supported"),
     "target-parameters": ({"target_parameters": ["mlp.experts"]}, "target_parameters (LoRA on nn.Parameter)"),
     "alora": ({"alora_invocation_tokens": [1, 2]}, "aLoRA (alora_invocation_tokens) is not supported"),

@@ -180,6 +180,15 @@ def packed_refusal(results: dict) -> None:
     results["packed_adapters"] = wrapped.adapters
 
 
+def vector_adapters(results: dict) -> None:
+    """DoRA, LoRA bias and bias="all" (its biases of k/v checked against this rank's rows) on column-split layers
+    against the whole model; DoRA on a row-split layer is refused."""
+    compare_model("qwen2", ["dora", "lora_bias", "attn", "bias_all"], ["dora", "bias_all", "lora_bias", None], results)
+    split = MultiLoraModel(load("even", True), max_adapters=2, max_rank=16)
+    results["row_split"] = refusal(lambda: split.load_adapters(adapters("even", "dora_o")))
+    results["row_split_adapters"] = split.adapters
+
+
 def main() -> None:
     results: dict = {}
     for section, run in (
@@ -187,6 +196,7 @@ def main() -> None:
         ("odd", lambda r: compare_model("odd", ["attn", "mlp"], ["mlp", "attn", None, "mlp"], r)),
         ("qwen2", lambda r: compare_model("qwen2", ["attn", "mlp"], [None, "attn", "mlp", "attn"], r)),
         ("eviction", eviction_and_refusals),
+        ("vectors", vector_adapters),
         ("packed", packed_refusal),
         ("interrupted", interrupted_load),
     ):

@@ -27,12 +27,10 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from peft import LoraConfig
 
-# Config keys of PEFT features punica_hf does not implement. Flags must be true/false/null; the other settings
-# are refused whenever set (null, [] and {} mean unset, as in PEFT).
-_REFUSED_FLAGS = {
-    "use_dora": "DoRA (use_dora=True)",
-    "lora_bias": "LoRA bias (lora_bias=True)",
-}
+# Flags of served features (true/false/null), the bias settings served (PEFT's others: none), and the config keys
+# of PEFT features punica_hf does not implement, refused whenever set (null, [] and {} mean unset, as in PEFT).
+_FLAGS = ("use_dora", "lora_bias")
+_SERVED_BIAS = (None, "none", "lora_only", "all")
 _REFUSED_SETTINGS = {
     "modules_to_save": "modules_to_save",
     "layer_replication": "layer_replication",
@@ -224,18 +222,16 @@ def _pattern_value(rules: tuple[tuple[re.Pattern, Any], ...], module_name: str, 
 
 
 def _refuse_unsupported_features(raw: dict[str, Any]) -> None:
-    for key, feature in _REFUSED_FLAGS.items():
+    for key in _FLAGS:
         flag = raw.get(key)
         _require(flag is None or isinstance(flag, bool), key, "true or false", flag)
-        if flag:
-            raise ValueError(f"{feature} is not supported by punica_hf yet")
     for key, feature in _REFUSED_SETTINGS.items():
         if raw.get(key):
             raise ValueError(f"{feature} is not supported by punica_hf yet")
     bias = raw.get("bias")
-    _require(bias is None or isinstance(bias, str), "bias", "a string ('none')", bias)
-    if bias not in (None, "none"):
-        raise ValueError(f"bias={bias!r} is not supported by punica_hf yet (only bias='none')")
+    _require(bias is None or isinstance(bias, str), "bias", "a string ('none', 'lora_only' or 'all')", bias)
+    if bias not in _SERVED_BIAS:
+        raise ValueError(f"bias={bias!r} is not supported by punica_hf (only 'none', 'lora_only' and 'all')")
 
 
 def _read_with_peft(raw: dict[str, Any]) -> LoraConfig:

@@ -4,7 +4,9 @@ A PEFT checkpoint needs work at every load: find the config and weights files, p
 module's rank and scaling in the config and multiply the scaling into B. A converted file stores the result,
 ``AdapterWeights``, in the layout of the adapter pool: per module ``"<module>.lora_a"`` ``[r, in]`` and
 ``"<module>.lora_b_t"`` ``[r, out]`` (B transposed, the scaling folded in), so that placing an adapter copies
-contiguous rows and transposes nothing (an embedding's ``[r, vocab]`` and ``[r, dim]`` alike); float32 by default
+contiguous rows and transposes nothing (an embedding's ``[r, vocab]`` and ``[r, dim]`` alike); where the adapter
+has them, ``"<module>.magnitude"`` (DoRA), ``"<module>.lora_bias"`` (scaling folded in) and ``"<module>.base_bias"``
+``[out]``, and a ``bias="all"`` checkpoint's biases of other modules as ``"<module>.bias"``; float32 by default
 (bit-identical to loading the PEFT checkpoint) or bf16/fp16 (half the size). Beside them, in its own dtype,
 ``"<module>.base_weight"`` for each full copy of a base layer that PEFT saved beside an embedding's or lm_head's LoRA
 (checked against the base model when loaded into one). Its safetensors metadata say what it is:
@@ -44,6 +46,7 @@ SUFFIX = ".safetensors"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _REQUIRED_METADATA = ("adapter_config", "modules")
 _BASE_WEIGHT = ".base_weight"
+_SAVED_VECTORS = ("magnitude", "lora_bias", "base_bias")  # a model's output vectors are made from these at load
 
 
 def save_converted(
@@ -61,6 +64,11 @@ def save_converted(
         tensors[f"{module_name}.lora_a"] = factors.lora_a.to(dtype).contiguous()
         tensors[f"{module_name}.lora_b_t"] = factors.lora_b.T.to(dtype).contiguous()
         shapes[module_name] = [factors.lora_a.shape[1], factors.lora_b.shape[0], factors.rank]
+        for vector in _SAVED_VECTORS:
+            if getattr(factors, vector) is not None:
+                tensors[f"{module_name}.{vector}"] = getattr(factors, vector).to(dtype).contiguous()
+    for module_name, bias in weights.other_biases.items():
+        tensors[f"{module_name}.bias"] = bias.to(dtype).contiguous()
     for module_name, weight in weights.base_weights.items():
         tensors[module_name + _BASE_WEIGHT] = weight.contiguous()
     metadata = {
@@ -118,10 +126,13 @@ def load_converted(path: str | Path) -> AdapterWeights:
     base_weights = {
         key.removesuffix(_BASE_WEIGHT): tensors.pop(key) for key in list(tensors) if key.endswith(_BASE_WEIGHT)
     }
-    return AdapterWeights(
-        modules=_module_factors(path, tensors, shapes, b_name), config=config, source=str(path),
-        base_weights=base_weights,
-    )
+    other_biases = {
+        key.removesuffix(".bias"): tensors.pop(key) for key in list(tensors)
+        if key.endswith(".bias") and key.removesuffix(".bias") not in shapes
+    }
+    modules = _module_factors(path, tensors, shapes, b_name)
+    return AdapterWeights(modules=modules, config=config, source=str(path), base_weights=base_weights,
+                          other_biases=other_biases)
 
 
 def _check_metadata(path: Path, metadata: dict[str, str]) -> None:
@@ -157,8 +168,9 @@ def _module_factors(
     or, in v1 files, ``lora_b``.
     """
     expected_keys = {f"{module}.{factor}" for module in shapes for factor in ("lora_a", b_name)}
-    if set(tensors) != expected_keys:
-        missing, unexpected = sorted(expected_keys - set(tensors)), sorted(set(tensors) - expected_keys)
+    optional_keys = {f"{module}.{vector}" for module in shapes for vector in _SAVED_VECTORS}
+    if not expected_keys <= set(tensors) <= expected_keys | optional_keys:
+        missing, unexpected = sorted(expected_keys - set(tensors)), sorted(set(tensors) - expected_keys - optional_keys)
         raise ValueError(
             f"{path}: tensors do not match its module list (missing: {missing[:3] or 'none'}, "
             f"unexpected: {unexpected[:3] or 'none'})"
@@ -180,7 +192,14 @@ def _module_factors(
             )
         if not (lora_a.is_floating_point() and lora_b.is_floating_point()):
             raise ValueError(f"{path}: module {module_name} has non-float factors ({lora_a.dtype}, {lora_b.dtype})")
-        modules[module_name] = ModuleLora(lora_a=lora_a, lora_b=lora_b)
+        vectors = {vector: tensors[f"{module_name}.{vector}"] for vector in _SAVED_VECTORS
+                   if f"{module_name}.{vector}" in tensors}
+        if not all(vector.is_floating_point() for vector in vectors.values()):
+            raise ValueError(f"{path}: module {module_name} has non-float vectors ({sorted(vectors)})")
+        try:
+            modules[module_name] = ModuleLora(lora_a=lora_a, lora_b=lora_b, **vectors)
+        except ValueError as error:
+            raise ValueError(f"{path}: module {module_name}: {error}") from None
     return modules
 
 

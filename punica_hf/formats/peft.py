@@ -24,17 +24,19 @@ CONFIG_NAME = "adapter_config.json"
 SAFETENSORS_NAME = "adapter_model.safetensors"
 PICKLE_NAME = "adapter_model.bin"
 
-# base_model.model.<module>.lora_A.weight (an adapter name may sit before ".weight" in old checkpoints); an
+# base_model.model.<module>.lora_A.weight (an adapter name may sit before ".weight" in old checkpoints), lora_B's
+# bias (lora_bias=True), DoRA's magnitude, and the bias of the targeted base layer (bias="lora_only" / "all"); an
 # embedding's factors are parameters: <module>.lora_embedding_A [r, vocab] and lora_embedding_B [dim, r], the
 # factors of a linear layer on one-hot token ids, read as lora_A / lora_B.
 _LORA_KEY = re.compile(
-    r"^(?:base_model\.model\.)?(?P<module>.+)\."
-    r"(?:(?P<kind>lora_A|lora_B)(?:\.[^.]+)?\.weight|lora_embedding_(?P<embedding_kind>[AB])(?:\.[^.]+)?)$"
+    r"^(?:base_model\.model\.)?(?P<module>.+)\.(?:(?P<factor>lora_A|lora_B)(?:\.[^.]+)?\.(?P<param>weight|bias)"
+    r"|lora_embedding_(?P<embedding_kind>[AB])(?:\.[^.]+)?"
+    r"|lora_magnitude_vector(?:\.[^.]+)?(?:\.weight)?|base_layer\.bias)$"
 )
+# A bias="all" checkpoint's biases of modules without LoRA
+_OTHER_BIAS_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.bias$")
 _UNSUPPORTED_KEYS = (
-    ("lora_magnitude_vector", "DoRA (lora_magnitude_vector)"),
     ("modules_to_save", "modules_to_save"),
-    ("lora_B.bias", "LoRA bias (lora_bias=True)"),
 )
 # PEFT saves a module's full weight beside its LoRA when it targets embeddings or lm_head (they may be resized) and
 # loads it over the base model's weight: kept in ``AdapterWeights.base_weights``, the model checks they are equal.
@@ -169,14 +171,15 @@ def adapter_weights_from_peft(
         if key is not None:
             raise ValueError(f"{feature} is not supported by punica_hf yet (found tensor {key!r} in {source})")
     factors: dict[str, dict[str, torch.Tensor]] = {}
-    base_copies = {}
+    base_copies, biases = {}, {}
     for key, tensor in state_dict.items():
         match = _LORA_KEY.match(key)
         if match is not None:
-            kind = match["kind"] or f"lora_{match['embedding_kind']}"
-            factors.setdefault(match["module"], {})[kind] = tensor
+            factors.setdefault(match["module"], {})[_tensor_kind(match)] = tensor
         elif key.endswith(_BASE_COPY_SUFFIX):
             base_copies[key.removeprefix("base_model.model.").removesuffix(_BASE_COPY_SUFFIX)] = tensor
+        elif (bias_match := _OTHER_BIAS_KEY.match(key)) is not None:
+            biases[bias_match["module"]] = tensor.float()
         else:
             raise ValueError(f"unexpected tensor {key!r} in adapter {source}: not a LoRA A/B weight")
     for module in base_copies:
@@ -190,9 +193,11 @@ def adapter_weights_from_peft(
 
     modules = {}
     for name, pair in factors.items():
-        if set(pair) != {"lora_A", "lora_B"}:
+        if not {"lora_A", "lora_B"} <= set(pair):
             missing = ({"lora_A", "lora_B"} - set(pair)).pop()
             raise ValueError(f"adapter {source}: module {name} has no {missing} weight")
+        if "lora_A.bias" in pair:
+            raise ValueError(f"adapter {source}: module {name} has a lora_A bias, which PEFT never makes")
         lora_a, lora_b = pair["lora_A"], pair["lora_B"]
         if lora_a.dim() != 2 or lora_b.dim() != 2 or lora_a.shape[0] != lora_b.shape[1]:
             raise ValueError(
@@ -205,5 +210,27 @@ def adapter_weights_from_peft(
                 f"adapter {source}: module {name} has rank {lora_a.shape[0]} but its config gives r={rank}"
             )
         scaling = config.scaling_for(name)
-        modules[name] = ModuleLora(lora_a=lora_a.float().contiguous(), lora_b=(lora_b.float() * scaling).contiguous())
-    return AdapterWeights(modules=modules, config=config, source=source, base_weights=base_copies)
+        vectors = {kind: pair[kind].float() for kind in ("magnitude", "lora_bias", "base_bias") if kind in pair}
+        if "lora_bias" in vectors:
+            vectors["lora_bias"] = vectors["lora_bias"] * scaling
+        try:
+            modules[name] = ModuleLora(
+                lora_a=lora_a.float().contiguous(), lora_b=(lora_b.float() * scaling).contiguous(), **vectors
+            )
+        except ValueError as error:
+            raise ValueError(f"adapter {source}: module {name}: {error}") from None
+    return AdapterWeights(modules=modules, config=config, source=source, base_weights=base_copies,
+                          other_biases=biases)
+
+
+def _tensor_kind(match: re.Match) -> str:
+    """What a ``_LORA_KEY`` match holds: lora_A, lora_B (weights; an embedding's too), lora_bias, lora_A.bias,
+    magnitude or base_bias."""
+    if match["embedding_kind"] is not None:
+        return f"lora_{match['embedding_kind']}"
+    factor = match["factor"]
+    if factor is None:
+        return "magnitude" if "lora_magnitude_vector" in match[0] else "base_bias"
+    if match["param"] == "bias":
+        return "lora_bias" if factor == "lora_B" else "lora_A.bias"
+    return factor

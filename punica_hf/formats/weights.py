@@ -9,13 +9,41 @@ import torch
 from .config import LoraAdapterConfig
 
 
+# Every tensor a ModuleLora may hold, and the per-output-row vectors among them
+VECTOR_NAMES = ("magnitude", "lora_bias", "base_bias", "output_scale", "output_shift")
+FACTOR_NAMES = ("lora_a", "lora_b", *VECTOR_NAMES)
+
+
 @dataclass(frozen=True)
 class ModuleLora:
     """One module's LoRA factors, ready to copy into a slot. ``lora_a`` ``[r, in]``, ``lora_b`` ``[out, r]``
-    with the module's scaling already folded in; float32 from PEFT checkpoints, a converted file's own dtype."""
+    with the module's scaling already folded in; float32 from PEFT checkpoints, a converted file's own dtype.
+
+    Per-output-row vectors ``[out]`` of PEFT features beyond plain LoRA (None when the adapter lacks them):
+    ``magnitude``: DoRA's magnitude; ``lora_bias``: lora_B's bias (``lora_bias=True``), scaling folded in;
+    ``base_bias``: the adapter's own bias of the base layer (``bias="lora_only"`` / ``"all"``). A model turns them
+    into ``output_scale`` / ``output_shift`` (``punica_hf.adapter_vectors``): the layer's output with LoRA
+    becomes ``output * output_scale + output_shift``.
+    """
 
     lora_a: torch.Tensor
     lora_b: torch.Tensor
+    magnitude: torch.Tensor | None = None
+    lora_bias: torch.Tensor | None = None
+    base_bias: torch.Tensor | None = None
+    output_scale: torch.Tensor | None = None
+    output_shift: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        out_features = self.lora_b.shape[0]
+        for name in VECTOR_NAMES:
+            vector = getattr(self, name)
+            if vector is not None and tuple(vector.shape) != (out_features,):
+                raise ValueError(f"{name} has shape {list(vector.shape)}, expected [{out_features}] (lora_B's rows)")
+
+    @property
+    def has_vectors(self) -> bool:
+        return any(getattr(self, name) is not None for name in VECTOR_NAMES)
 
     @property
     def rank(self) -> int:
@@ -37,11 +65,15 @@ class AdapterWeights:
     config: LoraAdapterConfig
     source: str
     base_weights: dict[str, torch.Tensor] = field(default_factory=dict)
+    # bias="all": the biases a checkpoint holds of modules the adapter does not target, by module name (served only
+    # where they equal the base model's: they would change the base model for every request)
+    other_biases: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for module_name, factors in self.modules.items():
-            for factor_name in ("lora_a", "lora_b"):
-                if not _all_finite(getattr(factors, factor_name)):
+            for factor_name in FACTOR_NAMES:
+                factor = getattr(factors, factor_name)
+                if factor is not None and not _all_finite(factor):
                     raise ValueError(
                         f"adapter {self.source}: module {module_name} has NaN or Inf values in its {factor_name}"
                     )

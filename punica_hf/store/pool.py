@@ -74,6 +74,8 @@ class ModulePlacement:
     rank: int
     a_offset: int  # A [rank, in]
     b_offset: int  # B^T [rank, out]
+    scale_offset: int = -1  # output_scale [out] (DoRA), -1 when the adapter has none here
+    shift_offset: int = -1  # output_shift [out] (LoRA biases, DoRA with a base bias), -1 when none
 
 
 @dataclass(frozen=True)
@@ -88,26 +90,25 @@ class ChunkLayout:
         """Lay out ``factors`` (the modules of this device, in order) given each module's table row."""
         placements, offset = {}, 0
         for name, module in factors.items():
-            rank, in_features, out_features = module.rank, module.lora_a.shape[1], module.lora_b.shape[0]
-            a_offset = offset
-            b_offset = a_offset + aligned(rank * in_features)
-            offset = b_offset + aligned(rank * out_features)
-            placements[name] = ModulePlacement(rows[name], rank, a_offset, b_offset)
+            offsets = []
+            for piece in _pieces(module):
+                offsets.append(offset if piece is not None else -1)
+                offset += 0 if piece is None else aligned(piece.numel())
+            placements[name] = ModulePlacement(rows[name], module.rank, *offsets)
         return cls(placements, offset)
 
     def fill(self, chunk: torch.Tensor, factors: dict[str, ModuleLora]) -> None:
         """Write ``factors`` into ``chunk`` ``[size]`` (casting to its dtype); alignment gaps are zeroed."""
-        written = 0  # end of what is written so far: the gap up to the next factor is zeroed
+        written = 0  # end of what is written so far: the gap up to the next piece is zeroed
         for name, place in self.modules.items():
-            module = factors[name]
-            a_size, b_size = module.lora_a.numel(), module.lora_b.numel()
-            for start, end in ((written, place.a_offset), (place.a_offset + a_size, place.b_offset)):
-                if end > start:
-                    chunk[start:end].zero_()
-            chunk[place.a_offset : place.a_offset + a_size].view_as(module.lora_a).copy_(module.lora_a)
-            # B^T rows; lora_b read from a converted file is already a transposed view, so this copies rows
-            chunk[place.b_offset : place.b_offset + b_size].view(module.rank, -1).copy_(module.lora_b.T)
-            written = place.b_offset + b_size
+            offsets = (place.a_offset, place.b_offset, place.scale_offset, place.shift_offset)
+            for piece, start in zip(_pieces(factors[name]), offsets):
+                if piece is None:
+                    continue
+                chunk[written:start].zero_()
+                # B^T rows; lora_b read from a converted file is already a transposed view, so this copies rows
+                chunk[start : start + piece.numel()].view_as(piece).copy_(piece)
+                written = start + piece.numel()
         if written < chunk.numel():
             chunk[written:].zero_()
 
@@ -120,6 +121,11 @@ class ChunkLayout:
                 [chunk_start + place.a_offset, chunk_start + place.b_offset, place.rank]
             )
         return columns
+
+
+def _pieces(module: ModuleLora) -> tuple[torch.Tensor | None, ...]:
+    """What a module puts in its chunk, in order: A, B^T and its output vectors (None where it has none)."""
+    return module.lora_a, module.lora_b.T, module.output_scale, module.output_shift
 
 
 class DevicePool:
@@ -195,3 +201,20 @@ class DevicePool:
         tables.a_offsets[:, slot].copy_(device_columns[0])
         tables.b_offsets[:, slot].copy_(device_columns[1])
         tables.ranks[:, slot].copy_(device_columns[2])
+        self._copy_vectors(slot, layout, chunk_start)
+
+    def _copy_vectors(self, slot: int, layout: ChunkLayout, chunk_start: int) -> None:
+        """Write the slot's row of every output-vector table: the adapter's vector (from its chunk, just placed) where
+        it has one, else the identity (scale 1, shift 0)."""
+        tables = self.tables
+        by_row = {place.row: place for place in layout.modules.values()}
+        for row, row_tables in tables.vectors.items():
+            place = by_row.get(row)
+            offsets = (-1, -1) if place is None else (place.scale_offset, place.shift_offset)
+            for table, offset, identity in zip(row_tables, offsets, (1, 0)):
+                if table is None:
+                    continue
+                if offset < 0:
+                    table[slot].fill_(identity)
+                else:
+                    table[slot].copy_(tables.pool[chunk_start + offset : chunk_start + offset + table.shape[1]])

@@ -285,6 +285,14 @@ class AdapterStore:
             planned[name] = AdapterPlan(
                 weights, source, source_kwargs, factors_by_device, layouts, device_bytes, factor_bytes, unsplit_bytes
             )
+        for plan in planned.values():  # tables of output vectors (DoRA, LoRA biases) where the adapter has them
+            for device, factors in plan.factors_by_device.items():
+                for module_name, module in factors.items():
+                    if module.output_scale is not None or module.output_shift is not None:
+                        self.pools[device].tables.add_vectors(
+                            rows[module_name], module.lora_b.shape[0],
+                            scale=module.output_scale is not None, shift=module.output_shift is not None,
+                        )
         targeted = sorted({m for plan in planned.values() for m in plan.weights.modules})
         if targeted:
             tables = {device: pool.tables for device, pool in self.pools.items()}
@@ -670,8 +678,9 @@ class AdapterStore:
                 raise ValueError(
                     f"adapter {name!r}: module {module_name} has rank {factors.rank} > max_rank={self.max_rank}"
                 )
-            for factor_name in ("lora_a", "lora_b"):
-                _check_in_range(name, module_name, factor_name, getattr(factors, factor_name), target.dtype)
+            for factor_name in ("lora_a", "lora_b", "output_scale", "output_shift"):
+                if getattr(factors, factor_name) is not None:
+                    _check_in_range(name, module_name, factor_name, getattr(factors, factor_name), target.dtype)
 
     def _check_sizes(self, name: str, layouts: dict[torch.device, ChunkLayout], device_bytes: int) -> None:
         for device, layout in layouts.items():
