@@ -184,7 +184,8 @@ def adapter_weights_from_peft(
     if not factors:
         raise ValueError(f"adapter {source} holds no LoRA weights")
 
-    modules = {}
+    modules, parameters = {}, {}
+    target_parameters = config.raw.get("target_parameters") or []
     for name, pair in factors.items():
         if set(pair) != {"lora_A", "lora_B"}:
             missing = ({"lora_A", "lora_B"} - set(pair)).pop()
@@ -195,6 +196,10 @@ def adapter_weights_from_peft(
                 f"adapter {source}: module {name} has lora_A {tuple(lora_a.shape)} and lora_B "
                 f"{tuple(lora_b.shape)}, expected [r, in] and [out, r]"
             )
+        if _wraps_target_parameter(name, target_parameters):
+            # Ranks, scaling and experts are resolved against the base model (matching.weights_for_model).
+            parameters[name] = ModuleLora(lora_a=lora_a.float().contiguous(), lora_b=lora_b.float().contiguous())
+            continue
         rank = config.rank_for(name)
         if lora_a.shape[0] != rank:
             raise ValueError(
@@ -202,4 +207,12 @@ def adapter_weights_from_peft(
             )
         scaling = config.scaling_for(name)
         modules[name] = ModuleLora(lora_a=lora_a.float().contiguous(), lora_b=(lora_b.float() * scaling).contiguous())
-    return AdapterWeights(modules=modules, config=config, source=source)
+    return AdapterWeights(modules=modules, config=config, source=source, parameters=parameters)
+
+
+def _wraps_target_parameter(module_key: str, target_parameters: list[str]) -> bool:
+    """Whether PEFT's ``module_key`` names a wrapper of a targeted parameter: the module that holds it, with one
+    ``.base_layer`` per wrapper nested around it (PEFT nests one wrapper per parameter of a module)."""
+    module = module_key.replace(".base_layer", "")
+    holders = {target.rpartition(".")[0] for target in target_parameters}
+    return any(module == holder or module.endswith("." + holder) for holder in holders)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -33,9 +33,13 @@ class AdapterWeights:
     modules: dict[str, ModuleLora]
     config: LoraAdapterConfig
     source: str
+    # PEFT ``target_parameters`` factors as saved, by PEFT's key of the wrapped module (``...experts``,
+    # ``...experts.base_layer``, ...): unscaled, every expert's rank stacked. Only a base model tells which
+    # parameter each key adapts (``matching.weights_for_model`` splits them into per-expert ``modules``).
+    parameters: dict[str, ModuleLora] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for module_name, factors in self.modules.items():
+        for module_name, factors in {**self.modules, **self.parameters}.items():
             for factor_name in ("lora_a", "lora_b"):
                 if not _all_finite(getattr(factors, factor_name)):
                     raise ValueError(
