@@ -106,6 +106,8 @@ class ExpertsLoraHook:
     # Installed and removed as a LoraHook is: the same three attributes
     remove = LoraHook.remove
 
+    # Compiled forwards run the experts eagerly (a graph break): the routing is read on the host.
+    @torch.compiler.disable
     def __call__(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         module = self.module
         segments = self.context.segments_on(self.tables.device) if self.installed else None
@@ -123,10 +125,10 @@ class ExpertsLoraHook:
 
     def _has_lora_tokens(self, token_slots: torch.Tensor) -> bool:
         """Whether some token's adapter has LoRA on some expert of this module (read on the host)."""
-        if torch.compiler.is_compiling() or self.context.capturing:
+        if self.context.capturing:
             raise ValueError(
-                "LoRA on MoE experts runs eagerly only (it reads the routing on the host): not inside torch.compile "
-                "or a CUDA graph; serve MoE adapters with cuda_graphs=0"
+                "LoRA on MoE experts reads the routing on the host and cannot run inside a CUDA graph: serve MoE "
+                "adapters with cuda_graphs=0"
             )
         slot_has_lora = (self.tables.ranks[self.all_rows] > 0).any(dim=0)  # [S]
         in_slot = token_slots >= 0

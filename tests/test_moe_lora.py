@@ -16,7 +16,7 @@ import torch
 from architectures import left_padded_batch
 from helpers import save_peft_adapter
 from peft import PeftModel
-from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import CompileConfig, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from punica_hf import MultiLoraModel
 from punica_hf.formats import convert_adapter
@@ -158,3 +158,18 @@ def test_unsupported_experts_layouts_and_settings_are_refused_by_name(tmp_path):
         convert_adapter(paths["experts"], tmp_path / "converted.safetensors")
     with pytest.raises(ValueError, match="max_rank=1"):
         MultiLoraModel(tiny_qwen3_moe(), max_adapters=2, max_rank=1).load_adapters({"e": paths["experts"]})
+
+
+@torch.no_grad()
+def test_compiled_generate_runs_the_experts_eagerly_with_the_same_tokens(moe):
+    model, _, _ = moe
+    input_ids, attention_mask = left_padded_batch([6, 3, 8])
+    rows = ["experts", "down_only", None]
+    kwargs = dict(do_sample=False, max_new_tokens=5, attention_mask=attention_mask, pad_token_id=0)
+    eager = model.generate(input_ids, adapter_ids=rows, **kwargs)
+    compile_config = CompileConfig(backend="eager", mode=None)
+    compile_config._compile_all_devices = True  # transformers' switch to compile generate() off CUDA (for tests)
+    torch._dynamo.reset()
+    compiled = model.generate(input_ids, adapter_ids=rows, cache_implementation="static",
+                              compile_config=compile_config, **kwargs)
+    assert torch.equal(compiled, eager)
