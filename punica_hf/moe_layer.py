@@ -128,7 +128,7 @@ class ExpertsLoraHook:
         if self.context.capturing:
             raise ValueError(
                 "LoRA on MoE experts reads the routing on the host and cannot run inside a CUDA graph: serve MoE "
-                "adapters with cuda_graphs=0"
+                "adapters with EngineConfig(cuda_graphs=False)"
             )
         slot_has_lora = (self.tables.ranks[self.all_rows] > 0).any(dim=0)  # [S]
         in_slot = token_slots >= 0

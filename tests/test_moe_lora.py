@@ -78,6 +78,8 @@ def test_adapter_on_experts_changes_them_and_plain_adapters_leave_them_unhooked(
     assert not any("forward" in m.__dict__ for m in experts)  # plain LoRA: the experts run as they were
     model.load_adapters({"down_only": paths["down_only"]})
     assert all("forward" in m.__dict__ for m in experts)
+    model.unwrap()
+    assert not any("forward" in m.__dict__ for m in experts)  # the experts module is given back untouched
 
 
 @torch.no_grad()
@@ -153,6 +155,10 @@ def test_unsupported_experts_layouts_and_settings_are_refused_by_name(tmp_path):
     base.model.layers[1].mlp.experts.has_bias = True
     with pytest.raises(ValueError, match=r"experts of model\.layers\.1\.mlp\.experts .*expert biases"):
         model.load_adapters({"down_only": paths["down_only"]})
+    assert model.adapters == {}
+    router = save_peft_adapter(base, tmp_path / "router", r=2, target_modules=[], target_parameters=["mlp.gate.weight"])
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.gate\.weight of shape \[4, 32\].*stacked expert"):
+        model.load_adapters({"router": router})
     assert model.adapters == {}
     with pytest.raises(ValueError, match="target_parameters.*cannot be converted"):
         convert_adapter(paths["experts"], tmp_path / "converted.safetensors")
