@@ -141,6 +141,8 @@ class LoraInjection:
                 "parallelism: the experts' LoRA runs on unsplit weights"
             )
         problem = experts_problem(module)
+        if problem is None and self.experts[entry].parameter not in EXPERT_PARAMETERS:
+            problem = f"LoRA is served on its {' and '.join(EXPERT_PARAMETERS)} only"
         if problem is not None:
             raise ValueError(
                 f"adapter {adapter!r}: LoRA on the experts of {experts_module} ({type(module).__name__}) is not "

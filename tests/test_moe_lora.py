@@ -179,3 +179,14 @@ def test_compiled_generate_runs_the_experts_eagerly_with_the_same_tokens(moe):
     compiled = model.generate(input_ids, adapter_ids=rows, cache_implementation="static",
                               compile_config=compile_config, **kwargs)
     assert torch.equal(compiled, eager)
+
+
+def test_lora_on_another_stacked_parameter_of_an_experts_module_is_refused(tmp_path):
+    base = tiny_qwen3_moe()
+    for layer in base.model.layers:  # a third stacked parameter the experts' forward does not use
+        layer.mlp.experts.extra_proj = torch.nn.Parameter(torch.randn(4, 8, 32))
+    path = save_peft_adapter(base, tmp_path / "extra", r=2, target_modules=[], target_parameters=["experts.extra_proj"])
+    model = MultiLoraModel(base, max_adapters=2, max_rank=8)
+    with pytest.raises(ValueError, match=r"experts of model\.layers\.0\.mlp\.experts .*gate_up_proj and down_proj only"):
+        model.load_adapters({"extra": path})
+    assert model.adapters == {}
