@@ -16,7 +16,15 @@ import torch
 from architectures import left_padded_batch
 from helpers import save_peft_adapter
 from peft import PeftModel
-from transformers import CompileConfig, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import (
+    CompileConfig,
+    MixtralConfig,
+    MixtralForCausalLM,
+    OlmoeConfig,
+    OlmoeForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 
 from punica_hf import MultiLoraModel
 from punica_hf.formats import convert_adapter
@@ -36,6 +44,19 @@ def tiny_qwen3_moe(seed: int = 0) -> Qwen3MoeForCausalLM:
     model = Qwen3MoeForCausalLM(config).eval()
     model.generation_config.eos_token_id = None  # every request runs to its max_new_tokens
     return model
+
+
+# Other architectures with transformers' fused experts: 4 experts, 2 per token, hidden 32, expert width 16.
+OTHER_MOE = {
+    "mixtral": lambda: MixtralForCausalLM(MixtralConfig(
+        vocab_size=100, hidden_size=32, intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+    )),
+    "olmoe": lambda: OlmoeForCausalLM(OlmoeConfig(
+        vocab_size=100, hidden_size=32, intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, pad_token_id=0,
+    )),
+}
 
 
 def save_moe_adapters(base, root: Path) -> dict[str, Path]:
@@ -190,3 +211,22 @@ def test_lora_on_another_stacked_parameter_of_an_experts_module_is_refused(tmp_p
     with pytest.raises(ValueError, match=r"experts of model\.layers\.0\.mlp\.experts .*gate_up_proj and down_proj only"):
         model.load_adapters({"extra": path})
     assert model.adapters == {}
+
+
+@pytest.mark.parametrize("arch", sorted(OTHER_MOE))
+@torch.no_grad()
+def test_other_architectures_mixed_batch_logits_match_peft(arch, tmp_path):
+    torch.manual_seed(0)
+    base = OTHER_MOE[arch]().eval()
+    paths = save_moe_adapters(base, tmp_path)
+    untouched = copy.deepcopy(base)
+    model = MultiLoraModel(base, max_adapters=3, max_rank=8)
+    model.load_adapters(paths)
+    input_ids, attention_mask = left_padded_batch([7, 4, 9, 9, 2, 6])
+    batch = {"input_ids": input_ids, "attention_mask": attention_mask}
+    logits = model(**batch, adapter_ids=ROW_ADAPTERS).logits
+    real = attention_mask.bool()
+    for adapter in set(ROW_ADAPTERS):
+        expected = oracle(untouched, paths, adapter)(**batch).logits
+        for row in [i for i, a in enumerate(ROW_ADAPTERS) if a == adapter]:
+            torch.testing.assert_close(logits[row][real[row]], expected[row][real[row]], atol=ATOL, rtol=0)
