@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -230,3 +231,16 @@ def test_other_architectures_mixed_batch_logits_match_peft(arch, tmp_path):
         expected = oracle(untouched, paths, adapter)(**batch).logits
         for row in [i for i, a in enumerate(ROW_ADAPTERS) if a == adapter]:
             torch.testing.assert_close(logits[row][real[row]], expected[row][real[row]], atol=ATOL, rtol=0)
+
+
+def test_moe_adapters_are_refused_under_tensor_parallelism(tmp_path):
+    base = tiny_qwen3_moe()
+    paths = save_moe_adapters(base, tmp_path)
+    model = MultiLoraModel(base, max_adapters=2, max_rank=8)
+    # As a split made by transformers' tensor parallelism looks to the injection (see tensor_parallel.LinearSplit)
+    split = SimpleNamespace(problem="split for this test", in_features=32, out_features=32)
+    model._injection.splits = {"model.layers.0.self_attn.q_proj": split}
+    with pytest.raises(ValueError, match=r"LoRA on MoE experts \(model\.layers\.0\.mlp\.experts\) is not supported "
+                                         r"under tensor parallelism"):
+        model.load_adapters({"down_only": paths["down_only"]})
+    assert model.adapters == {}
