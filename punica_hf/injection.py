@@ -8,6 +8,10 @@ this module gives it (``linear_modules``: names, sizes, devices, dtypes) and ask
 Under tensor parallelism (``punica_hf.tensor_parallel``) every size given to the store is this rank's (local
 widths), ``select`` gives this rank's share of each adapter, and hooks on split layers sit inside the layers'
 tensor-parallel wrappers.
+
+LoRA on MoE experts (PEFT ``target_parameters``) takes the same road: each expert of a fused experts parameter is a
+"linear module" of the store under its ``formats.expert_entry`` name, and all of one module's entries share one
+``moe_layer.ExpertsLoraHook``.
 """
 
 from __future__ import annotations
@@ -20,9 +24,10 @@ from torch import nn
 
 from .base_layers import LinearModule, check_servable, linear_features, lora_device, lora_dtype
 from .adapter_vectors import check_other_biases, output_vectors
-from .formats import AdapterWeights, ModelModules, ModuleLora, weights_for_model
+from .formats import AdapterWeights, ModelModules, ModuleLora, expert_entry, weights_for_model
 from .formats.weights import VECTOR_NAMES
 from .layers import DeviceTables, LoraContext, LoraHook, ProjectionGroup, find_projection_groups
+from .moe_layer import EXPERT_PARAMETERS, ExpertsLoraHook, expert_entries, experts_problem
 from .tensor_parallel import COLUMN, LinearSplit, find_splits, take_wrapper_off, wrap
 from .vocab_layers import EmbeddingLoraHook, OutputLoraHook
 
@@ -40,7 +45,9 @@ class LoraInjection:
         self.model = model
         self.context = context
         self.max_rank = max_rank
-        self.hooks: dict[str, LoraHook] = {}
+        self.hooks: dict[str, LoraHook | ExpertsLoraHook] = {}
+        self.experts = expert_entries(model)  # expert entry name -> (experts module, parameter, expert)
+        self.experts_hooks: dict[str, ExpertsLoraHook] = {}  # experts module name -> its hook
         self.groups: dict[str, ProjectionGroup] | None = None  # module name -> its group, made with the first hook
         self.layout_version = 0
         self._vector_tables = 0  # output-vector tables seen by attach (they are never removed)
@@ -82,6 +89,16 @@ class LoraInjection:
                 device=lora_device(module) if servable else None,
                 dtype=lora_dtype(module, model_dtype) if servable else None,
                 unsplit_features=linear_features(module) if name in self.splits else None,
+            )
+        modules = dict(self.model.named_modules())
+        for name, (module_name, parameter, _) in self.experts.items():
+            module = modules[module_name]
+            weight = getattr(module, parameter)
+            servable = not self.splits and experts_problem(module) is None
+            _, first, second = weight.shape  # [E, out, in], the layout experts_problem lets through
+            found[name] = LinearModule(
+                in_features=second, out_features=first, device=weight.device if servable else None,
+                dtype=weight.dtype if servable else None,
             )
         return found
 
@@ -161,6 +178,9 @@ class LoraInjection:
         modules = dict(self.model.named_modules())
         output_layer = self._output_layer()
         for module_name in module_names:
+            if module_name in self.experts:
+                self._check_experts(adapter, module_name, modules[self.experts[module_name].module])
+                continue
             module = modules.get(module_name)
             if module is None:
                 raise ValueError(f"adapter {adapter!r} does not fit the base model: it has no module {module_name}")
@@ -186,6 +206,22 @@ class LoraInjection:
                     f"supported: {split.problem}"
                 )
 
+    def _check_experts(self, adapter: str, entry: str, module: nn.Module) -> None:
+        experts_module = self.experts[entry].module
+        if self.splits:
+            raise ValueError(
+                f"adapter {adapter!r}: LoRA on MoE experts ({experts_module}) is not supported under tensor "
+                "parallelism: the experts' LoRA runs on unsplit weights"
+            )
+        problem = experts_problem(module)
+        if problem is None and self.experts[entry].parameter not in EXPERT_PARAMETERS:
+            problem = f"LoRA is served on its {' and '.join(EXPERT_PARAMETERS)} only"
+        if problem is not None:
+            raise ValueError(
+                f"adapter {adapter!r}: LoRA on the experts of {experts_module} ({type(module).__name__}) is not "
+                f"supported: {problem}"
+            )
+
     def attach(
         self, module_names: Iterable[str], tables: Mapping[torch.device, DeviceTables], rows: Mapping[str, int]
     ) -> list[str]:
@@ -202,6 +238,10 @@ class LoraInjection:
         try:
             for module_name in module_names:
                 if module_name in self.hooks:
+                    continue
+                if module_name in self.experts:
+                    self.hooks[module_name] = self._experts_hook(module_name, modules, tables, rows)
+                    hooked.append(module_name)
                     continue
                 module = modules[module_name]
                 in_features, out_features = self.features(module_name, module)
@@ -225,17 +265,39 @@ class LoraInjection:
         vector_tables = sum(device_tables.vector_table_count for device_tables in tables.values())
         if hooked or vector_tables != self._vector_tables:
             for hook in self.hooks.values():  # hooks installed before their layer's vector tables were made
-                hook.vectors = hook.tables.vectors.get(hook.row)
+                if isinstance(hook, LoraHook):  # (an experts module's hook has no output vectors)
+                    hook.vectors = hook.tables.vectors.get(hook.row)
             self.layout_version += 1
             self._vector_tables = vector_tables
         return hooked
 
+    def _experts_hook(self, entry: str, modules: dict[str, nn.Module], tables, rows) -> ExpertsLoraHook:
+        """The hook of ``entry``'s experts module, installed by the first of its entries."""
+        module_name = self.experts[entry].module
+        hook = self.experts_hooks.get(module_name)
+        if hook is None:
+            module = modules[module_name]
+            weight = module.gate_up_proj
+            experts_rows = {
+                parameter: [rows[expert_entry(f"{module_name}.{parameter}", e)] for e in range(weight.shape[0])]
+                for parameter in EXPERT_PARAMETERS
+            }
+            hook = ExpertsLoraHook(module, experts_rows, tables[weight.device], self.context, self.max_rank)
+            self.experts_hooks[module_name] = hook
+        hook.entries.add(entry)
+        return hook
+
     def detach(self, module_names: Iterable[str]) -> None:
         """Remove the hooks of ``module_names`` (names without one are skipped); a split layer gets its
-        tensor-parallel wrapper back."""
+        tensor-parallel wrapper back; an experts module's hook goes with its last entry."""
         removed = False
         for module_name in module_names:
             hook = self.hooks.pop(module_name, None)
+            if isinstance(hook, ExpertsLoraHook):
+                hook.entries.discard(module_name)
+                if hook.entries:
+                    continue
+                del self.experts_hooks[self.experts[module_name].module]
             if hook is not None:
                 hook.remove()
                 removed = True

@@ -73,7 +73,12 @@ MALFORMED_CONFIGS = {
     "int-lora-bias": ({"lora_bias": 1}, "lora_bias must be true or false, got 1"),
     "bool-bias": ({"bias": True}, "bias must be a string ('none', 'lora_only' or 'all'), got True"),
     "layer-replication": ({"layer_replication": [[0, 1]]}, "layer_replication is not supported"),
-    "target-parameters": ({"target_parameters": ["mlp.experts"]}, "target_parameters (LoRA on nn.Parameter)"),
+    "target-parameters-without-module": (
+        {"target_parameters": ["gate_up_proj"]}, "target_parameters must be a list of 'module.parameter' names"
+    ),
+    "target-parameters-with-dropout": (
+        {"target_parameters": ["experts.down_proj"], "lora_dropout": 0.1}, "target_parameters with lora_dropout != 0"
+    ),
     "alora": ({"alora_invocation_tokens": [1, 2]}, "aLoRA (alora_invocation_tokens) is not supported"),
     "megatron": ({"megatron_config": {"tensor_model_parallel_size": 2}}, "Megatron layers (megatron_config)"),
     # finite but absurd: factors scaled by them overflow the model's dtype

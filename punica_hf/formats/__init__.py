@@ -13,13 +13,13 @@ import torch
 
 from .config import LoraAdapterConfig
 from .converted import DTYPES, FORMAT, SUFFIX, load_converted, save_converted
-from .matching import ModelModules, select_modules, weights_for_model
+from .matching import ModelModules, expert_entry, select_modules, weights_for_model
 from .peft import load_peft_adapter
 from .weights import AdapterWeights, ModuleLora
 
 __all__ = [
     "AdapterWeights", "ModuleLora", "LoraAdapterConfig", "load_adapter_weights", "convert_adapter", "adapter_name",
-    "load_converted", "save_converted", "DTYPES", "FORMAT", "SUFFIX", "ModelModules", "select_modules",
+    "load_converted", "save_converted", "DTYPES", "FORMAT", "SUFFIX", "ModelModules", "expert_entry", "select_modules",
     "weights_for_model",
 ]
 

@@ -34,7 +34,6 @@ _SERVED_BIAS = (None, "none", "lora_only", "all")
 _REFUSED_SETTINGS = {
     "modules_to_save": "modules_to_save",
     "layer_replication": "layer_replication",
-    "target_parameters": "target_parameters (LoRA on nn.Parameter)",
     "trainable_token_indices": "trainable_token_indices",
     "alora_invocation_tokens": "aLoRA (alora_invocation_tokens)",
     "megatron_config": "Megatron layers (megatron_config)",
@@ -228,10 +227,24 @@ def _refuse_unsupported_features(raw: dict[str, Any]) -> None:
     for key, feature in _REFUSED_SETTINGS.items():
         if raw.get(key):
             raise ValueError(f"{feature} is not supported by punica_hf yet")
+    _check_target_parameters(raw)
     bias = raw.get("bias")
     _require(bias is None or isinstance(bias, str), "bias", "a string ('none', 'lora_only' or 'all')", bias)
     if bias not in _SERVED_BIAS:
         raise ValueError(f"bias={bias!r} is not supported by punica_hf (only 'none', 'lora_only' and 'all')")
+
+
+def _check_target_parameters(raw: dict[str, Any]) -> None:
+    """``target_parameters`` (LoRA on MoE experts' fused weights): names of the form ``module.parameter``."""
+    targets = raw.get("target_parameters")
+    if not targets:
+        return
+    _require(
+        isinstance(targets, list) and all(isinstance(name, str) and "." in name.strip(".") for name in targets),
+        "target_parameters", "a list of 'module.parameter' names (e.g. 'experts.gate_up_proj')", targets,
+    )
+    if raw.get("lora_dropout"):  # PEFT's ParamWrapper refuses it: dropout cannot be factored out of W + dW
+        raise ValueError("target_parameters with lora_dropout != 0 is refused by PEFT")
 
 
 def _read_with_peft(raw: dict[str, Any]) -> LoraConfig:

@@ -58,6 +58,11 @@ def save_converted(
     """Write ``weights`` to ``path`` in the converted format; ``base_model`` overrides the config's base model."""
     if dtype not in DTYPES.values():
         raise ValueError(f"converted adapters are stored as float32, bfloat16 or float16, not {dtype}")
+    if weights.parameters:
+        raise ValueError(
+            f"adapter {weights.source}: LoRA on MoE expert parameters (target_parameters) cannot be converted yet; "
+            "load its PEFT folder instead"
+        )
     path = Path(path)
     tensors, shapes = {}, {}
     for module_name, factors in weights.modules.items():

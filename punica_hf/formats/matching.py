@@ -17,7 +17,7 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from .config import LoraAdapterConfig
-from .weights import AdapterWeights
+from .weights import AdapterWeights, ModuleLora
 
 ALL_LINEAR = "all-linear"  # PEFT's shorthand: every linear layer but the output layer
 # init_lora_weights values under which PEFT starts lora_B at zero: a selected module without weights changes nothing
@@ -31,13 +31,18 @@ _ADAPTABLE = (*_LINEAR, nn.Embedding, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Multih
 class ModelModules:
     """What PEFT's selection reads of a base model: its ``named_modules()`` names; its linear layers and output
     layer (they resolve ``"all-linear"``); the modules PEFT has a LoRA layer for (``adaptable``: linear,
-    embedding, convolution, attention); and its ``config.model_type`` (default targets when a config names none)."""
+    embedding, convolution, attention); its ``config.model_type`` (default targets when a config names none); and
+    for ``target_parameters``, each module's own parameters (``parameters``: name -> ``((parameter, shape), ...)``
+    in registration order, the order PEFT nests its wrappers in) and the modules that store experts transposed
+    (``[E, in, out]``)."""
 
     names: tuple[str, ...]
     linear: frozenset[str] = frozenset()
     adaptable: frozenset[str] = frozenset()
     output: str | None = None
     model_type: str | None = None
+    parameters: dict[str, tuple[tuple[str, tuple[int, ...]], ...]] = dataclasses.field(default_factory=dict)
+    transposed: frozenset[str] = frozenset()
 
     @classmethod
     def of(cls, model: nn.Module) -> "ModelModules":
@@ -51,21 +56,27 @@ class ModelModules:
             adaptable=frozenset(name for name, module in modules.items() if isinstance(module, _ADAPTABLE)),
             output=next((name for name, module in modules.items() if module is output_layer), None),
             model_type=getattr(getattr(model, "config", None), "model_type", None),
+            parameters={
+                name: own for name, module in modules.items()
+                if (own := tuple((p, tuple(t.shape)) for p, t in module.named_parameters(recurse=False)))
+            },
+            transposed=frozenset(name for name, module in modules.items() if getattr(module, "is_transposed", False)),
         )
 
 
-def select_modules(config: LoraAdapterConfig, model: ModelModules) -> set[str]:
+def select_modules(config: LoraAdapterConfig, model: ModelModules, parameters_selected: bool = False) -> set[str]:
     """The names of ``model``'s modules that PEFT puts this adapter on.
 
-    Raises ``ValueError`` where PEFT refuses to load the adapter onto such a model: no module selected, or no
-    targets and no default targets for its type.
+    Raises ``ValueError`` where PEFT refuses to load the adapter onto such a model: no module selected (unless
+    ``parameters_selected``: its ``target_parameters`` select some), or no targets and no default targets for its
+    type.
     """
     from peft.tuners.tuners_utils import check_target_module_exists  # imported late: see config._read_with_peft
 
     if config.peft_config is None:
         raise ValueError("a LoRA config made in code has no module selection: its weights say which modules it changes")
     selection = copy.copy(config.peft_config)  # resolved targets go into a copy: the config stays as it was read
-    selection.target_modules = _resolved_targets(selection.target_modules, model)
+    selection.target_modules = _resolved_targets(selection.target_modules, model, bool(selection.target_parameters))
     selected, excluded, unmatched = set(), [], []
     for name in model.names:
         if not name:  # the model itself
@@ -77,7 +88,7 @@ def select_modules(config: LoraAdapterConfig, model: ModelModules) -> set[str]:
             unmatched.append(name)
         else:  # peft's falsy marker of a module that exclude_modules takes out
             excluded.append(name)
-    if not selected:
+    if not selected and not parameters_selected:
         raise ValueError(_why_nothing_selected(selection, bool(excluded), bool(unmatched)))
     no_lora_layer = sorted(selected - model.adaptable)
     if no_lora_layer:
@@ -99,8 +110,11 @@ def weights_for_model(weights: AdapterWeights, model: ModelModules) -> AdapterWe
     """
     config = weights.config
     if config.peft_config is None:
+        if weights.parameters:
+            raise ValueError("LoRA on expert parameters needs the adapter's PEFT config (its target_parameters)")
         return weights
-    selected = select_modules(config, model)
+    experts = expert_factors(weights, model)
+    selected = select_modules(config, model, parameters_selected=bool(experts))
     strays = {name for name in weights.modules if name not in model.adaptable}
     without_weights = sorted(selected - weights.modules.keys())
     init = config.peft_config.init_lora_weights
@@ -110,13 +124,72 @@ def weights_for_model(weights: AdapterWeights, model: ModelModules) -> AdapterWe
             f"which PEFT would start from init_lora_weights={init!r}, not from zero"
         )
     kept = {name: factors for name, factors in weights.modules.items() if name in selected or name in strays}
-    if len(kept) == len(weights.modules):
+    if len(kept) == len(weights.modules) and not weights.parameters:
         return weights
-    return dataclasses.replace(weights, modules=kept)
+    return dataclasses.replace(weights, modules={**kept, **experts}, parameters={})
 
 
-def _resolved_targets(targets, model: ModelModules):
-    """``target_modules`` as PEFT resolves it for a model before matching: ``"all-linear"`` and null replaced."""
+def expert_entry(parameter_key: str, expert: int) -> str:
+    """The name under which expert ``expert`` of the fused parameter ``parameter_key`` (``...experts.down_proj``)
+    gets its own LoRA factors, as if it were a linear module. No real module can have it: a module's attribute
+    (the parameter) cannot also be a submodule."""
+    return f"{parameter_key}.{expert}"
+
+
+def expert_factors(weights: AdapterWeights, model: ModelModules) -> dict[str, ModuleLora]:
+    """``weights.parameters`` split per expert (``expert_entry`` names, scaling folded into B), as PEFT's
+    ``ParamWrapper`` reads them: ``lora_A`` ``[r * E, in]`` holds expert ``e``'s A in rows ``e*r .. e*r + r - 1``,
+    ``lora_B`` ``[out, r * E]`` its B in columns ``e, e + E, e + 2E, ...``. The parameters of one module that the
+    ``target_parameters`` select are wrapped in registration order, the last one outermost (PEFT's key for the
+    module itself, each inner one with one more ``.base_layer``). ValueError where weights are missing or left
+    over, or a selected parameter is not a stack of experts."""
+    config = weights.config
+    targets = set(config.peft_config.target_parameters or [])
+    remaining = dict(weights.parameters)
+    found = {}
+    for module_name, own in model.parameters.items():
+        targeted = [(name, shape) for name, shape in own if _selects(targets, f"{module_name}.{name}")]
+        for depth, (name, shape) in enumerate(reversed(targeted)):
+            key = f"{module_name}.{name}"
+            if len(shape) != 3:
+                raise ValueError(f"its target_parameters select {key} of shape {list(shape)}: punica_hf serves "
+                                 "LoRA on stacked expert weights [experts, out, in] only")
+            factors = remaining.pop(module_name + ".base_layer" * depth, None)
+            if factors is None:
+                if config.peft_config.init_lora_weights not in _ZERO_DELTA_INITS:
+                    raise ValueError(f"it has no weights for {key}, which PEFT would start from "
+                                     f"init_lora_weights={config.peft_config.init_lora_weights!r}, not from zero")
+                continue
+            experts, first, second = shape
+            in_features, out_features = (first, second) if module_name in model.transposed else (second, first)
+            rank = config.rank_for(key)
+            expected_a, expected_b = (rank * experts, in_features), (out_features, rank * experts)
+            if factors.lora_a.shape != expected_a or factors.lora_b.shape != expected_b:
+                raise ValueError(
+                    f"{key} ({experts} experts, rank {rank}) takes lora_A {list(expected_a)} and lora_B "
+                    f"{list(expected_b)}, the adapter has {list(factors.lora_a.shape)} and "
+                    f"{list(factors.lora_b.shape)}"
+                )
+            lora_a = factors.lora_a.view(experts, rank, in_features)
+            lora_b = factors.lora_b.view(out_features, rank, experts) * config.scaling_for(key)
+            for expert in range(experts):
+                found[expert_entry(key, expert)] = ModuleLora(
+                    lora_a=lora_a[expert].contiguous(), lora_b=lora_b[:, :, expert].contiguous()
+                )
+    if remaining:
+        raise ValueError(f"it has LoRA weights for parameters of {sorted(remaining)[:3]}, which its "
+                         f"target_parameters={sorted(targets)} do not select in this base model")
+    return found
+
+
+def _selects(targets: set[str], parameter_key: str) -> bool:
+    # PEFT's rule for target_parameters: the whole name, or its end at a "." boundary
+    return parameter_key in targets or any(parameter_key.endswith("." + target) for target in targets)
+
+
+def _resolved_targets(targets, model: ModelModules, targets_parameters: bool):
+    """``target_modules`` as PEFT resolves it for a model before matching: ``"all-linear"`` and null replaced
+    (null stays null for a config that targets parameters and a model type without default targets)."""
     if isinstance(targets, str) and targets.lower() == ALL_LINEAR:
         return set(model.linear) - {model.output}
     if targets is None:
@@ -124,6 +197,8 @@ def _resolved_targets(targets, model: ModelModules):
 
         default = TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING.get(model.model_type)
         if default is None:
+            if targets_parameters:
+                return None
             raise ValueError(
                 f"the adapter config names no target_modules and PEFT has no default targets for model type "
                 f"{model.model_type!r}"

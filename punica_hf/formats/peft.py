@@ -191,7 +191,8 @@ def adapter_weights_from_peft(
     if not factors:
         raise ValueError(f"adapter {source} holds no LoRA weights")
 
-    modules = {}
+    modules, parameters = {}, {}
+    target_parameters = config.raw.get("target_parameters") or []
     for name, pair in factors.items():
         if not {"lora_A", "lora_B"} <= set(pair):
             missing = ({"lora_A", "lora_B"} - set(pair)).pop()
@@ -204,6 +205,10 @@ def adapter_weights_from_peft(
                 f"adapter {source}: module {name} has lora_A {tuple(lora_a.shape)} and lora_B "
                 f"{tuple(lora_b.shape)}, expected [r, in] and [out, r]"
             )
+        if _wraps_target_parameter(name, target_parameters):
+            # Ranks, scaling and experts are resolved against the base model (matching.weights_for_model).
+            parameters[name] = ModuleLora(lora_a=lora_a.float().contiguous(), lora_b=lora_b.float().contiguous())
+            continue
         rank = config.rank_for(name)
         if lora_a.shape[0] != rank:
             raise ValueError(
@@ -220,7 +225,7 @@ def adapter_weights_from_peft(
         except ValueError as error:
             raise ValueError(f"adapter {source}: module {name}: {error}") from None
     return AdapterWeights(modules=modules, config=config, source=source, base_weights=base_copies,
-                          other_biases=biases)
+                          other_biases=biases, parameters=parameters)
 
 
 def _tensor_kind(match: re.Match) -> str:
@@ -234,3 +239,11 @@ def _tensor_kind(match: re.Match) -> str:
     if match["param"] == "bias":
         return "lora_bias" if factor == "lora_B" else "lora_A.bias"
     return factor
+
+
+def _wraps_target_parameter(module_key: str, target_parameters: list[str]) -> bool:
+    """Whether PEFT's ``module_key`` names a wrapper of a targeted parameter: the module that holds it, with one
+    ``.base_layer`` per wrapper nested around it (PEFT nests one wrapper per parameter of a module)."""
+    module = module_key.replace(".base_layer", "")
+    holders = {target.rpartition(".")[0] for target in target_parameters}
+    return any(module == holder or module.endswith("." + holder) for holder in holders)

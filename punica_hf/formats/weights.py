@@ -68,9 +68,13 @@ class AdapterWeights:
     # bias="all": the biases a checkpoint holds of modules the adapter does not target, by module name (served only
     # where they equal the base model's: they would change the base model for every request)
     other_biases: dict[str, torch.Tensor] = field(default_factory=dict)
+    # PEFT ``target_parameters`` factors as saved, by PEFT's key of the wrapped module (``...experts``,
+    # ``...experts.base_layer``, ...): unscaled, every expert's rank stacked. Only a base model tells which
+    # parameter each key adapts (``matching.weights_for_model`` splits them into per-expert ``modules``).
+    parameters: dict[str, ModuleLora] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for module_name, factors in self.modules.items():
+        for module_name, factors in {**self.modules, **self.parameters}.items():
             for factor_name in FACTOR_NAMES:
                 factor = getattr(factors, factor_name)
                 if factor is not None and not _all_finite(factor):
