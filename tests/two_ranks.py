@@ -37,3 +37,19 @@ def run_two_ranks(worker: Path, root: Path, timeout_s: float) -> list[dict]:
     if process.returncode != 0 or not all(path.exists() for path in results):
         pytest.fail(f"torchrun ended with {process.returncode}:\n{log.read_text()[-6000:]}")
     return [json.loads(path.read_text()) for path in results]
+
+
+def check_engines_ran(ranks: list[dict]) -> None:
+    """Fail the test with a rank's traceback, or its engine's error, if one of the ranks wrote one."""
+    for rank, seen in enumerate(ranks):
+        assert "error" not in seen, f"rank {rank}:\n{seen['error']}"
+        assert seen["engine_error"] is None, f"rank {rank}: {seen['engine_error']}"
+
+
+def finish_rank(root: Path, results: dict) -> None:
+    """In a worker: write this rank's ``results`` to ``ROOT/rank<R>.json`` and leave the process group."""
+    import torch.distributed as dist
+
+    (root / f"rank{os.environ['RANK']}.json").write_text(json.dumps(results))
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -196,8 +196,6 @@ def check_arguments(args: argparse.Namespace) -> None:
         if args.replicas > 1 or args.ray_address:
             raise ValueError("--tp runs one engine over N ranks; it does not run on Ray (leave out --replicas and "
                              "--ray-address)")
-        if args.allow_runtime_lora:  # a load on rank 0 alone would leave the ranks' adapters different
-            raise ValueError("--tp serves the adapters given at start only; leave out --allow-runtime-lora")
 
 
 def served_adapters(args: argparse.Namespace) -> dict[str, str]:

@@ -24,7 +24,9 @@ import random
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
+from pathlib import Path
 
 import torch
 
@@ -81,6 +83,9 @@ class Engine(TensorParallelLoop):
         self._queue: deque[RequestState] = deque()  # submitted, not yet handed to transformers
         self._lock = threading.Lock()  # guards _queue, _requests (insertions) and _cancels
         self._cancels: set[str] = set()
+        # Tensor parallel: adapter changes asked on rank 0, each with its caller's future, for the next pass (None
+        # once the loop has ended).
+        self._adapter_changes: list[tuple[tp_control.AdapterChange, Future]] | None = []
         self._wake = threading.Event()
         self._accepting = False
         self._stop = False
@@ -241,6 +246,27 @@ class Engine(TensorParallelLoop):
         handles = [self.submit(prompt, adapter, params) for prompt, adapter in zip(prompts, adapters)]
         return [handle.result() for handle in handles]
 
+    def load_adapters(self, sources: Mapping[str, str | Path]) -> dict[str, int]:
+        """Register adapters while the engine runs, all or none: ``MultiLoraModel.load_adapters`` of local paths.
+
+        Over a tensor-parallel model, on rank 0 only and while the engine runs: every rank loads them from the same
+        paths (the ranks share one machine's files) at the next pass, and none keeps them unless every rank could;
+        the error is rank 0's own, or a ValueError naming each rank that failed and why."""
+        if self._control is None:
+            return self.model.load_adapters(sources)
+        if not isinstance(sources, Mapping) or not all(isinstance(path, (str, Path)) for path in sources.values()):
+            raise ValueError("under tensor parallelism load_adapters takes {name: local path}, read on every rank")
+        return self._ask_adapter_change(tp_control.AdapterChange(load=tuple(
+            (name, str(path)) for name, path in sources.items()
+        )))
+
+    def unload_adapter(self, name: str) -> None:
+        """Unregister an adapter (``MultiLoraModel.unload_adapter``): requests running with it finish with it, queued
+        ones fail. Over a tensor-parallel model, on rank 0 only: every rank unloads it at the next pass."""
+        if self._control is None:
+            return self.model.unload_adapter(name)
+        self._ask_adapter_change(tp_control.AdapterChange(unload=name))
+
     def stats(self) -> EngineStats:
         backend = self._backend
         return EngineStats(
@@ -309,6 +335,9 @@ class Engine(TensorParallelLoop):
                 self._release(request)
             if self._control is not None and self._control.leader and not isinstance(error, tp_control.RanksDiffer):
                 self._control.stop_followers()  # rather than leave them waiting for the next record
+        finally:
+            if self._control is not None:
+                self._close_adapter_changes()
 
     def _loop(self) -> None:
         """The engine thread's loop in one process: admit, cancel, step; idle, wait for a request."""

@@ -3,8 +3,9 @@
 Every rank runs the engine's step loop, and every step's forward holds collectives over the ranks, so every rank
 must schedule the same requests in the same order and cancel the same ones at the same step. Rank 0 alone takes
 requests; at the start of each loop pass it sends one ``StepControl`` (what it admitted, with each adapter's slot
-and the request's settings, seed included; what it cancelled; whether to stop) and the other ranks (followers) do
-exactly that. While idle rank 0 still sends an empty record every ``HEARTBEAT_SECONDS``, so a follower never
+and the request's settings, seed included; what it cancelled; the adapter loads and unloads asked of it; whether to
+stop) and the other ranks (followers) do exactly that. Every rank applies an adapter change at the same point of the
+pass, then all agree on its outcome (``gather``): a load that failed on any rank is undone on every rank. While idle rank 0 still sends an empty record every ``HEARTBEAT_SECONDS``, so a follower never
 waits in a collective for longer than that; at shutdown it sends a stop record once every request has finished.
 
 The records travel over a gloo group of their own: small Python objects, whatever backend the model runs on.
@@ -39,11 +40,21 @@ class Admission:
 
 
 @dataclass(frozen=True)
+class AdapterChange:
+    """A runtime adapter change asked on rank 0: register ``load`` (``{name: path}``, the same path on every rank:
+    the ranks share one machine's files), or unregister the adapter ``unload``."""
+
+    load: tuple[tuple[str, str], ...] = ()
+    unload: str | None = None
+
+
+@dataclass(frozen=True)
 class StepControl:
     """Rank 0's decisions for one pass of the step loop, which every rank applies before ``prepare``."""
 
     admissions: tuple[Admission, ...] = ()
     cancellations: tuple[str, ...] = ()  # ids of requests transformers runs
+    adapter_changes: tuple[AdapterChange, ...] = ()  # applied after the admissions, which never use them
     stop: bool = False
 
 
@@ -87,11 +98,15 @@ class ControlChannel:
         """Every rank says whether it could follow this pass's admissions (``problem``: why not); ``RanksDiffer``
         on every rank if one could not. Once per pass that admits, so a diverging rank never leaves the others
         waiting in the model's collectives."""
-        problems = [None] * self.world_size
-        dist.all_gather_object(problems, problem, group=self._group)
-        reported = [p for p in problems if p is not None]
+        reported = [p for p in self.gather(problem) if p is not None]
         if reported:
             raise RanksDiffer("; ".join(reported))
+
+    def gather(self, value) -> list:
+        """Every rank's ``value``, by rank, on every rank."""
+        values = [None] * self.world_size
+        dist.all_gather_object(values, value, group=self._group)
+        return values
 
     def stop_followers(self) -> None:
         """Rank 0's engine thread failed: tell the followers, waiting for its next record, to stop (best effort: a

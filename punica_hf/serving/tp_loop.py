@@ -1,19 +1,27 @@
 """The engine's loop over a model split by tensor parallelism (``model.tensor_parallel``): a mixin of ``Engine``.
 
 Every rank runs the same steps. Rank 0 decides each pass (admissions with their adapter slot and seed,
-cancellations, stop) and sends it as a ``tp_control.StepControl``; the other ranks apply it in the same order,
-pin each adapter in rank 0's slot (or stop every rank, saying why), and take rank 0's sampled tokens, so their
-batches never drift apart. Idle, rank 0 sends a heartbeat at least every ``tp_control.HEARTBEAT_SECONDS``.
+cancellations, adapter loads and unloads, stop) and sends it as a ``tp_control.StepControl``; the other ranks apply
+it in the same order, pin each adapter in rank 0's slot (or stop every rank, saying why), and take rank 0's sampled
+tokens, so their batches never drift apart. Idle, rank 0 sends a heartbeat at least every
+``tp_control.HEARTBEAT_SECONDS``.
+
+A runtime adapter load or unload asked on rank 0 (``Engine.load_adapters`` / ``unload_adapter``, from any thread)
+waits for the engine thread's next pass: every rank applies it after that pass's admissions (so no request admitted
+before it can depend on it), then all ranks agree on its outcome before the next pass may admit a request using it.
+A load that failed on any rank is undone on the ranks where it succeeded, and rank 0's caller gets the error.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future
 
 from . import tp_control
 from .handles import RequestHandle
 from .request_state import RequestState
+from .types import EngineClosedError
 
 IDLE_POLL_SECONDS = 0.002  # how often a request waiting for its adapter to load retries
 
@@ -32,6 +40,8 @@ class TensorParallelLoop:
             if control.leader:
                 admitted = self._admit()
                 cancelled = self._send_cancellations()
+                with self._lock:
+                    changes, self._adapter_changes = self._adapter_changes, []
                 record = control.share(tp_control.StepControl(
                     admissions=tuple(
                         tp_control.Admission(r.request_id, r.handle.prompt_token_ids, r.handle.adapter, r.params,
@@ -39,6 +49,7 @@ class TensorParallelLoop:
                         for r in admitted
                     ),
                     cancellations=tuple(r.request_id for r in cancelled),
+                    adapter_changes=tuple(change for change, _ in changes),
                     stop=self._stop and not self._requests,
                 ))
             else:
@@ -51,6 +62,9 @@ class TensorParallelLoop:
                 cancelled = self._follow_cancellations(record.cancellations)
             if record.admissions:
                 control.check_agreement(None if control.leader else problem)
+            if record.adapter_changes:
+                self._apply_adapter_changes(record.adapter_changes, [done for _, done in changes] if control.leader
+                                            else None)
             if record.stop:
                 return
             if self._run_pass(started, cancelled) or not control.leader:
@@ -58,6 +72,61 @@ class TensorParallelLoop:
             idle_wait = IDLE_POLL_SECONDS if self._queue else tp_control.HEARTBEAT_SECONDS
             self._wake.wait(idle_wait)
             self._wake.clear()
+
+    def _ask_adapter_change(self, change: tp_control.AdapterChange):
+        """Rank 0: have every rank apply ``change`` at the engine thread's next pass; returns rank 0's outcome once
+        all ranks agree, or raises the error (rank 0's own, or a ValueError naming the ranks that failed)."""
+        if not self._control.leader:
+            raise RuntimeError(f"change adapters on rank 0 only: rank {self._control.rank} follows rank 0's changes")
+        done = Future()
+        with self._lock:
+            if self._adapter_changes is None or not self.running:
+                raise EngineClosedError("under tensor parallelism adapters change through a running engine (rank 0 "
+                                        "sends the change to every rank); the engine is not running")
+            self._adapter_changes.append((change, done))
+        self._wake.set()
+        return done.result()
+
+    def _apply_adapter_changes(self, changes: Sequence[tp_control.AdapterChange], waiting: list[Future] | None
+                               ) -> None:
+        """Every rank applies each change and agrees on its outcome: a load that failed anywhere is undone where
+        it succeeded (all or nothing); rank 0 answers its callers (``waiting``). An unload done on some ranks only
+        cannot be undone: every rank stops (``RanksDiffer``)."""
+        control = self._control
+        try:
+            for index, change in enumerate(changes):
+                outcome, error = None, None
+                try:
+                    if change.unload is not None:
+                        self.model.unload_adapter(change.unload)
+                    else:
+                        outcome = self.model.load_adapters(dict(change.load))
+                except Exception as raised:
+                    error = raised
+                problems = [p for p in control.gather(None if error is None else f"rank {control.rank}: {error}")
+                            if p is not None]
+                if problems and change.unload is not None and len(problems) < control.world_size:
+                    raise tp_control.RanksDiffer(f"unloading {change.unload!r} failed on some ranks only: "
+                                                 + "; ".join(problems))
+                if problems and error is None:  # loaded here, not on another rank: undone, so the ranks agree
+                    for name, _ in change.load:
+                        self.model.unload_adapter(name)
+                if waiting is not None:
+                    if problems:  # rank 0's own error keeps its type (the server's answer depends on it)
+                        waiting[index].set_exception(error or ValueError("; ".join(problems)))
+                    else:
+                        waiting[index].set_result(outcome)
+        finally:
+            for done in waiting or ():
+                if not done.done():
+                    done.set_exception(EngineClosedError("the engine stopped before the adapter change was agreed"))
+
+    def _close_adapter_changes(self) -> None:
+        """The loop has ended: refuse further changes, and fail those it will never send."""
+        with self._lock:
+            pending, self._adapter_changes = self._adapter_changes, None
+        for _, done in pending or ():
+            done.set_exception(EngineClosedError("the engine stopped before the adapter change was sent"))
 
     def _follow_admissions(self, admissions: Sequence[tp_control.Admission]) -> None:
         """A follower schedules what rank 0 admitted, in its order, each adapter pinned in rank 0's slot."""
