@@ -51,12 +51,18 @@ def _wait_for_health(process: subprocess.Popen, base: str, log) -> None:
     pytest.fail(f"the server did not start:\n{log.read_text()[-6000:]}")
 
 
-@contextlib.contextmanager
 def _serve_tp(model_dir, adapters, log, options=()):
     """``punica-hf serve --tp 2`` running: yields its process and base URL; killed with its ranks at the end."""
+    return _serving([sys.executable, "-m", "punica_hf", "serve", "--model", str(model_dir), "--adapter",
+                     f"a={adapters['a']}", "--tp", "2", *options], log)
+
+
+@contextlib.contextmanager
+def _serving(command: list[str], log):
+    """``command`` (serve's options but --port) running on a free port: yields its process and base URL once it
+    answers /health; killed with its ranks at the end."""
     port = free_port()
-    command = [sys.executable, "-m", "punica_hf", "serve", "--model", str(model_dir), "--adapter",
-               f"a={adapters['a']}", "--port", str(port), "--tp", "2", *options]
+    command = [*command, "--port", str(port)]
     env = {**child_env(), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     base = f"http://127.0.0.1:{port}"
     with open(log, "w") as output:
@@ -160,3 +166,17 @@ def test_a_rank_that_dies_takes_the_server_down_with_a_message(tmp_path):
         assert "a rank of --tp 2 failed" in log.read_text()
         with pytest.raises(httpx.TransportError):
             httpx.get(f"{base}/health", timeout=2)
+
+
+def test_a_step_failing_on_one_rank_answers_with_the_error_and_the_server_exits(tmp_path):
+    model_dir, _ = save_word_level_model(tmp_path)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               str(Path(__file__).with_name("tp_serve_fault_worker.py")), "--model", str(model_dir), "--tp", "2"]
+    log = tmp_path / "serve.log"
+    with _serving(command, log) as (process, base):
+        assert _completion(base, str(model_dir), "w5 w6 w7").status_code == 200
+        failed = _completion(base, str(model_dir), "w5 w99 w7")  # rank 1's forward raises on w99
+        assert failed.status_code == 500
+        assert "rank 1: a step failed: ValueError: injected fault" in failed.json()["error"]["message"]
+        assert process.wait(timeout=90) != 0
+    assert "rank 1: a step failed: ValueError: injected fault" in log.read_text()

@@ -126,6 +126,8 @@ class Engine(TensorParallelLoop):
         self._accepting = True
         self._thread = threading.Thread(target=self._run, name="punica-hf-engine", daemon=True)
         self._thread.start()
+        if self._control is not None and self._control.leader:
+            threading.Thread(target=self._watch_other_ranks, name="punica-hf-tp-watch", daemon=True).start()
         return self
 
     def shutdown(self, drain: bool = True, timeout: float | None = None) -> None:
@@ -327,17 +329,25 @@ class Engine(TensorParallelLoop):
                     self._tensor_parallel_loop()
         except BaseException as error:  # the batch state is unknown now: fail every request, refuse new ones
             logger.exception("the engine thread stopped")
+            if self._control is not None:
+                error = self._tensor_parallel_failure(error)
             self._error = error
             self._backend.deliver_outputs()
-            for request in list(self._requests.values()):
-                if not request.handle.done:
-                    self._complete(request, "error", error=f"the engine stopped: {error}", error_code=GENERATION_FAILED)
-                self._release(request)
-            if self._control is not None and self._control.leader and not isinstance(error, tp_control.RanksDiffer):
-                self._control.stop_followers()  # rather than leave them waiting for the next record
+            self._fail_unfinished(f"the engine stopped: {error}", release=True)
+            if self._control is not None:
+                self._after_tensor_parallel_failure(error)
         finally:
             if self._control is not None:
                 self._close_adapter_changes()
+
+    def _fail_unfinished(self, message: str, release: bool) -> None:
+        """End every request not finished yet with ``message``; ``release``: forget them all too (the engine thread
+        only: the batch may still hold them otherwise)."""
+        for request in list(self._requests.values()):
+            if not request.handle.done:
+                self._complete(request, "error", error=message, error_code=GENERATION_FAILED)
+            if release:
+                self._release(request)
 
     def _loop(self) -> None:
         """The engine thread's loop in one process: admit, cancel, step; idle, wait for a request."""
@@ -452,6 +462,10 @@ class Engine(TensorParallelLoop):
             self._check_scores_and_sample()
             backend.fetch_outputs()
         except Exception as error:  # this batch's requests fail; the others and the engine go on
+            if self._control is not None:  # but the other ranks ran (or wait in) this step's collectives: all stop
+                raise tp_control.StepFailed(
+                    f"rank {self._control.rank}: a step failed: {type(error).__name__}: {error}"
+                ) from error
             logger.exception("a batch failed")
             backend.deliver_outputs()
             backend.fail_step(error)

@@ -9,10 +9,17 @@ pass, then all agree on its outcome (``gather``): a load that failed on any rank
 waits in a collective for longer than that; at shutdown it sends a stop record once every request has finished.
 
 The records travel over a gloo group of their own: small Python objects, whatever backend the model runs on.
+
+A rank whose engine fails (a step that raises on it alone, say) cannot tell the others through a collective: they
+may be waiting in one of the model's, which it will never join. It writes its error to torch.distributed's key-value
+store instead (``report_failure``), where rank 0 looks every ``FAILURE_POLL_SECONDS`` and fails every request with
+it at once; the failed rank then waits (at most ``FAILURE_ACK_SECONDS``) for rank 0 to have done so before its
+process leaves the group, which ends the others' collectives with an error (gloo), or torchrun stops them.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass
 from datetime import timedelta
@@ -26,6 +33,9 @@ HEARTBEAT_SECONDS = 0.5  # the longest rank 0 stays silent while idle: a followe
 # A follower that hears nothing this long gives up (its engine stops with an error) rather than wait forever for a
 # rank 0 that hangs: far above any one step, CUDA graph captures included.
 CONTROL_TIMEOUT = timedelta(minutes=5)
+FAILURE_POLL_SECONDS = 0.1  # how often rank 0 looks for another rank's failure report
+FAILURE_ACK_SECONDS = 10.0  # how long a failed follower waits for rank 0 to fail its requests before it leaves
+_channel_numbers = itertools.count()  # the same on every rank: channels are made on all ranks at once
 
 
 @dataclass(frozen=True)
@@ -70,6 +80,14 @@ class RanksDiffer(RuntimeError):
     """A follower could not do what rank 0 decided (its adapters differ): every rank's engine stops with this."""
 
 
+class RankFailed(RuntimeError):
+    """A rank's engine failed (its message names the rank and the error): every rank's engine stops with this."""
+
+
+class StepFailed(RankFailed):
+    """A step failed on this rank: the other ranks ran, or wait in, that step's collectives."""
+
+
 class ControlChannel:
     """Rank 0's values, broadcast to every rank of the default process group. Made on every rank at once (making
     its group is a collective)."""
@@ -81,6 +99,10 @@ class ControlChannel:
         self.world_size = dist.get_world_size()
         self._group = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
         self.received = 0  # records a follower has taken (heartbeats included)
+        # Failure reports: keys of this channel's own in the group's store (read while a collective may hang).
+        self._reports = dist.PrefixStore(f"punica_hf/tp_engine/{next(_channel_numbers)}/",
+                                         dist.distributed_c10d._get_default_store())
+        self.reported = False  # whether this rank reported a failure of its own
 
     @property
     def leader(self) -> bool:
@@ -107,6 +129,28 @@ class ControlChannel:
         values = [None] * self.world_size
         dist.all_gather_object(values, value, group=self._group)
         return values
+
+    def report_failure(self, message: str) -> None:
+        """Tell every rank that this rank's engine failed, and why (the first report of the group is kept)."""
+        self.reported = True
+        self._reports.compare_set("failure", "", message)
+
+    def failure_report(self) -> str | None:
+        """The failure a rank reported, None while none has."""
+        if not self._reports.check(["failure"]):
+            return None
+        return self._reports.get("failure").decode()
+
+    def acknowledge_failure(self) -> None:
+        """Rank 0 has failed its requests with the reported failure."""
+        self._reports.set("acknowledged", "1")
+
+    def wait_for_acknowledgement(self) -> None:
+        """A failed follower: wait (at most ``FAILURE_ACK_SECONDS``) for rank 0 to have failed its requests."""
+        try:
+            self._reports.wait(["acknowledged"], timedelta(seconds=FAILURE_ACK_SECONDS))
+        except Exception:  # rank 0 is gone or hangs: leave anyway
+            logger.warning("rank 0 did not acknowledge this rank's failure within %s s", FAILURE_ACK_SECONDS)
 
     def stop_followers(self) -> None:
         """Rank 0's engine thread failed: tell the followers, waiting for its next record, to stop (best effort: a

@@ -14,6 +14,7 @@ A load that failed on any rank is undone on the ranks where it succeeded, and ra
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -23,6 +24,7 @@ from .handles import RequestHandle
 from .request_state import RequestState
 from .types import EngineClosedError
 
+logger = logging.getLogger(__name__)
 IDLE_POLL_SECONDS = 0.002  # how often a request waiting for its adapter to load retries
 
 
@@ -127,6 +129,55 @@ class TensorParallelLoop:
             pending, self._adapter_changes = self._adapter_changes, None
         for _, done in pending or ():
             done.set_exception(EngineClosedError("the engine stopped before the adapter change was sent"))
+
+    def _tensor_parallel_failure(self, error: BaseException) -> BaseException:
+        """The error this rank's engine stops with: another rank's reported failure when there is one (this rank's
+        error then follows from it: that rank left the collectives), else this rank's own, named with its rank and
+        reported to the others. Ranks that differ all stop at once (``RanksDiffer``): nothing to report."""
+        control = self._control
+        if isinstance(error, tp_control.RanksDiffer):
+            return error
+        report = control.failure_report()
+        if report is not None:
+            return tp_control.RankFailed(report)
+        if not isinstance(error, tp_control.RankFailed):
+            error = tp_control.RankFailed(f"rank {control.rank}: {type(error).__name__}: {error}")
+        control.report_failure(str(error))
+        return error
+
+    def _after_tensor_parallel_failure(self, error: BaseException) -> None:
+        """This rank's own failure, its requests failed: rank 0 stops the followers that wait for its next record
+        (after a failed step they may wait in its collectives instead, until rank 0's process leaves the group); a
+        follower waits for rank 0 to have failed its requests before its process may leave the group."""
+        control = self._control
+        if not control.reported:
+            return
+        if not control.leader:
+            control.wait_for_acknowledgement()
+        elif not isinstance(error, tp_control.StepFailed):
+            control.stop_followers()
+
+    def _watch_other_ranks(self) -> None:
+        """Rank 0, beside the engine thread while it runs: a follower's reported failure fails every request and
+        pending adapter change at once, while the engine thread may still wait in a collective the failed rank
+        never joins (it ends once that rank leaves the group)."""
+        control = self._control
+        while self._thread.is_alive():
+            report = control.failure_report()
+            if report is not None and not control.reported:
+                self._error = tp_control.RankFailed(report)
+                self._accepting = False
+                logger.error("the engine stopped: %s", report)
+                self._fail_unfinished(f"the engine stopped: {report}", release=False)
+                with self._lock:
+                    pending = list(self._adapter_changes or ())
+                    if self._adapter_changes is not None:
+                        self._adapter_changes.clear()
+                for _, done in pending:
+                    done.set_exception(EngineClosedError(f"the engine stopped: {report}"))
+                control.acknowledge_failure()
+                return
+            self._thread.join(tp_control.FAILURE_POLL_SECONDS)
 
     def _follow_admissions(self, admissions: Sequence[tp_control.Admission]) -> None:
         """A follower schedules what rank 0 admitted, in its order, each adapter pinned in rank 0's slot."""
