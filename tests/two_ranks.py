@@ -14,14 +14,15 @@ import pytest
 from server_process import child_env
 
 
-def run_two_ranks(worker: Path, root: Path, timeout_s: float, *worker_args: str) -> list[dict]:
+def run_two_ranks(worker: Path, root: Path, timeout_s: float, *worker_args: str, gpus: bool = False) -> list[dict]:
     """``torchrun --nproc-per-node 2 worker ROOT [WORKER_ARGS]``; each rank writes ``ROOT/rank<R>.json``. Fails the
     test with the ranks' log when the run fails, leaves a result out or runs past ``timeout_s`` (its ranks killed
-    then)."""
+    then). GPUs are hidden unless ``gpus``: the ranks run on the CPU (gloo) wherever the test runs."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                str(worker), str(root), *worker_args]
-    # GPUs hidden: the ranks run on the CPU (gloo) wherever the test runs; two ranks may not get two GPUs.
-    env = {**child_env(), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "CUDA_VISIBLE_DEVICES": ""}
+    env = {**child_env(), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    if not gpus:
+        env["CUDA_VISIBLE_DEVICES"] = ""
     log = root / "torchrun.log"
     with open(log, "w") as output:
         # Its own session, so a timeout ends the ranks with it (killpg), never leaving them behind.

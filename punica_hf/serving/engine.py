@@ -550,9 +550,16 @@ class Engine(TensorParallelLoop):
     def _cb_config(self, device: torch.device):
         """transformers' batching settings for this engine on ``device``."""
         max_running, max_batch_tokens = self.config.batch_limits(device.type)
+        cuda_graphs = self.config.cuda_graphs
+        if self._control is not None and self._control.model_backend == "gloo" and device.type == "cuda":
+            # gloo moves CUDA tensors through host copies and waits for them: no CUDA graph can capture that
+            if cuda_graphs:
+                logger.warning("CUDA graphs are off: the split model's collectives run on gloo, which they cannot "
+                               "capture (NCCL can)")
+            cuda_graphs = False
         return transformers_cb.batching_config(
             device, max_running=max_running, max_batch_tokens=max_batch_tokens, kv_blocks=self.config.kv_blocks,
-            cuda_graphs=self.config.cuda_graphs, max_model_len=self.max_model_len,
+            cuda_graphs=cuda_graphs, max_model_len=self.max_model_len,
             pad_keys_to_cache=(self.attention.implementation == attention.NAME and transformers_cb.READS_CACHE_IN_PLACE
                                and device.type == "cuda"),
         )

@@ -97,6 +97,7 @@ class ControlChannel:
             raise ValueError("a tensor-parallel engine needs torch.distributed initialized (as the split model does)")
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
+        self.model_backend = dist.get_backend()  # what the split model's collectives run on (its groups inherit it)
         self._group = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
         self.received = 0  # records a follower has taken (heartbeats included)
         # Failure reports: keys of this channel's own in the group's store (read while a collective may hang).
