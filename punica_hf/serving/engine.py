@@ -11,7 +11,8 @@ engine's queue while the batch keeps going. The queue is bounded (``QueueFullErr
 its KV blocks at the next step.
 
 Over a tensor-parallel model (``model.tensor_parallel``) every rank makes and starts an engine; rank 0 takes the
-requests and decides each step for all ranks (``tp_control``); the other ranks follow until rank 0 shuts down.
+requests, the runtime adapter loads and unloads, and decides each step for all ranks (``tp_control``); the other
+ranks follow until rank 0 shuts down. A step that fails on any rank stops every rank's engine (``tp_loop``).
 """
 
 from __future__ import annotations
@@ -60,8 +61,11 @@ class Engine(TensorParallelLoop):
             for delta in handle:
                 print(delta.text, end="")
 
-    Over a model split by tensor parallelism every rank makes and starts its engine; rank 0 alone submits, the
-    other ranks run its steps until its shutdown (``shutdown()`` there waits for it).
+    Over a model split by tensor parallelism every rank makes and starts its engine; rank 0 alone submits and
+    changes adapters (``load_adapters`` / ``unload_adapter``), the other ranks run its steps until its shutdown
+    (``shutdown()`` there waits for it). A step that fails on one rank stops every rank's engine with an error
+    naming that rank; a rank then still in one of the model's collectives gets out once the failed rank's process
+    leaves the process group (``destroy_process_group()`` or exit), as ``punica-hf serve --tp`` does.
     """
 
     def __init__(self, model, tokenizer=None, config: EngineConfig | None = None) -> None:

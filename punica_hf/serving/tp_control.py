@@ -26,6 +26,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from ..torch_compat import process_group_store
 from .types import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -101,8 +102,7 @@ class ControlChannel:
         self._group = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
         self.received = 0  # records a follower has taken (heartbeats included)
         # Failure reports: keys of this channel's own in the group's store (read while a collective may hang).
-        self._reports = dist.PrefixStore(f"punica_hf/tp_engine/{next(_channel_numbers)}/",
-                                         dist.distributed_c10d._get_default_store())
+        self._reports = dist.PrefixStore(f"punica_hf/tp_engine/{next(_channel_numbers)}/", process_group_store())
         self.reported = False  # whether this rank reported a failure of its own
 
     @property
