@@ -54,7 +54,8 @@ def test_a_follower_cannot_change_adapters(ranks):
 
 def test_a_broken_adapter_fails_cleanly_and_changes_nothing_on_any_rank(ranks):
     leader, follower = ranks
-    assert leader["broken_error"] is not None and "broken" not in leader["adapters_after_failures"]
+    assert leader["broken_error"].startswith("ValueError: could not read adapter weights")  # as without TP
+    assert "broken" not in leader["adapters_after_failures"]
     assert leader["adapters_after_failures"] == leader["adapters_before_failures"]
     assert "broken" not in follower["adapters_at_end"]
 

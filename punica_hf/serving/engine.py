@@ -90,6 +90,7 @@ class Engine(TensorParallelLoop):
         # Tensor parallel: adapter changes asked on rank 0, each with its caller's future, for the next pass (None
         # once the loop has ended).
         self._adapter_changes: list[tuple[tp_control.AdapterChange, Future]] | None = []
+        self._changes_sent: list[tuple[tp_control.AdapterChange, Future]] = []  # in the last record, not answered
         self._wake = threading.Event()
         self._accepting = False
         self._stop = False
@@ -342,7 +343,8 @@ class Engine(TensorParallelLoop):
                 self._after_tensor_parallel_failure(error)
         finally:
             if self._control is not None:
-                self._close_adapter_changes()
+                self._fail_adapter_changes("the engine stopped before every rank applied the adapter change",
+                                           close=True)
 
     def _fail_unfinished(self, message: str, release: bool) -> None:
         """End every request not finished yet with ``message``; ``release``: forget them all too (the engine thread

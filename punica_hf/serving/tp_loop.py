@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 
 from . import tp_control
 from .handles import RequestHandle
@@ -44,6 +44,7 @@ class TensorParallelLoop:
                 cancelled = self._send_cancellations()
                 with self._lock:
                     changes, self._adapter_changes = self._adapter_changes, []
+                    self._changes_sent = changes
                 record = control.share(tp_control.StepControl(
                     admissions=tuple(
                         tp_control.Admission(r.request_id, r.handle.prompt_token_ids, r.handle.adapter, r.params,
@@ -95,40 +96,35 @@ class TensorParallelLoop:
         it succeeded (all or nothing); rank 0 answers its callers (``waiting``). An unload done on some ranks only
         cannot be undone: every rank stops (``RanksDiffer``)."""
         control = self._control
-        try:
-            for index, change in enumerate(changes):
-                outcome, error = None, None
-                try:
-                    if change.unload is not None:
-                        self.model.unload_adapter(change.unload)
-                    else:
-                        outcome = self.model.load_adapters(dict(change.load))
-                except Exception as raised:
-                    error = raised
-                problems = [p for p in control.gather(None if error is None else f"rank {control.rank}: {error}")
-                            if p is not None]
-                if problems and change.unload is not None and len(problems) < control.world_size:
-                    raise tp_control.RanksDiffer(f"unloading {change.unload!r} failed on some ranks only: "
-                                                 + "; ".join(problems))
-                if problems and error is None:  # loaded here, not on another rank: undone, so the ranks agree
-                    for name, _ in change.load:
-                        self.model.unload_adapter(name)
-                if waiting is not None:
-                    if problems:  # rank 0's own error keeps its type (the server's answer depends on it)
-                        waiting[index].set_exception(error or ValueError("; ".join(problems)))
-                    else:
-                        waiting[index].set_result(outcome)
-        finally:
-            for done in waiting or ():
-                if not done.done():
-                    done.set_exception(EngineClosedError("the engine stopped before the adapter change was agreed"))
+        for index, change in enumerate(changes):
+            outcome, error = None, None
+            try:
+                if change.unload is not None:
+                    self.model.unload_adapter(change.unload)
+                else:
+                    outcome = self.model.load_adapters(dict(change.load))
+            except Exception as raised:
+                error = raised
+            problems = [p for p in control.gather(None if error is None else f"rank {control.rank}: {error}")
+                        if p is not None]
+            if problems and change.unload is not None and len(problems) < control.world_size:
+                raise tp_control.RanksDiffer(f"unloading {change.unload!r} failed on some ranks only: "
+                                             + "; ".join(problems))
+            if problems and error is None:  # loaded here, not on another rank: undone, so the ranks agree
+                for name, _ in change.load:
+                    self.model.unload_adapter(name)
+            if waiting is not None:  # rank 0's own error keeps its type (the server's answer depends on it)
+                _answer(waiting[index], outcome, (error or ValueError("; ".join(problems))) if problems else None)
 
-    def _close_adapter_changes(self) -> None:
-        """The loop has ended: refuse further changes, and fail those it will never send."""
+    def _fail_adapter_changes(self, message: str, close: bool) -> None:
+        """Fail every adapter change asked and not answered yet (queued, or sent to the ranks); ``close``: the loop
+        has ended, refuse further ones."""
         with self._lock:
-            pending, self._adapter_changes = self._adapter_changes, None
-        for _, done in pending or ():
-            done.set_exception(EngineClosedError("the engine stopped before the adapter change was sent"))
+            unanswered = [*(self._adapter_changes or ()), *self._changes_sent]
+            self._adapter_changes = None if close else []
+            self._changes_sent = []
+        for _, done in unanswered:
+            _answer(done, None, EngineClosedError(message))
 
     def _tensor_parallel_failure(self, error: BaseException) -> BaseException:
         """The error this rank's engine stops with: another rank's reported failure when there is one (this rank's
@@ -169,12 +165,7 @@ class TensorParallelLoop:
                 self._accepting = False
                 logger.error("the engine stopped: %s", report)
                 self._fail_unfinished(f"the engine stopped: {report}", release=False)
-                with self._lock:
-                    pending = list(self._adapter_changes or ())
-                    if self._adapter_changes is not None:
-                        self._adapter_changes.clear()
-                for _, done in pending:
-                    done.set_exception(EngineClosedError(f"the engine stopped: {report}"))
+                self._fail_adapter_changes(f"the engine stopped: {report}", close=False)
                 control.acknowledge_failure()
                 return
             self._thread.join(tp_control.FAILURE_POLL_SECONDS)
@@ -225,3 +216,14 @@ class TensorParallelLoop:
             samples = self._control.share()
         failed = [(row_requests[row], reason) for row, reason in samples.failures]
         return [(request, reason) for request, reason in failed if request is not None], list(samples.tokens)
+
+
+def _answer(done: Future, result, error: BaseException | None) -> None:
+    """Give an adapter change's caller its outcome, unless it has one already (the engine stopped meanwhile)."""
+    try:
+        if error is None:
+            done.set_result(result)
+        else:
+            done.set_exception(error)
+    except InvalidStateError:
+        pass
