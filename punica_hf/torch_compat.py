@@ -38,3 +38,15 @@ class FollowsModuleMoves(nn.Module):
 
     def after_module_moved(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         raise NotImplementedError
+
+
+def process_group_store():
+    """The key-value store of torch.distributed's default process group (torchrun's rendezvous store), which every
+    rank reaches without a collective: a rank reports its failure there while the others may wait in one.
+
+    No public name: ``init_process_group`` keeps the store it made, exported by ``torch.distributed.distributed_c10d``
+    only as ``_get_default_store``.
+    """
+    import torch.distributed as dist
+
+    return dist.distributed_c10d._get_default_store()

@@ -13,7 +13,7 @@ import torch
 
 from helpers import save_peft_adapter, tiny_llama
 from punica_hf.serving.tp_control import HEARTBEAT_SECONDS
-from two_ranks import run_two_ranks
+from two_ranks import check_engines_ran, run_two_ranks
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch without torch.distributed")
 
@@ -31,9 +31,7 @@ def ranks(tmp_path_factory) -> list[dict]:
     save_peft_adapter(base, root / "adapters" / "attn", r=4, target_modules=["q_proj", "v_proj", "o_proj"], seed=1)
     save_peft_adapter(base, root / "adapters" / "mlp", r=8, target_modules=["gate_proj", "down_proj"], seed=2)
     ranks = run_two_ranks(WORKER, root, RUN_TIMEOUT_S)
-    for rank, seen in enumerate(ranks):
-        assert "error" not in seen, f"rank {rank}:\n{seen['error']}"
-        assert seen["engine_error"] is None, f"rank {rank}: {seen['engine_error']}"
+    check_engines_ran(ranks)
     return ranks
 
 

@@ -1,5 +1,6 @@
 """``punica-hf serve --tp 2``: the command starts its 2 ranks itself (gloo on the CPU), rank 0 answers HTTP with
-what the unsplit model's engine answers, and a SIGTERM to the command drains, then stops every rank."""
+what the unsplit model's engine answers (adapters loaded at runtime too), and a SIGTERM to the command drains, then
+stops every rank."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from helpers import save_word_level_model
+from helpers import save_peft_adapter, save_word_level_model
 from punica_hf import MultiLoraModel
 from punica_hf.serving import Engine, SamplingParams
 from server_process import child_env, free_port
@@ -50,12 +51,18 @@ def _wait_for_health(process: subprocess.Popen, base: str, log) -> None:
     pytest.fail(f"the server did not start:\n{log.read_text()[-6000:]}")
 
 
-@contextlib.contextmanager
-def _serve_tp(model_dir, adapters, log):
+def _serve_tp(model_dir, adapters, log, options=()):
     """``punica-hf serve --tp 2`` running: yields its process and base URL; killed with its ranks at the end."""
+    return _serving([sys.executable, "-m", "punica_hf", "serve", "--model", str(model_dir), "--adapter",
+                     f"a={adapters['a']}", "--tp", "2", *options], log)
+
+
+@contextlib.contextmanager
+def _serving(command: list[str], log):
+    """``command`` (serve's options but --port) running on a free port: yields its process and base URL once it
+    answers /health; killed with its ranks at the end."""
     port = free_port()
-    command = [sys.executable, "-m", "punica_hf", "serve", "--model", str(model_dir), "--adapter",
-               f"a={adapters['a']}", "--port", str(port), "--tp", "2"]
+    command = [*command, "--port", str(port)]
     env = {**child_env(), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     base = f"http://127.0.0.1:{port}"
     with open(log, "w") as output:
@@ -70,16 +77,39 @@ def _serve_tp(model_dir, adapters, log):
                 process.wait()
 
 
+def _completion(base: str, model: str, prompt: str) -> httpx.Response:
+    body = {"model": model, "prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    return httpx.post(f"{base}/v1/completions", json=body, timeout=60)
+
+
 def test_serve_split_over_two_ranks_answers_as_the_unsplit_model_and_drains_on_sigterm(tmp_path):
     model_dir, adapters = save_word_level_model(tmp_path)
+    lora_dir = tmp_path / "loras"
+    base_model = AutoModelForCausalLM.from_pretrained(model_dir)
+    runtime = save_peft_adapter(base_model, lora_dir / "b", r=8, target_modules=["o_proj", "down_proj"], seed=7)
+    broken = save_peft_adapter(base_model, lora_dir / "broken", r=4, target_modules=["q_proj"], seed=8)
+    (broken / "adapter_model.safetensors").write_bytes(b"not a safetensors file")
     expected = _unsplit_answers(model_dir, adapters)
+    expected_runtime = _unsplit_answers(model_dir, {"a": runtime})["a"]
     log = tmp_path / "serve.log"
-    with _serve_tp(model_dir, adapters, log) as (process, base):
+    options = ["--allow-runtime-lora", "--lora-dir", str(lora_dir)]
+    with _serve_tp(model_dir, adapters, log, options) as (process, base):
         for adapter, prompt in PROMPTS.items():
-            body = {"model": adapter or str(model_dir), "prompt": prompt, "max_tokens": 6, "temperature": 0,
-                    "ignore_eos": True}
-            answer = httpx.post(f"{base}/v1/completions", json=body, timeout=60).raise_for_status().json()
+            answer = _completion(base, adapter or str(model_dir), prompt).raise_for_status().json()
             assert answer["choices"][0]["text"] == expected[adapter], adapter
+        # runtime loads and unloads: every rank follows rank 0's
+        load = httpx.post(f"{base}/v1/load_lora_adapter", json={"lora_name": "b", "lora_path": str(runtime)},
+                          timeout=60)
+        assert load.status_code == 200, load.text
+        answer = _completion(base, "b", PROMPTS["a"]).raise_for_status().json()
+        assert answer["choices"][0]["text"] == expected_runtime != expected["a"]
+        failed = httpx.post(f"{base}/v1/load_lora_adapter", json={"lora_name": "c", "lora_path": str(broken)},
+                            timeout=60)
+        assert failed.status_code == 400 and "could not load" in failed.json()["error"]["message"], failed.text
+        assert _completion(base, "c", PROMPTS["a"]).status_code == 404
+        assert httpx.post(f"{base}/v1/unload_lora_adapter", json={"lora_name": "b"}, timeout=60).status_code == 200
+        assert _completion(base, "b", PROMPTS["a"]).status_code == 404
+        assert _completion(base, "a", PROMPTS["a"]).json()["choices"][0]["text"] == expected["a"]
         body = {"model": "a", "prompt": PROMPTS["a"], "max_tokens": 300, "ignore_eos": True, "temperature": 0,
                 "stream": True}
         with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as stream:
@@ -96,7 +126,6 @@ def test_serve_split_over_two_ranks_answers_as_the_unsplit_model_and_drains_on_s
     (["--model", "demo"], "--tp splits a transformers model"),
     (["--model", "MODEL", "--device", "cpu"], "--tp places each rank where transformers puts it"),
     (["--model", "MODEL", "--replicas", "2"], "--tp runs one engine over N ranks; it does not run on Ray"),
-    (["--model", "MODEL", "--allow-runtime-lora", "--lora-dir", "LORA"], "leave out --allow-runtime-lora"),
 ])
 def test_serve_tp_refusals_before_anything_loads(tmp_path, capsys, monkeypatch, options, problem):
     from punica_hf.cli import main, ranks, serve
@@ -106,7 +135,7 @@ def test_serve_tp_refusals_before_anything_loads(tmp_path, capsys, monkeypatch, 
 
     monkeypatch.setattr(serve, "load_model", must_not_run)
     monkeypatch.setattr(ranks, "launch", must_not_run)
-    options = [{"MODEL": str(tmp_path), "LORA": str(tmp_path)}.get(option, option) for option in options]
+    options = [{"MODEL": str(tmp_path)}.get(option, option) for option in options]
     assert main(["serve", *options, "--port", "0", "--tp", "2"]) == 1
     assert problem in capsys.readouterr().err
 
@@ -137,3 +166,17 @@ def test_a_rank_that_dies_takes_the_server_down_with_a_message(tmp_path):
         assert "a rank of --tp 2 failed" in log.read_text()
         with pytest.raises(httpx.TransportError):
             httpx.get(f"{base}/health", timeout=2)
+
+
+def test_a_step_failing_on_one_rank_answers_with_the_error_and_the_server_exits(tmp_path):
+    model_dir, _ = save_word_level_model(tmp_path)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               str(Path(__file__).with_name("tp_serve_fault_worker.py")), "--model", str(model_dir), "--tp", "2"]
+    log = tmp_path / "serve.log"
+    with _serving(command, log) as (process, base):
+        assert _completion(base, str(model_dir), "w5 w6 w7").status_code == 200
+        failed = _completion(base, str(model_dir), "w5 w99 w7")  # rank 1's forward raises on w99
+        assert failed.status_code == 500
+        assert "rank 1: a step failed: ValueError: injected fault" in failed.json()["error"]["message"]
+        assert process.wait(timeout=90) != 0
+    assert "rank 1: a step failed: ValueError: injected fault" in log.read_text()

@@ -8,7 +8,6 @@ unsplit model alone. Each rank writes every completion its engine saw to ``ROOT/
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -16,11 +15,11 @@ import traceback
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from transformers import AutoModelForCausalLM, DistributedConfig
 
 from punica_hf import MultiLoraModel
 from punica_hf.serving import Engine, EngineConfig, SamplingParams, tp_control
+from two_ranks import finish_rank
 
 ROOT = Path(sys.argv[1])
 RANK = int(os.environ["RANK"])
@@ -145,9 +144,7 @@ def main() -> None:
         differing_adapters(results.setdefault("differing_adapters", {}))
     except Exception:
         results["error"] = traceback.format_exc()
-    (ROOT / f"rank{RANK}.json").write_text(json.dumps(results))
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    finish_rank(ROOT, results)
 
 
 if __name__ == "__main__":

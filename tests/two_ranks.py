@@ -14,13 +14,15 @@ import pytest
 from server_process import child_env
 
 
-def run_two_ranks(worker: Path, root: Path, timeout_s: float) -> list[dict]:
-    """``torchrun --nproc-per-node 2 worker ROOT``; each rank writes ``ROOT/rank<R>.json``. Fails the test with the
-    ranks' log when the run fails, leaves a result out or runs past ``timeout_s`` (its ranks killed then)."""
+def run_two_ranks(worker: Path, root: Path, timeout_s: float, *worker_args: str, gpus: bool = False) -> list[dict]:
+    """``torchrun --nproc-per-node 2 worker ROOT [WORKER_ARGS]``; each rank writes ``ROOT/rank<R>.json``. Fails the
+    test with the ranks' log when the run fails, leaves a result out or runs past ``timeout_s`` (its ranks killed
+    then). GPUs are hidden unless ``gpus``: the ranks run on the CPU (gloo) wherever the test runs."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               str(worker), str(root)]
-    # GPUs hidden: the ranks run on the CPU (gloo) wherever the test runs; two ranks may not get two GPUs.
-    env = {**child_env(), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "CUDA_VISIBLE_DEVICES": ""}
+               str(worker), str(root), *worker_args]
+    env = {**child_env(), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    if not gpus:
+        env["CUDA_VISIBLE_DEVICES"] = ""
     log = root / "torchrun.log"
     with open(log, "w") as output:
         # Its own session, so a timeout ends the ranks with it (killpg), never leaving them behind.
@@ -37,3 +39,19 @@ def run_two_ranks(worker: Path, root: Path, timeout_s: float) -> list[dict]:
     if process.returncode != 0 or not all(path.exists() for path in results):
         pytest.fail(f"torchrun ended with {process.returncode}:\n{log.read_text()[-6000:]}")
     return [json.loads(path.read_text()) for path in results]
+
+
+def check_engines_ran(ranks: list[dict]) -> None:
+    """Fail the test with a rank's traceback, or its engine's error, if one of the ranks wrote one."""
+    for rank, seen in enumerate(ranks):
+        assert "error" not in seen, f"rank {rank}:\n{seen['error']}"
+        assert seen["engine_error"] is None, f"rank {rank}: {seen['engine_error']}"
+
+
+def finish_rank(root: Path, results: dict) -> None:
+    """In a worker: write this rank's ``results`` to ``ROOT/rank<R>.json`` and leave the process group."""
+    import torch.distributed as dist
+
+    (root / f"rank{os.environ['RANK']}.json").write_text(json.dumps(results))
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -6,6 +6,7 @@ import argparse
 import signal
 import socket
 import threading
+import time
 from collections.abc import Callable, Mapping
 from functools import partial
 from pathlib import Path
@@ -19,6 +20,8 @@ from .common import (
     BASE, DEMO_MODEL, AppendUniqueName, adapter_name_and_path, add_device_arguments, demo_adapter_sources, load_model,
     positive_int, resolve_device, resolve_dtype,
 )
+
+ENGINE_WATCH_SECONDS = 0.2  # how often a server over --tp ranks checks that its engine still runs
 
 
 def register(command: Callable[..., argparse.ArgumentParser]) -> None:
@@ -181,7 +184,21 @@ def _serve_http(args: argparse.Namespace, console: Console) -> None:
     console.print(f"adapter host tier: {host_budget / 2**30:.1f} GiB ({host_budget} bytes) of CPU memory",
                   highlight=False)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=None)
-    uvicorn.Server(config).run(sockets=[listener])
+    server = uvicorn.Server(config)
+    if args.tp > 1:  # the ranks cannot go on once one has failed: the server stops, and the command fails
+        threading.Thread(target=_stop_on_engine_error, args=(engine, server), daemon=True).start()
+    server.run(sockets=[listener])
+    if args.tp > 1 and engine.error is not None:
+        raise RuntimeError(f"the engine stopped: {engine.error}") from engine.error
+
+
+def _stop_on_engine_error(engine, server) -> None:
+    """Have uvicorn shut down (its requests have failed already) once the engine has stopped with an error."""
+    while not server.should_exit:
+        if engine.error is not None:
+            server.should_exit = True
+            return
+        time.sleep(ENGINE_WATCH_SECONDS)
 
 
 def check_arguments(args: argparse.Namespace) -> None:
@@ -204,8 +221,6 @@ def check_arguments(args: argparse.Namespace) -> None:
         if on_ray(args):
             raise ValueError("--tp runs one engine over N ranks; it does not run on Ray (leave out --replicas and "
                              "--ray-address)")
-        if args.allow_runtime_lora:  # a load on rank 0 alone would leave the ranks' adapters different
-            raise ValueError("--tp serves the adapters given at start only; leave out --allow-runtime-lora")
 
 
 def served_adapters(args: argparse.Namespace) -> dict[str, str]:

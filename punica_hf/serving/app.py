@@ -305,15 +305,15 @@ class _Server:
         if not resolved.exists():
             raise APIError(400, f"lora_path '{path}' does not exist", param="lora_path")
         try:
-            self.engine.model.load_adapters({name: str(resolved)})
+            self.engine.load_adapters({name: str(resolved)})
         except (ValueError, KeyError, OSError) as error:
             raise APIError(400, f"could not load '{path}': {error}", param="lora_path") from error
-        self._tell_others(name, str(resolved), undo=lambda: self.engine.model.unload_adapter(name))
+        self._tell_others(name, str(resolved), undo=lambda: self.engine.unload_adapter(name))
 
     def unload_adapter(self, name: str) -> None:
         # One call that checks and removes: a check before it could pass for two concurrent unloads of one name.
         try:
-            self.engine.model.unload_adapter(name)  # requests using it finish first; its name is free at once
+            self.engine.unload_adapter(name)  # requests using it finish first; its name is free at once
         except KeyError:  # its message lists every adapter loaded: not for this client
             raise APIError(404, f"The lora adapter '{name}' cannot be found.", param="lora_name",
                            code="model_not_found") from None

@@ -11,7 +11,8 @@ engine's queue while the batch keeps going. The queue is bounded (``QueueFullErr
 its KV blocks at the next step.
 
 Over a tensor-parallel model (``model.tensor_parallel``) every rank makes and starts an engine; rank 0 takes the
-requests and decides each step for all ranks (``tp_control``); the other ranks follow until rank 0 shuts down.
+requests, the runtime adapter loads and unloads, and decides each step for all ranks (``tp_control``); the other
+ranks follow until rank 0 shuts down. A step that fails on any rank stops every rank's engine (``tp_loop``).
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ import random
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
+from pathlib import Path
 
 import torch
 
@@ -58,8 +61,11 @@ class Engine(TensorParallelLoop):
             for delta in handle:
                 print(delta.text, end="")
 
-    Over a model split by tensor parallelism every rank makes and starts its engine; rank 0 alone submits, the
-    other ranks run its steps until its shutdown (``shutdown()`` there waits for it).
+    Over a model split by tensor parallelism every rank makes and starts its engine; rank 0 alone submits and
+    changes adapters (``load_adapters`` / ``unload_adapter``), the other ranks run its steps until its shutdown
+    (``shutdown()`` there waits for it). A step that fails on one rank stops every rank's engine with an error
+    naming that rank; a rank then still in one of the model's collectives gets out once the failed rank's process
+    leaves the process group (``destroy_process_group()`` or exit), as ``punica-hf serve --tp`` does.
     """
 
     def __init__(self, model, tokenizer=None, config: EngineConfig | None = None) -> None:
@@ -81,6 +87,10 @@ class Engine(TensorParallelLoop):
         self._queue: deque[RequestState] = deque()  # submitted, not yet handed to transformers
         self._lock = threading.Lock()  # guards _queue, _requests (insertions) and _cancels
         self._cancels: set[str] = set()
+        # Tensor parallel: adapter changes asked on rank 0, each with its caller's future, for the next pass (None
+        # once the loop has ended).
+        self._adapter_changes: list[tuple[tp_control.AdapterChange, Future]] | None = []
+        self._changes_sent: list[tuple[tp_control.AdapterChange, Future]] = []  # in the last record, not answered
         self._wake = threading.Event()
         self._accepting = False
         self._stop = False
@@ -122,6 +132,8 @@ class Engine(TensorParallelLoop):
         self._accepting = True
         self._thread = threading.Thread(target=self._run, name="punica-hf-engine", daemon=True)
         self._thread.start()
+        if self._control is not None and self._control.leader:
+            threading.Thread(target=self._watch_other_ranks, name="punica-hf-tp-watch", daemon=True).start()
         return self
 
     def shutdown(self, drain: bool = True, timeout: float | None = None) -> None:
@@ -242,6 +254,27 @@ class Engine(TensorParallelLoop):
         handles = [self.submit(prompt, adapter, params) for prompt, adapter in zip(prompts, adapters)]
         return [handle.result() for handle in handles]
 
+    def load_adapters(self, sources: Mapping[str, str | Path]) -> dict[str, int]:
+        """Register adapters while the engine runs, all or none: ``MultiLoraModel.load_adapters`` of local paths.
+
+        Over a tensor-parallel model, on rank 0 only and while the engine runs: every rank loads them from the same
+        paths (the ranks share one machine's files) at the next pass, and none keeps them unless every rank could;
+        the error is rank 0's own, or a ValueError naming each rank that failed and why."""
+        if self._control is None:
+            return self.model.load_adapters(sources)
+        if not isinstance(sources, Mapping) or not all(isinstance(path, (str, Path)) for path in sources.values()):
+            raise ValueError("under tensor parallelism load_adapters takes {name: local path}, read on every rank")
+        return self._ask_adapter_change(tp_control.AdapterChange(load=tuple(
+            (name, str(path)) for name, path in sources.items()
+        )))
+
+    def unload_adapter(self, name: str) -> None:
+        """Unregister an adapter (``MultiLoraModel.unload_adapter``): requests running with it finish with it, queued
+        ones fail. Over a tensor-parallel model, on rank 0 only: every rank unloads it at the next pass."""
+        if self._control is None:
+            return self.model.unload_adapter(name)
+        self._ask_adapter_change(tp_control.AdapterChange(unload=name))
+
     def stats(self) -> EngineStats:
         backend = self._backend
         return EngineStats(
@@ -311,14 +344,26 @@ class Engine(TensorParallelLoop):
                     self._tensor_parallel_loop()
         except BaseException as error:  # the batch state is unknown now: fail every request, refuse new ones
             logger.exception("the engine thread stopped")
+            if self._control is not None:
+                error = self._tensor_parallel_failure(error)
             self._error = error
             self._backend.deliver_outputs()
-            for request in list(self._requests.values()):
-                if not request.handle.done:
-                    self._complete(request, "error", error=f"the engine stopped: {error}", error_code=GENERATION_FAILED)
+            self._fail_unfinished(f"the engine stopped: {error}", release=True)
+            if self._control is not None:
+                self._after_tensor_parallel_failure(error)
+        finally:
+            if self._control is not None:
+                self._fail_adapter_changes("the engine stopped before every rank applied the adapter change",
+                                           close=True)
+
+    def _fail_unfinished(self, message: str, release: bool) -> None:
+        """End every request not finished yet with ``message``; ``release``: forget them all too (the engine thread
+        only: the batch may still hold them otherwise)."""
+        for request in list(self._requests.values()):
+            if not request.handle.done:
+                self._complete(request, "error", error=message, error_code=GENERATION_FAILED)
+            if release:
                 self._release(request)
-            if self._control is not None and self._control.leader and not isinstance(error, tp_control.RanksDiffer):
-                self._control.stop_followers()  # rather than leave them waiting for the next record
 
     def _loop(self) -> None:
         """The engine thread's loop in one process: admit, cancel, step; idle, wait for a request."""
@@ -433,6 +478,10 @@ class Engine(TensorParallelLoop):
             self._check_scores_and_sample()
             backend.fetch_outputs()
         except Exception as error:  # this batch's requests fail; the others and the engine go on
+            if self._control is not None:  # but the other ranks ran (or wait in) this step's collectives: all stop
+                raise tp_control.StepFailed(
+                    f"rank {self._control.rank}: a step failed: {type(error).__name__}: {error}"
+                ) from error
             logger.exception("a batch failed")
             backend.deliver_outputs()
             backend.fail_step(error)
@@ -517,9 +566,16 @@ class Engine(TensorParallelLoop):
     def _cb_config(self, device: torch.device):
         """transformers' batching settings for this engine on ``device``."""
         max_running, max_batch_tokens = self.config.batch_limits(device.type)
+        cuda_graphs = self.config.cuda_graphs
+        if self._control is not None and self._control.model_backend == "gloo" and device.type == "cuda":
+            # gloo moves CUDA tensors through host copies and waits for them: no CUDA graph can capture that
+            if cuda_graphs:
+                logger.warning("CUDA graphs are off: the split model's collectives run on gloo, which they cannot "
+                               "capture (NCCL can)")
+            cuda_graphs = False
         return transformers_cb.batching_config(
             device, max_running=max_running, max_batch_tokens=max_batch_tokens, kv_blocks=self.config.kv_blocks,
-            cuda_graphs=self.config.cuda_graphs, max_model_len=self.max_model_len,
+            cuda_graphs=cuda_graphs, max_model_len=self.max_model_len,
             pad_keys_to_cache=self.attention.implementation == attention.NAME and device.type == "cuda",
             # under tensor parallelism every rank would have to match the same prefixes: not agreed yet, so off
             prefix_sharing=self.config.prefix_caching and self._control is None,
