@@ -74,7 +74,6 @@ MALFORMED_CONFIGS = {
     "bool-bias": ({"bias": True}, "bias must be a string ('none'), got True"),
     "layer-replication": ({"layer_replication": [[0, 1]]}, "layer_replication is not supported"),
     "target-parameters": ({"target_parameters": ["mlp.experts"]}, "target_parameters (LoRA on nn.Parameter)"),
-    "alora": ({"alora_invocation_tokens": [1, 2]}, "aLoRA (alora_invocation_tokens) is not supported"),
     "megatron": ({"megatron_config": {"tensor_model_parallel_size": 2}}, "Megatron layers (megatron_config)"),
     # finite but absurd: factors scaled by them overflow the model's dtype
     "huge-alpha": ({"lora_alpha": 1e39}, "lora_alpha must be at most 1e+06 in magnitude, got 1e+39"),

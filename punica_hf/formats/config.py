@@ -38,7 +38,6 @@ _REFUSED_SETTINGS = {
     "layer_replication": "layer_replication",
     "target_parameters": "target_parameters (LoRA on nn.Parameter)",
     "trainable_token_indices": "trainable_token_indices",
-    "alora_invocation_tokens": "aLoRA (alora_invocation_tokens)",
     "megatron_config": "Megatron layers (megatron_config)",
     # LoRA variants whose forward is not plain LoRA (peft's lora_variants); VeLoRA and MiCA change training only
     "use_qalora": "QALoRA (use_qalora=True)",
@@ -67,6 +66,8 @@ class LoraAdapterConfig:
     rank_pattern: dict[str, int] = field(default_factory=dict)
     alpha_pattern: dict[str, float] = field(default_factory=dict)
     base_model_name_or_path: str | None = None
+    # aLoRA: the adapter applies from the start of the last occurrence of these tokens in a row's input on
+    alora_invocation_tokens: tuple[int, ...] | None = None
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
     # The config as peft reads it (from_dict); None for a config made in code, whose adapter's weights alone say
     # which modules it changes.
@@ -84,6 +85,10 @@ class LoraAdapterConfig:
         _require(
             self.base_model_name_or_path is None or isinstance(self.base_model_name_or_path, str),
             "base_model_name_or_path", "a string or null", self.base_model_name_or_path,
+        )
+        _require(
+            self.alora_invocation_tokens is None or _is_token_ids(self.alora_invocation_tokens),
+            "alora_invocation_tokens", "a non-empty list of token ids (integers >= 0) or null", self.alora_invocation_tokens,
         )
         rank_checks = ((_is_rank, "a positive integer"), (_in_rank_range, f"at most {LARGEST_RANK}"))
         alpha_checks = ((_is_finite_number, "a finite number"), (_in_alpha_range, _ALPHA_RANGE))
@@ -109,6 +114,7 @@ class LoraAdapterConfig:
             rank_pattern=_unless_null(raw, "rank_pattern", {}),
             alpha_pattern=_unless_null(raw, "alpha_pattern", {}),
             base_model_name_or_path=raw.get("base_model_name_or_path"),
+            alora_invocation_tokens=_invocation_tokens(raw.get("alora_invocation_tokens")),
             raw=dict(raw),
         )
         # peft's rules after ours: ours name the field and the value it got
@@ -168,6 +174,17 @@ def _is_layer(value: Any) -> bool:
 
 def _is_layers(value: Any) -> bool:
     return _is_layer(value) or (isinstance(value, list) and all(map(_is_layer, value)))
+
+
+def _is_token_ids(value: Any) -> bool:
+    return isinstance(value, tuple) and len(value) > 0 and all(map(_is_layer, value))  # ids are ints >= 0 as layers
+
+
+def _invocation_tokens(value: Any) -> Any:
+    # [] is unset, as in PEFT; a list becomes a tuple (the config is frozen); anything else is refused as it is
+    if value == []:
+        return None
+    return tuple(value) if isinstance(value, list) else value
 
 
 def _is_dropout(value: Any) -> bool:
