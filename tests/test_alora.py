@@ -50,7 +50,7 @@ LENGTHS = [9, 10, 6, 7, 5, 8, 6, 9]
 
 
 def make_base() -> torch.nn.Module:
-    base = tiny_llama(vocab_size=VOCAB, max_position_embeddings=256)
+    base = tiny_llama(vocab_size=VOCAB, max_position_embeddings=1024)
     base.generation_config.eos_token_id = None  # every row runs to max_new_tokens
     return base
 
@@ -197,3 +197,67 @@ def test_alora_on_an_embedding_layer_is_refused(setup, tmp_path):
 def test_bad_invocation_tokens_are_refused_by_name(value):
     with pytest.raises(ValueError, match="alora_invocation_tokens must be a non-empty list of token ids"):
         LoraAdapterConfig.from_dict({"peft_type": "LORA", "r": 4, "alora_invocation_tokens": value})
+
+
+def engine_model(tmp_path: Path) -> MultiLoraModel:
+    base = make_base()
+    model = MultiLoraModel(base, max_adapters=4, max_rank=8)
+    model.load_adapters(save_adapters(base, tmp_path))
+    return model
+
+
+def generated(model: MultiLoraModel, adapter: str | None, tokens: list[int], new_tokens: int) -> list[int]:
+    output = model.generate(torch.tensor([tokens]), adapter_ids=[adapter], max_new_tokens=new_tokens,
+                            do_sample=False, pad_token_id=0)
+    return output[0, len(tokens) :].tolist()
+
+
+def run(engine: Engine, tokens: list[int], adapter: str | None, new_tokens: int = 5) -> tuple[list[int], int]:
+    """The request's new tokens, and the prompt tokens it took from shared pages."""
+    hits = engine.stats().prefix_hit_tokens
+    completion = engine.submit(tokens, adapter, SamplingParams(max_new_tokens=new_tokens)).result(timeout=120)
+    return list(completion.token_ids), engine.stats().prefix_hit_tokens - hits
+
+
+@torch.no_grad()
+def test_engine_tokens_equal_generate(tmp_path):
+    """Interleaved aLoRA, plain and base requests; prefills split over steps of 16 tokens, so an invocation's start
+    falls inside a step, at a step's first token, or in an earlier step."""
+    model = engine_model(tmp_path)
+    plan = [  # (adapter, invocation places, prompt length)
+        ("two_tokens", [20], 40), ("plain", [], 12), ("one_token", [16], 30), ("two_tokens", [], 25),
+        (None, [5], 18), ("one_token", [3, 33], 35), ("two_tokens", ["end"], 9), ("one_token", [0], 7),
+    ]
+    requests = [(adapter, prompt(adapter, places, length, seed), 3 + seed % 4)
+                for seed, (adapter, places, length) in enumerate(plan)]
+    expected = [generated(model, adapter, tokens, n) for adapter, tokens, n in requests]
+    with Engine(model, config=EngineConfig(max_running=4, max_batch_tokens=16)) as engine:
+        handles = [engine.submit(tokens, adapter, SamplingParams(max_new_tokens=n)) for adapter, tokens, n in requests]
+        assert [list(handle.result(timeout=120).token_ids) for handle in handles] == expected
+
+
+PAGE = 256  # tokens of a KV page on the CPU
+
+
+@torch.no_grad()
+def test_prefix_pages_follow_where_the_adapter_starts(tmp_path):
+    """An aLoRA request's pages hold base-model keys before its invocation and the adapter's after, so they are
+    shared only with requests of the same adapter that start it at the same position; without an invocation the
+    request runs as the base model and shares the base model's pages."""
+    model = engine_model(tmp_path)
+    first = prompt("two_tokens", [50], PAGE + 40, seed=1)
+    same_start = first[:-20] + prompt(None, [], 20, seed=2)  # the same first page, the same invocation
+    later_start = first[:-20] + prompt("two_tokens", [10], 20, seed=3)  # the same first page, a later invocation
+    no_invocation = prompt(None, [], PAGE + 30, seed=4)
+    answers = {name: generated(model, adapter, tokens, 5) for name, adapter, tokens in [
+        ("first", "two_tokens", first), ("same", "two_tokens", same_start), ("later", "two_tokens", later_start),
+        ("base", None, no_invocation), ("absent", "two_tokens", no_invocation)]}
+    assert answers["base"] == answers["absent"]
+    with Engine(model, config=EngineConfig(max_running=4)) as engine:
+        assert run(engine, first, "two_tokens") == (answers["first"], 0)
+        tokens, hits = run(engine, same_start, "two_tokens")
+        assert tokens == answers["same"] and hits >= PAGE
+        assert run(engine, later_start, "two_tokens") == (answers["later"], 0)
+        assert run(engine, no_invocation, None) == (answers["base"], 0)
+        tokens, hits = run(engine, no_invocation, "two_tokens")
+        assert tokens == answers["absent"] and hits >= PAGE
