@@ -464,4 +464,6 @@ def _refuse_alora_on_embeddings(name: str, weights: AdapterWeights, model: nn.Mo
     modules = dict(model.named_modules())
     embeddings = sorted(m for m in weights.modules if isinstance(modules.get(m), nn.Embedding))
     if embeddings:
-        raise ValueError(f"adapter {name!r}: aLoRA on embedding layers is not supported (PEFT refuses it): {embeddings}")
+        raise ValueError(
+            f"adapter {name!r}: aLoRA on embedding layers is not supported (PEFT refuses it): {embeddings}"
+        )

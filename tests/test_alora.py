@@ -21,7 +21,9 @@ from peft import PeftModel
 from test_embedding_lora import Setup  # the model under test beside PEFT's, and PEFT's model for a row
 
 from punica_hf import MultiLoraModel
-from punica_hf.formats import LoraAdapterConfig, convert_adapter
+from punica_hf.formats import (
+    AdapterWeights, LoraAdapterConfig, ModuleLora, convert_adapter, load_converted, save_converted,
+)
 from punica_hf.model import alora_start
 from punica_hf.serving import Engine, EngineConfig, SamplingParams
 
@@ -167,6 +169,15 @@ def test_a_converted_adapter_keeps_its_invocation(setup, tmp_path):
     from_file = model(input_ids, attention_mask=attention_mask, adapter_ids=["converted"] * len(rows)).logits
     from_folder = model(input_ids, attention_mask=attention_mask, adapter_ids=["folder"] * len(rows)).logits
     torch.testing.assert_close(from_file, from_folder, atol=1e-6, rtol=0)
+
+
+def test_a_config_made_in_code_keeps_its_invocation_through_a_converted_file(tmp_path):
+    config = LoraAdapterConfig(r=2, lora_alpha=4, alora_invocation_tokens=[3, 4])
+    factors = ModuleLora(torch.randn(2, 32), torch.randn(32, 2))
+    weights = AdapterWeights({"model.layers.0.self_attn.q_proj": factors}, config, source="code")
+    assert config.alora_invocation_tokens == (3, 4)
+    read_back = load_converted(save_converted(weights, tmp_path / "made_in_code.safetensors"))
+    assert read_back.config.alora_invocation_tokens == (3, 4)
 
 
 @torch.no_grad()

@@ -86,9 +86,12 @@ class LoraAdapterConfig:
             self.base_model_name_or_path is None or isinstance(self.base_model_name_or_path, str),
             "base_model_name_or_path", "a string or null", self.base_model_name_or_path,
         )
+        if isinstance(self.alora_invocation_tokens, list):  # frozen, hashable: a tuple
+            object.__setattr__(self, "alora_invocation_tokens", tuple(self.alora_invocation_tokens))
         _require(
             self.alora_invocation_tokens is None or _is_token_ids(self.alora_invocation_tokens),
-            "alora_invocation_tokens", "a non-empty list of token ids (integers >= 0) or null", self.alora_invocation_tokens,
+            "alora_invocation_tokens", "a non-empty list of token ids (integers >= 0) or null",
+            self.alora_invocation_tokens,
         )
         rank_checks = ((_is_rank, "a positive integer"), (_in_rank_range, f"at most {LARGEST_RANK}"))
         alpha_checks = ((_is_finite_number, "a finite number"), (_in_alpha_range, _ALPHA_RANGE))
@@ -114,7 +117,7 @@ class LoraAdapterConfig:
             rank_pattern=_unless_null(raw, "rank_pattern", {}),
             alpha_pattern=_unless_null(raw, "alpha_pattern", {}),
             base_model_name_or_path=raw.get("base_model_name_or_path"),
-            alora_invocation_tokens=_invocation_tokens(raw.get("alora_invocation_tokens")),
+            alora_invocation_tokens=_unless_empty(raw.get("alora_invocation_tokens")),
             raw=dict(raw),
         )
         # peft's rules after ours: ours name the field and the value it got
@@ -180,11 +183,8 @@ def _is_token_ids(value: Any) -> bool:
     return isinstance(value, tuple) and len(value) > 0 and all(map(_is_layer, value))  # ids are ints >= 0 as layers
 
 
-def _invocation_tokens(value: Any) -> Any:
-    # [] is unset, as in PEFT; a list becomes a tuple (the config is frozen); anything else is refused as it is
-    if value == []:
-        return None
-    return tuple(value) if isinstance(value, list) else value
+def _unless_empty(value: Any) -> Any:
+    return None if isinstance(value, list) and not value else value  # [] is unset, as in PEFT
 
 
 def _is_dropout(value: Any) -> bool:

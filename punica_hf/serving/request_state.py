@@ -65,7 +65,8 @@ class RequestState:
         """The first position (prompt and generated tokens in one count) the request's adapter applies to: 0 for
         plain LoRA; for aLoRA, the start of the prompt's last invocation, None where the prompt lacks it (the request
         then runs as the base model, as in PEFT). Read once admitted: it needs the lease."""
-        return alora_start(None if self.lease is None else self.lease.invocation_tokens[0], self.handle.prompt_token_ids)
+        invocation_tokens = None if self.lease is None else self.lease.invocation_tokens[0]
+        return alora_start(invocation_tokens, self.handle.prompt_token_ids)
 
     @property
     def stopped_by_text(self) -> bool:

@@ -6,8 +6,8 @@ packed ``[1, T]`` batches, attention paths, CUDA graphs) but has no per-request 
 sampling and, from 5.24, no attention that reads the paged cache in place, so this module extends it at four points:
 
 - ``_AdapterSlotIOs``: the batch inputs gain ``adapter_ids`` ``[1, T]``, the GPU slot of each packed token's
-  request (-1 = base model, padding, and an aLoRA request's tokens before its invocation), in a static buffer that CUDA graphs captured once read at every replay;
-  the wrapped model's ``forward`` takes it to the LoRA layers.
+  request (-1 = base model, padding, and an aLoRA request's tokens before its invocation), in a static buffer
+  that CUDA graphs captured once read at every replay; the wrapped model's ``forward`` takes it to the LoRA layers.
 - ``_ScoreKeepingRunner``: greedy decoding stays inside transformers' (graphable) step, which also copies its
   scores into a static buffer; the engine draws each sampling request's token from it with the request's own
   settings and generator, so a seeded request gives the same text whatever else is in the batch.
