@@ -241,7 +241,7 @@ class MultiLoraModel(FollowsModuleMoves):
             if entries is None:
                 return self.model.generate(*args, **kwargs)
             kwargs = self._with_alora_offsets(lease, shape, args, kwargs)
-            if "alora_offsets" in kwargs and kwargs.get("prompt_lookup_num_tokens"):
+            if "alora_offsets" in kwargs and _generation_setting(self.model, kwargs, "prompt_lookup_num_tokens"):
                 # a step then checks several drafted tokens, whose positions past the prompt PEFT's offsets miss
                 raise ValueError("generate(prompt_lookup_num_tokens=...) is not supported with aLoRA adapters")
             return self.model.generate(*args, adapter_ids=self._slot_tensor(lease, shape), **kwargs)
@@ -422,9 +422,13 @@ def _keys_of_the_wrapped_model(wrapper: nn.Module, state_dict: dict, prefix: str
 
 def _keeps_cache_on_model(model: nn.Module, kwargs: dict) -> bool:
     """Whether generate() with ``kwargs`` keeps its cache on the model (static-style caches)."""
+    return _generation_setting(model, kwargs, "cache_implementation") not in (None, "dynamic")
+
+
+def _generation_setting(model: nn.Module, kwargs: dict, name: str) -> Any:
+    """A setting of generate() with ``kwargs``: the keyword, else the generation config given or the model's."""
     config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
-    implementation = kwargs.get("cache_implementation", getattr(config, "cache_implementation", None))
-    return implementation not in (None, "dynamic")
+    return kwargs.get(name, getattr(config, name, None))
 
 
 def _batch_shape(args: tuple, kwargs: dict) -> tuple[int, ...] | None:

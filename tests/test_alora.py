@@ -19,6 +19,7 @@ import torch
 from helpers import assert_state_unchanged, capture_state, save_peft_adapter, tiny_llama
 from peft import PeftModel
 from test_embedding_lora import Setup  # the model under test beside PEFT's, and PEFT's model for a row
+from transformers import GenerationConfig
 
 from punica_hf import MultiLoraModel
 from punica_hf.formats import (
@@ -131,6 +132,24 @@ def test_mixed_batch_logits_match_peft_row_by_row(setup, seed):
         assert torch.equal(changed[real[row]], (positions >= (start if start is not None else 1 << 30))[real[row]])
 
 
+@torch.no_grad()
+def test_per_token_adapter_ids_are_taken_as_given(setup):
+    """Per-token entries choose each token's adapter themselves: -1 before each row's start equals the per-row call."""
+    rows, input_ids, attention_mask = batch(seed=5)
+    indices = torch.tensor([-1 if adapter is None else setup.model.adapters[adapter] for adapter in rows])
+    every_token = indices[:, None].expand(input_ids.shape).clone()
+    from_start = every_token.clone()
+    for row, adapter in enumerate(rows):
+        invocation = ADAPTERS.get(adapter, {}).get("alora_invocation_tokens") if adapter else None
+        start = alora_start(invocation, input_ids[row].tolist())
+        from_start[row, : input_ids.shape[1] if start is None else start] = -1
+    by_row = setup.model(input_ids, attention_mask=attention_mask, adapter_ids=rows).logits
+    by_token = setup.model(input_ids, attention_mask=attention_mask, adapter_ids=from_start).logits
+    torch.testing.assert_close(by_token, by_row, atol=1e-6, rtol=0)
+    on_every_token = setup.model(input_ids, attention_mask=attention_mask, adapter_ids=every_token).logits
+    assert (on_every_token - by_row).abs().max() > 1e-3  # not masked: per-token entries are not searched
+
+
 GENERATION_MODES = {
     "greedy": dict(do_sample=False),
     "greedy_static_cache": dict(do_sample=False, cache_implementation="static"),
@@ -188,6 +207,9 @@ def test_alora_needs_input_ids_and_refuses_prompt_lookup(setup):
         setup.model(inputs_embeds=embeds, adapter_ids=["one_token"])
     with pytest.raises(ValueError, match="prompt_lookup_num_tokens.*aLoRA"):
         setup.model.generate(input_ids, adapter_ids=["one_token"], prompt_lookup_num_tokens=2, max_new_tokens=3)
+    with pytest.raises(ValueError, match="prompt_lookup_num_tokens.*aLoRA"):
+        setup.model.generate(input_ids, adapter_ids=["one_token"], max_new_tokens=3,
+                             generation_config=GenerationConfig(prompt_lookup_num_tokens=2))
     # plain LoRA rows keep both
     setup.model(inputs_embeds=embeds, adapter_ids=["plain"])
 
