@@ -171,6 +171,21 @@ def test_generate_matches_peft_row_by_row(setup, mode):
 
 
 @torch.no_grad()
+def test_returned_sequences_keep_their_rows_offsets(setup):
+    """generate() repeats each row's offset with the row (num_return_sequences): the same as the rows repeated."""
+    rows, input_ids, attention_mask = batch(seed=6)
+    kwargs = dict(do_sample=True, top_k=0, max_new_tokens=5, pad_token_id=0)
+    torch.manual_seed(0)
+    returned = setup.model.generate(input_ids, attention_mask=attention_mask, adapter_ids=rows,
+                                    num_return_sequences=2, **kwargs)
+    torch.manual_seed(0)
+    repeated = setup.model.generate(input_ids.repeat_interleave(2, dim=0),
+                                    attention_mask=attention_mask.repeat_interleave(2, dim=0),
+                                    adapter_ids=[adapter for adapter in rows for _ in range(2)], **kwargs)
+    assert torch.equal(returned, repeated)
+
+
+@torch.no_grad()
 def test_an_absent_invocation_runs_the_row_as_the_base_model_through_generation(setup):
     """Generated tokens do not activate the adapter: PEFT looks for the invocation in the prompt only."""
     input_ids = torch.tensor([prompt("two_tokens", [], 8, seed=7)])
@@ -210,6 +225,8 @@ def test_alora_needs_input_ids_and_refuses_prompt_lookup(setup):
     with pytest.raises(ValueError, match="prompt_lookup_num_tokens.*aLoRA"):
         setup.model.generate(input_ids, adapter_ids=["one_token"], max_new_tokens=3,
                              generation_config=GenerationConfig(prompt_lookup_num_tokens=2))
+    with pytest.raises(ValueError, match="alora_offsets needs adapter_ids with one slot per row"):
+        setup.model.model(input_ids, alora_offsets=torch.tensor([1]))  # the inner forward, called directly
     # plain LoRA rows keep both
     setup.model(inputs_embeds=embeds, adapter_ids=["plain"])
 
