@@ -157,6 +157,7 @@ class MultiLoraModel(FollowsModuleMoves):
                 loaded[name] = (source, source, {})
             else:
                 loaded[name] = (load_adapter_weights(source, **hub), source, hub)
+            _refuse_alora_on_embeddings(name, loaded[name][0], self.model)
         return self._store.add(loaded)
 
     def unload_adapter(self, name: str) -> None:
@@ -202,18 +203,26 @@ class MultiLoraModel(FollowsModuleMoves):
     def forward(self, *args: Any, adapter_ids: AdapterIds | None = None, **kwargs: Any):
         """The wrapped model's forward; ``adapter_ids`` per row ``[B]`` or per token ``[B, T]`` (-1/None = base).
 
-        Waits for device room that other calls hold (see ``capacity_wait_s``)."""
+        An aLoRA adapter given per row applies, as in PEFT, from the start of the last occurrence of its invocation
+        tokens in the row's ``input_ids`` on (the row runs as the base model where they are absent); given per
+        token, each token's entry is taken as it is. Waits for device room that other calls hold (see
+        ``capacity_wait_s``)."""
         entries, shape = self._adapter_entries(adapter_ids, _batch_shape(args, kwargs))
         if entries is None:
             return self.model(*args, **kwargs)
         if self._injection.tensor_parallel:
             refuse_gradients()  # before any adapter is placed (the inner model's forward checks too, for direct calls)
         with self._store.acquire(entries) as lease:
-            return self.model(*args, adapter_ids=self._slot_tensor(lease, shape), **kwargs)
+            slots = self._slot_tensor(lease, shape)
+            return self.model(*args, adapter_ids=slots, **self._with_alora_offsets(lease, shape, args, kwargs))
 
     @torch.no_grad()
     def generate(self, *args: Any, adapter_ids: AdapterIds | None = None, **kwargs: Any):
-        """The wrapped model's ``generate``; ``adapter_ids`` has one entry per input row (-1/None = base)."""
+        """The wrapped model's ``generate``; ``adapter_ids`` has one entry per input row (-1/None = base).
+
+        An aLoRA adapter applies, as in PEFT, from the start of the last occurrence of its invocation tokens in the
+        row's prompt on, and to every generated token; where the prompt lacks them, the row runs as the base
+        model throughout."""
         entries, shape = self._adapter_entries(adapter_ids, _batch_shape(args, kwargs))
         if entries is not None and len(shape) != 1:
             raise ValueError(f"generate() takes one adapter per row, got adapter_ids of shape {tuple(shape)}")
@@ -231,6 +240,10 @@ class MultiLoraModel(FollowsModuleMoves):
         with lease, cache_lock:
             if entries is None:
                 return self.model.generate(*args, **kwargs)
+            kwargs = self._with_alora_offsets(lease, shape, args, kwargs)
+            if "alora_offsets" in kwargs and _generation_setting(self.model, kwargs, "prompt_lookup_num_tokens"):
+                # a step then checks several drafted tokens, whose positions past the prompt PEFT's offsets miss
+                raise ValueError("generate(prompt_lookup_num_tokens=...) is not supported with aLoRA adapters")
             return self.model.generate(*args, adapter_ids=self._slot_tensor(lease, shape), **kwargs)
 
     def _adapter_entries(
@@ -260,6 +273,20 @@ class MultiLoraModel(FollowsModuleMoves):
         for entry in entries:
             self._store.lookup(entry)  # KeyError / ValueError before anything runs
         return entries, shape
+
+    def _with_alora_offsets(self, lease: AdapterLease, shape: tuple[int, ...], args: tuple, kwargs: dict) -> dict:
+        """``kwargs`` plus ``alora_offsets`` (see ``AdapterForward``) when a row of per-row ``adapter_ids`` holds an
+        aLoRA adapter: PEFT's offsets, each row's length from its adapter's first position (``alora_start``) on."""
+        if len(shape) != 1 or all(tokens is None for tokens in lease.invocation_tokens):
+            return kwargs
+        input_ids = _token_ids(args, kwargs)
+        if input_ids is None:
+            raise ValueError("aLoRA adapters need input_ids: their invocation tokens are looked for in each row")
+        offsets = []
+        for invocation_tokens, row in zip(lease.invocation_tokens, input_ids.tolist()):
+            start = alora_start(invocation_tokens, row)
+            offsets.append(0 if start is None else len(row) - start)
+        return {**kwargs, "alora_offsets": torch.tensor(offsets, device=input_ids.device)}
 
     def _slot_tensor(self, lease: AdapterLease, shape: tuple[int, ...]) -> torch.Tensor:
         return torch.tensor(lease.slots, dtype=torch.int32).reshape(shape).to(self.model.device)
@@ -315,6 +342,10 @@ class MultiLoraModel(FollowsModuleMoves):
 class AdapterForward:
     """The wrapped model's ``forward`` with an ``adapter_ids`` keyword of device slots (``[B]`` or ``[B, T]``).
 
+    With per-row slots, an ``alora_offsets`` keyword ``[B]`` (PEFT's aLoRA offsets) limits each row's adapter to
+    the row's last ``alora_offsets[i]`` positions of every forward: the prompt from the invocation on at the
+    prefill, the one new token at each decoding step; 0 runs the row as the base model.
+
     A plain object rather than a closure, so ``copy.deepcopy`` and pickle copy the model it calls; its
     ``__signature__`` is the original forward's plus ``adapter_ids``, which is what ``generate()`` checks kwargs
     against. Eager calls take the store's lock for the whole forward; under ``torch.compile`` the lock is left out
@@ -334,16 +365,21 @@ class AdapterForward:
         original = inspect.signature(self.original or type(model).forward)
         parameters = [p for p in original.parameters.values() if p.name != "self"]
         position = next((i for i, p in enumerate(parameters) if p.kind is p.VAR_KEYWORD), len(parameters))
-        parameters.insert(position, inspect.Parameter("adapter_ids", inspect.Parameter.KEYWORD_ONLY, default=None))
+        for name in ("adapter_ids", "alora_offsets"):
+            parameters.insert(position, inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None))
+            position += 1
         self.__signature__ = original.replace(parameters=parameters)
 
-    def __call__(self, *args: Any, adapter_ids: torch.Tensor | None = None, **kwargs: Any):
+    def __call__(self, *args: Any, adapter_ids: torch.Tensor | None = None,
+                 alora_offsets: torch.Tensor | None = None, **kwargs: Any):
+        if alora_offsets is not None and (adapter_ids is None or adapter_ids.dim() != 1):
+            raise ValueError("alora_offsets needs adapter_ids with one slot per row")
         if torch.compiler.is_compiling():
-            return self._run(args, adapter_ids, kwargs)
+            return self._run(args, adapter_ids, alora_offsets, kwargs)
         if adapter_ids is not None:
             self.context.backend(adapter_ids.device)  # decided here, outside any traced region
         with self.store.lock:
-            return self._run(args, adapter_ids, kwargs)
+            return self._run(args, adapter_ids, alora_offsets, kwargs)
 
     def _forward(self, *args: Any, **kwargs: Any):
         if self.original is not None:
@@ -352,7 +388,7 @@ class AdapterForward:
         # ``function.__get__``, and a graph break at the top of every compiled call costs host time.
         return type(self.model).forward(self.model, *args, **kwargs)
 
-    def _run(self, args: tuple, adapter_ids: torch.Tensor | None, kwargs: dict):
+    def _run(self, args: tuple, adapter_ids: torch.Tensor | None, alora_offsets: torch.Tensor | None, kwargs: dict):
         if adapter_ids is None:
             return self._forward(*args, **kwargs)
         batch_shape = _batch_shape(args, kwargs)
@@ -360,7 +396,12 @@ class AdapterForward:
             raise ValueError("adapter_ids needs input_ids or inputs_embeds of shape [batch, seq, ...]")
         if self.tensor_parallel:
             refuse_gradients()
-        if adapter_ids.dim() == 1:
+        if alora_offsets is not None:  # PEFT's rule: a row's last min(offset, T) positions get its adapter
+            length = batch_shape[1]
+            positions = torch.arange(length, device=adapter_ids.device)
+            active = positions[None, :] >= length - alora_offsets.to(adapter_ids.device).clamp(max=length)[:, None]
+            token_slots = torch.where(active, adapter_ids[:, None], -1).reshape(-1)
+        elif adapter_ids.dim() == 1:
             token_slots = adapter_ids[:, None].expand(batch_shape).reshape(-1)
         else:
             token_slots = adapter_ids.reshape(-1)
@@ -381,9 +422,13 @@ def _keys_of_the_wrapped_model(wrapper: nn.Module, state_dict: dict, prefix: str
 
 def _keeps_cache_on_model(model: nn.Module, kwargs: dict) -> bool:
     """Whether generate() with ``kwargs`` keeps its cache on the model (static-style caches)."""
+    return _generation_setting(model, kwargs, "cache_implementation") not in (None, "dynamic")
+
+
+def _generation_setting(model: nn.Module, kwargs: dict, name: str) -> Any:
+    """A setting of generate() with ``kwargs``: the keyword, else the generation config given or the model's."""
     config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
-    implementation = kwargs.get("cache_implementation", getattr(config, "cache_implementation", None))
-    return implementation not in (None, "dynamic")
+    return kwargs.get(name, getattr(config, name, None))
 
 
 def _batch_shape(args: tuple, kwargs: dict) -> tuple[int, ...] | None:
@@ -392,3 +437,37 @@ def _batch_shape(args: tuple, kwargs: dict) -> tuple[int, ...] | None:
         if isinstance(value, torch.Tensor) and value.dim() >= 2:
             return tuple(value.shape[:2])
     return None
+
+
+def alora_start(invocation_tokens: Sequence[int] | None, token_ids: Sequence[int]) -> int | None:
+    """The first position of a row of ``token_ids`` its adapter applies to: 0 for plain LoRA (``invocation_tokens``
+    None); for aLoRA, PEFT's rule: where the last occurrence of the invocation tokens starts, None where they do not
+    occur (the row then runs as the base model, its generated tokens too)."""
+    if invocation_tokens is None:
+        return 0
+    wanted = list(invocation_tokens)
+    for start in range(len(token_ids) - len(wanted), -1, -1):
+        if list(token_ids[start : start + len(wanted)]) == wanted:
+            return start
+    return None
+
+
+def _token_ids(args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """The call's ``input_ids`` ``[batch, seq]``, None when it has none (``inputs_embeds`` only)."""
+    for value in (args[0] if args else None, kwargs.get("input_ids"), kwargs.get("inputs")):
+        if isinstance(value, torch.Tensor) and value.dim() == 2 and not value.is_floating_point():
+            return value
+    return None
+
+
+def _refuse_alora_on_embeddings(name: str, weights: AdapterWeights, model: nn.Module) -> None:
+    """ValueError for an aLoRA adapter with LoRA on an embedding layer, which PEFT refuses (its aLoRA masks the
+    positions of linear layers only)."""
+    if weights.config.alora_invocation_tokens is None:
+        return
+    modules = dict(model.named_modules())
+    embeddings = sorted(m for m in weights.modules if isinstance(modules.get(m), nn.Embedding))
+    if embeddings:
+        raise ValueError(
+            f"adapter {name!r}: aLoRA on embedding layers is not supported (PEFT refuses it): {embeddings}"
+        )

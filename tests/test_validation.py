@@ -79,7 +79,6 @@ MALFORMED_CONFIGS = {
     "target-parameters-with-dropout": (
         {"target_parameters": ["experts.down_proj"], "lora_dropout": 0.1}, "target_parameters with lora_dropout != 0"
     ),
-    "alora": ({"alora_invocation_tokens": [1, 2]}, "aLoRA (alora_invocation_tokens) is not supported"),
     "megatron": ({"megatron_config": {"tensor_model_parallel_size": 2}}, "Megatron layers (megatron_config)"),
     # finite but absurd: factors scaled by them overflow the model's dtype
     "huge-alpha": ({"lora_alpha": 1e39}, "lora_alpha must be at most 1e+06 in magnitude, got 1e+39"),

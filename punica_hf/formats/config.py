@@ -35,7 +35,6 @@ _REFUSED_SETTINGS = {
     "modules_to_save": "modules_to_save",
     "layer_replication": "layer_replication",
     "trainable_token_indices": "trainable_token_indices",
-    "alora_invocation_tokens": "aLoRA (alora_invocation_tokens)",
     "megatron_config": "Megatron layers (megatron_config)",
     # LoRA variants whose forward is not plain LoRA (peft's lora_variants); VeLoRA and MiCA change training only
     "use_qalora": "QALoRA (use_qalora=True)",
@@ -64,6 +63,8 @@ class LoraAdapterConfig:
     rank_pattern: dict[str, int] = field(default_factory=dict)
     alpha_pattern: dict[str, float] = field(default_factory=dict)
     base_model_name_or_path: str | None = None
+    # aLoRA: the adapter applies from the start of the last occurrence of these tokens in a row's input on
+    alora_invocation_tokens: tuple[int, ...] | None = None
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
     # The config as peft reads it (from_dict); None for a config made in code, whose adapter's weights alone say
     # which modules it changes.
@@ -81,6 +82,13 @@ class LoraAdapterConfig:
         _require(
             self.base_model_name_or_path is None or isinstance(self.base_model_name_or_path, str),
             "base_model_name_or_path", "a string or null", self.base_model_name_or_path,
+        )
+        if isinstance(self.alora_invocation_tokens, list):  # frozen, hashable: a tuple
+            object.__setattr__(self, "alora_invocation_tokens", tuple(self.alora_invocation_tokens))
+        _require(
+            self.alora_invocation_tokens is None or _is_token_ids(self.alora_invocation_tokens),
+            "alora_invocation_tokens", "a non-empty list of token ids (integers >= 0) or null",
+            self.alora_invocation_tokens,
         )
         rank_checks = ((_is_rank, "a positive integer"), (_in_rank_range, f"at most {LARGEST_RANK}"))
         alpha_checks = ((_is_finite_number, "a finite number"), (_in_alpha_range, _ALPHA_RANGE))
@@ -106,6 +114,7 @@ class LoraAdapterConfig:
             rank_pattern=_unless_null(raw, "rank_pattern", {}),
             alpha_pattern=_unless_null(raw, "alpha_pattern", {}),
             base_model_name_or_path=raw.get("base_model_name_or_path"),
+            alora_invocation_tokens=_unless_empty(raw.get("alora_invocation_tokens")),
             raw=dict(raw),
         )
         # peft's rules after ours: ours name the field and the value it got
@@ -165,6 +174,14 @@ def _is_layer(value: Any) -> bool:
 
 def _is_layers(value: Any) -> bool:
     return _is_layer(value) or (isinstance(value, list) and all(map(_is_layer, value)))
+
+
+def _is_token_ids(value: Any) -> bool:
+    return isinstance(value, tuple) and len(value) > 0 and all(map(_is_layer, value))  # ids are ints >= 0 as layers
+
+
+def _unless_empty(value: Any) -> Any:
+    return None if isinstance(value, list) and not value else value  # [] is unset, as in PEFT
 
 
 def _is_dropout(value: Any) -> bool:

@@ -222,5 +222,6 @@ def _config_dict(weights: AdapterWeights) -> dict:
         "rank_pattern": config.rank_pattern,
         "alpha_pattern": config.alpha_pattern,
         "base_model_name_or_path": config.base_model_name_or_path,
+        "alora_invocation_tokens": list(config.alora_invocation_tokens) if config.alora_invocation_tokens else None,
         "target_modules": sorted(weights.modules),
     }

@@ -319,10 +319,13 @@ class Engine(TensorParallelLoop):
             self._cancels.add(request_id)
         self._wake.set()
 
-    def _slot_of(self, request_id: str) -> int:
-        """GPU slot of a scheduled request's adapter (-1: base model, or transformers' own warm-up requests)."""
+    def _slot_of(self, request_id: str) -> tuple[int, int]:
+        """GPU slot of a scheduled request's adapter (-1: base model, or transformers' own warm-up requests), and the
+        first position it applies to (aLoRA: the prompt's last invocation; see ``RequestState.adapter_start``)."""
         request = self._requests.get(request_id)
-        return -1 if request is None else request.slot
+        if request is None or request.adapter_start is None:
+            return -1, 0
+        return request.slot, request.adapter_start
 
     def _prefix_key_of(self, request_id: str) -> str | None:
         """What a request's KV pages are shared under besides its tokens: its adapter's registration (None: the
@@ -330,7 +333,10 @@ class Engine(TensorParallelLoop):
         request = self._requests.get(request_id)
         if request is None:
             return f"unknown {request_id} {next(self._ids)}"
-        return None if request.lease is None else f"adapter {request.lease.registrations[0]}"
+        if request.lease is None or request.adapter_start is None:  # aLoRA never invoked: the base model's pages
+            return None
+        # an aLoRA page depends on where the adapter starts, which tokens after it (a later invocation) can move
+        return f"adapter {request.lease.registrations[0]} from {request.adapter_start}"
 
     # ------------------------------------------------------------------ engine thread
     def _run(self) -> None:

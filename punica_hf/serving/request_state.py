@@ -3,6 +3,7 @@ it has streamed so far, and the ``Completion`` it ends with."""
 
 from __future__ import annotations
 
+import functools
 import random
 import time
 from collections.abc import Callable
@@ -11,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
+from ..model import alora_start
 from ..store import AdapterLease
 from .handles import RequestHandle
 from .text import TextStream
@@ -57,6 +59,14 @@ class RequestState:
     @property
     def request_id(self) -> str:
         return self.handle.request_id
+
+    @functools.cached_property
+    def adapter_start(self) -> int | None:
+        """The first position (prompt and generated tokens in one count) the request's adapter applies to: 0 for
+        plain LoRA; for aLoRA, the start of the prompt's last invocation, None where the prompt lacks it (the request
+        then runs as the base model, as in PEFT). Read once admitted: it needs the lease."""
+        invocation_tokens = None if self.lease is None else self.lease.invocation_tokens[0]
+        return alora_start(invocation_tokens, self.handle.prompt_token_ids)
 
     @property
     def stopped_by_text(self) -> bool:

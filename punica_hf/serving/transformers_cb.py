@@ -6,8 +6,8 @@ packed ``[1, T]`` batches, attention paths, CUDA graphs) but has no per-request 
 sampling and, from 5.24, no attention that reads the paged cache in place, so this module extends it at four points:
 
 - ``_AdapterSlotIOs``: the batch inputs gain ``adapter_ids`` ``[1, T]``, the GPU slot of each packed token's
-  request (-1 = base model and padding), in a static buffer that CUDA graphs captured once read at every replay;
-  the wrapped model's ``forward`` takes it to the LoRA layers.
+  request (-1 = base model, padding, and an aLoRA request's tokens before its invocation), in a static buffer
+  that CUDA graphs captured once read at every replay; the wrapped model's ``forward`` takes it to the LoRA layers.
 - ``_ScoreKeepingRunner``: greedy decoding stays inside transformers' (graphable) step, which also copies its
   scores into a static buffer; the engine draws each sampling request's token from it with the request's own
   settings and generator, so a seeded request gives the same text whatever else is in the batch.
@@ -149,7 +149,7 @@ class ContinuousBatchingBackend:
     """
 
     def __init__(self, hf_model, cb_config: ContinuousBatchingConfig, *, eos_token_ids: list[int],
-                 vocab_size: int, slot_of: Callable[[str], int], prefix_key_of: Callable[[str], int | None],
+                 vocab_size: int, slot_of: Callable[[str], tuple[int, int]], prefix_key_of: Callable[[str], int | None],
                  on_tokens: Callable[[str, list[int], bool], None], on_failure: Callable[[str, object], None],
                  attention: str | None, attention_forward: Callable):
         self.hf_model = hf_model
@@ -355,14 +355,14 @@ class _AdapterSlotIOs(ContinuousBatchingIOs):
     to the whole cache (``ONE_KV_PADDING``), so the key counts are no part of its shapes.
     """
 
-    _slot_of: Callable[[str], int]
+    _slot_of: Callable[[str], tuple[int, int]]  # request id -> (its adapter's slot, the first position it applies to)
     _token_slots: torch.Tensor  # [1, max_batch_tokens] int32 on the model's device; -1 = base model / padding
     _page_groups: list[_PageGroup] | None  # one per attention group; None: transformers builds the key slots
     captured_keys: set[tuple[int, ...]]  # the step shapes whose graphs are stored
     graphs_stored: int  # graphs stored so far (a capture that failed stores none)
 
     @classmethod
-    def adopt(cls, io: ContinuousBatchingIOs, slot_of: Callable[[str], int], own_attention: bool) -> None:
+    def adopt(cls, io: ContinuousBatchingIOs, slot_of: Callable[[str], tuple[int, int]], own_attention: bool) -> None:
         if type(io) is not ContinuousBatchingIOs:
             raise TypeError(f"expected transformers' synchronous ContinuousBatchingIOs, got {type(io).__name__}")
         io.__class__ = cls  # upstream hook: the IO class as an argument of the batch processor
@@ -375,18 +375,20 @@ class _AdapterSlotIOs(ContinuousBatchingIOs):
     # upstream hook: a per-token extra input (adapter ids) and a key-slot builder in prepare_batch_tensors
     def prepare_batch_tensors(self, requests_in_batch, logits_processors, use_decode_fast_path: bool,
                               num_q_tokens: int, max_kv_read: int, use_padding: bool) -> None:
-        key_lengths = [s.state.position_offset + s.query_length for s in requests_in_batch]  # before they advance
+        past_lengths = [s.state.position_offset for s in requests_in_batch]  # before they advance
+        key_lengths = [past + s.query_length for past, s in zip(past_lengths, requests_in_batch)]
         own_key_slots = self._page_groups is not None and max_kv_read > 0 and not use_decode_fast_path
         super().prepare_batch_tensors(requests_in_batch, logits_processors, use_decode_fast_path, num_q_tokens,
                                       0 if own_key_slots else max_kv_read, use_padding)  # 0: it lists no keys
         if own_key_slots:
             self.max_kv_read = max_kv_read
             self._fill_key_slots([s.state.request_id for s in requests_in_batch], key_lengths)
-        slots = [
-            slot
-            for future_state in requests_in_batch
-            for slot in [self._slot_of(future_state.state.request_id)] * future_state.query_length
-        ]
+        slots = []
+        for future_state, past_length in zip(requests_in_batch, past_lengths):
+            slot, first_position = self._slot_of(future_state.state.request_id)
+            # the step's tokens sit at positions past_length on; those before the adapter's first run as the base
+            before = min(max(first_position - past_length, 0), future_state.query_length)
+            slots += [-1] * before + [slot] * (future_state.query_length - before)
         self._token_slots[0, : len(slots)] = torch.tensor(slots, dtype=torch.int32, device=self.device)
         self._token_slots[0, len(slots) : max(self.num_q_tokens, len(slots))] = -1  # padding up to a graph's size
         if self.compute_stream is not None:  # the step runs there: after the inputs written on this stream

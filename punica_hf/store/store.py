@@ -81,6 +81,7 @@ class Adapter:
     reading: Future | None = None  # a background read of the source in flight
     prefetched: HostCopy | None = None  # a read's result the host tier could not keep, for its next use
     registration: int = field(default_factory=_REGISTRATIONS.__next__)  # this load of these weights, in the process
+    invocation_tokens: tuple[int, ...] | None = None  # aLoRA: the tokens whose last occurrence starts the adapter
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "reading": None, "copies_done": {}}
@@ -145,6 +146,7 @@ class AdapterLease:
         self._adapters = adapters
         self.slots = [-1 if a is None else a.slot for a in entries]
         self.registrations = [None if a is None else a.registration for a in entries]
+        self.invocation_tokens = [None if a is None else a.invocation_tokens for a in entries]  # None: not aLoRA
         # The finalizer is the lease's one release: whoever detaches or runs it first (release(), on any thread, or
         # the garbage collector) releases the adapters, and nobody after.
         self._release_once = weakref.finalize(self, store._release_collected, adapters)
@@ -316,7 +318,7 @@ class AdapterStore:
                 name=name, index=index, source=plan.source, source_kwargs=plan.source_kwargs,
                 dims={m: (f.lora_a.shape[1], f.lora_b.shape[0], f.rank) for m, f in plan.weights.modules.items()},
                 layouts=plan.layouts, device_bytes=plan.device_bytes, factor_bytes=plan.factor_bytes,
-                unsplit_bytes=plan.unsplit_bytes,
+                unsplit_bytes=plan.unsplit_bytes, invocation_tokens=plan.weights.config.alora_invocation_tokens,
             )
             self._by_name[name] = self._by_index[index] = adapter
             self._keep_copy(adapter, host_copies[name])
