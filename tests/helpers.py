@@ -128,3 +128,31 @@ def assert_state_unchanged(model, before: ModelState) -> None:
     for name, tensor in before.buffers.items():
         assert torch.equal(after.buffers[name], tensor), f"buffer {name} changed"
     assert torch.equal(after.logits, before.logits)
+
+
+@dataclass
+class PeftOracleSetup:
+    """A ``MultiLoraModel`` with adapters beside PEFT's model holding the same ones, and the bare base model."""
+
+    model: object  # MultiLoraModel
+    base: torch.nn.Module
+    peft: object  # PeftModel
+    paths: dict[str, Path]
+
+    def oracle(self, adapter: str | None):
+        """The model PEFT computes ``adapter``'s rows with (the base model for None)."""
+        if adapter is None:
+            return self.base
+        self.peft.set_adapter(adapter)
+        return self.peft
+
+    def mixed_logits(self, input_ids, attention_mask, rows, atol: float):
+        """The mixed batch's logits, checked equal to PEFT's one adapter at a time on every real position; returns
+        (logits, the base model's logits, the real positions' mask)."""
+        logits = self.model(input_ids, attention_mask=attention_mask, adapter_ids=rows).logits
+        base_logits = self.base(input_ids, attention_mask=attention_mask).logits
+        real = attention_mask.bool()
+        for row, adapter in enumerate(rows):
+            expected = self.oracle(adapter)(input_ids, attention_mask=attention_mask).logits
+            torch.testing.assert_close(logits[row][real[row]], expected[row][real[row]], atol=atol, rtol=0)
+        return logits, base_logits, real

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import PeftOracleSetup as Setup
 from helpers import assert_state_unchanged, capture_state, save_peft_adapter, tiny_llama
 from peft import PeftModel
-from test_embedding_lora import Setup  # the model under test beside PEFT's, and PEFT's model for a row
 from transformers import GenerationConfig
 
 from punica_hf import MultiLoraModel
@@ -118,12 +118,8 @@ def test_the_first_position_an_adapter_applies_to():
 @torch.no_grad()
 def test_mixed_batch_logits_match_peft_row_by_row(setup, seed):
     rows, input_ids, attention_mask = batch(seed)
-    logits = setup.model(input_ids, attention_mask=attention_mask, adapter_ids=rows).logits
-    base_logits = setup.base(input_ids, attention_mask=attention_mask).logits
-    real = attention_mask.bool()
+    logits, base_logits, real = setup.mixed_logits(input_ids, attention_mask, rows, ATOL)
     for row, adapter in enumerate(rows):
-        expected = setup.oracle(adapter)(input_ids, attention_mask=attention_mask).logits
-        torch.testing.assert_close(logits[row][real[row]], expected[row][real[row]], atol=ATOL, rtol=0)
         # the adapter changes exactly the positions from its first one on, as PEFT's oracle above
         invocation = ADAPTERS.get(adapter, {}).get("alora_invocation_tokens") if adapter else None
         start = None if adapter is None else alora_start(invocation, input_ids[row].tolist())
