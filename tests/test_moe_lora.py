@@ -9,6 +9,7 @@ that row's adapter alone, or the untouched base model.
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -17,6 +18,8 @@ import torch
 from architectures import left_padded_batch
 from helpers import save_peft_adapter
 from peft import PeftModel
+from safetensors import safe_open
+from safetensors.torch import save_file
 from transformers import (
     CompileConfig,
     MixtralConfig,
@@ -28,7 +31,7 @@ from transformers import (
 )
 
 from punica_hf import MultiLoraModel
-from punica_hf.formats import convert_adapter
+from punica_hf.formats import convert_adapter, load_converted
 from punica_hf.serving import Engine, EngineConfig, SamplingParams
 
 ATOL = 2e-5
@@ -182,10 +185,42 @@ def test_unsupported_experts_layouts_and_settings_are_refused_by_name(tmp_path):
     with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.gate\.weight of shape \[4, 32\].*stacked expert"):
         model.load_adapters({"router": router})
     assert model.adapters == {}
-    with pytest.raises(ValueError, match="target_parameters.*cannot be converted"):
-        convert_adapter(paths["experts"], tmp_path / "converted.safetensors")
     with pytest.raises(ValueError, match="max_rank=1"):
         MultiLoraModel(tiny_qwen3_moe(), max_adapters=2, max_rank=1).load_adapters({"e": paths["experts"]})
+
+
+@torch.no_grad()
+def test_a_converted_moe_adapter_gives_its_peft_folders_logits(moe, tmp_path):
+    model, untouched, paths = moe
+    input_ids, attention_mask = left_padded_batch([6, 3, 8])
+    rows = ["experts", "down_only", None]
+    for name in ["experts", "down_only"]:
+        model.load_adapters({f"{name}-converted": convert_adapter(paths[name], tmp_path / f"{name}.safetensors")})
+    try:
+        folder = model(input_ids, attention_mask=attention_mask, adapter_ids=rows).logits
+        converted = model(input_ids, attention_mask=attention_mask,
+                          adapter_ids=[None if a is None else f"{a}-converted" for a in rows]).logits
+        torch.testing.assert_close(converted, folder, atol=0, rtol=0)
+    finally:
+        for name in ["experts", "down_only"]:
+            model.unload_adapter(f"{name}-converted")
+
+
+def test_a_converted_moe_file_whose_tensors_disagree_with_its_metadata_is_refused(moe, tmp_path):
+    _, _, paths = moe
+    path = convert_adapter(paths["experts"], tmp_path / "experts.safetensors")
+    with safe_open(path, framework="pt") as file:
+        metadata, tensors = file.metadata(), {key: file.get_tensor(key) for key in file.keys()}
+    shapes = json.loads(metadata["parameters"])
+    key = next(iter(shapes))
+    wrong = dict(metadata, parameters=json.dumps({**shapes, key: [shapes[key][0] + 1, *shapes[key][1:]]}))
+    save_file(tensors, tmp_path / "wrong.safetensors", metadata=wrong)
+    with pytest.raises(ValueError, match=f"parameter {key} has lora_a"):
+        load_converted(tmp_path / "wrong.safetensors")
+    missing = {k: v for k, v in tensors.items() if not k.endswith(".parameter_lora_b")}
+    save_file(missing, tmp_path / "missing.safetensors", metadata=metadata)
+    with pytest.raises(ValueError, match="lacks its .parameter_lora_b"):
+        load_converted(tmp_path / "missing.safetensors")
 
 
 @torch.no_grad()

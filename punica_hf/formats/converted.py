@@ -16,6 +16,9 @@ has them, ``"<module>.magnitude"`` (DoRA), ``"<module>.lora_bias"`` (scaling fol
 - ``adapter_config``: the source ``adapter_config.json`` (JSON text);
 - ``base_model``: the base model it was trained for (from the config, or given at conversion);
 - ``modules``: JSON ``{module: [in, out, r]}``, checked against the tensors at load;
+- ``parameters`` (only for LoRA on MoE experts, PEFT ``target_parameters``): JSON ``{key: [in, out, r]}`` of the
+  factors ``"<key>.parameter_lora_a"`` / ``"<key>.parameter_lora_b"`` as PEFT saved them (unscaled, every expert's
+  rank stacked, keyed by PEFT's wrapper), resolved against the base model when loaded into one;
 - ``dtype``, ``source`` and ``punica_hf_version``, for people reading the file.
 
 Loading a converted file is reading its tensors and checking them against that metadata; whether the adapter
@@ -47,6 +50,8 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _REQUIRED_METADATA = ("adapter_config", "modules")
 _BASE_WEIGHT = ".base_weight"
 _SAVED_VECTORS = ("magnitude", "lora_bias", "base_bias")  # a model's output vectors are made from these at load
+# PEFT target_parameters factors (MoE experts), unscaled and every expert's rank stacked, by PEFT's wrapper key
+_PARAMETER_A, _PARAMETER_B = ".parameter_lora_a", ".parameter_lora_b"
 
 
 def save_converted(
@@ -58,13 +63,12 @@ def save_converted(
     """Write ``weights`` to ``path`` in the converted format; ``base_model`` overrides the config's base model."""
     if dtype not in DTYPES.values():
         raise ValueError(f"converted adapters are stored as float32, bfloat16 or float16, not {dtype}")
-    if weights.parameters:
-        raise ValueError(
-            f"adapter {weights.source}: LoRA on MoE expert parameters (target_parameters) cannot be converted yet; "
-            "load its PEFT folder instead"
-        )
     path = Path(path)
-    tensors, shapes = {}, {}
+    tensors, shapes, parameter_shapes = {}, {}, {}
+    for key, factors in weights.parameters.items():  # as PEFT saved them: resolved against a model at load
+        tensors[key + _PARAMETER_A] = factors.lora_a.to(dtype).contiguous()
+        tensors[key + _PARAMETER_B] = factors.lora_b.to(dtype).contiguous()
+        parameter_shapes[key] = [factors.lora_a.shape[1], factors.lora_b.shape[0], factors.rank]
     for module_name, factors in weights.modules.items():
         tensors[f"{module_name}.lora_a"] = factors.lora_a.to(dtype).contiguous()
         tensors[f"{module_name}.lora_b_t"] = factors.lora_b.T.to(dtype).contiguous()
@@ -80,6 +84,7 @@ def save_converted(
         "format": FORMAT,
         "adapter_config": json.dumps(_config_dict(weights)),
         "modules": json.dumps(shapes),
+        **({"parameters": json.dumps(parameter_shapes)} if parameter_shapes else {}),
         "dtype": str(dtype).removeprefix("torch."),
         "source": weights.source,
         "punica_hf_version": __version__,
@@ -135,9 +140,31 @@ def load_converted(path: str | Path) -> AdapterWeights:
         key.removesuffix(".bias"): tensors.pop(key) for key in list(tensors)
         if key.endswith(".bias") and key.removesuffix(".bias") not in shapes
     }
-    modules = _module_factors(path, tensors, shapes, b_name)
+    parameters = _parameter_factors(path, tensors, _json_metadata(path, metadata, "parameters")
+                                    if "parameters" in metadata else {})
+    modules = _module_factors(path, tensors, shapes, b_name) if shapes or not parameters else {}
+    if not shapes and tensors:
+        raise ValueError(f"{path}: tensors not in its module lists: {sorted(tensors)[:3]}")
     return AdapterWeights(modules=modules, config=config, source=str(path), base_weights=base_weights,
-                          other_biases=other_biases)
+                          other_biases=other_biases, parameters=parameters)
+
+
+def _parameter_factors(path: Path, tensors: dict[str, torch.Tensor],
+                       shapes: dict[str, list[int]]) -> dict[str, ModuleLora]:
+    """Take each ``parameters`` entry's two tensors out of ``tensors``, checked against ``{key: [in, out, r]}``."""
+    parameters = {}
+    for key, dims in shapes.items():
+        lora_a, lora_b = tensors.pop(key + _PARAMETER_A, None), tensors.pop(key + _PARAMETER_B, None)
+        if lora_a is None or lora_b is None:
+            raise ValueError(f"{path}: parameter {key} lacks its {_PARAMETER_A if lora_a is None else _PARAMETER_B}")
+        if not (isinstance(dims, list) and len(dims) == 3) or [list(lora_a.shape), list(lora_b.shape)] != [
+                [dims[2], dims[0]], [dims[1], dims[2]]]:
+            raise ValueError(f"{path}: parameter {key} has lora_a {list(lora_a.shape)} and lora_b "
+                             f"{list(lora_b.shape)}, its metadata say [in, out, r] = {dims!r}")
+        if not (lora_a.is_floating_point() and lora_b.is_floating_point()):
+            raise ValueError(f"{path}: parameter {key} has non-float factors ({lora_a.dtype}, {lora_b.dtype})")
+        parameters[key] = ModuleLora(lora_a=lora_a, lora_b=lora_b)
+    return parameters
 
 
 def _check_metadata(path: Path, metadata: dict[str, str]) -> None:
