@@ -116,6 +116,12 @@ class MultiLoraModel(FollowsModuleMoves):
         return self._injection.tensor_parallel
 
     @property
+    def graphable(self) -> bool:
+        """Whether a forward can be captured in a CUDA graph: not while an adapter on MoE experts is loaded (its
+        update reads each token's routing on the host)."""
+        return not self._injection.experts_hooks
+
+    @property
     def layout_version(self) -> int:
         """Bumped whenever a LoRA hook or a device pool is added (or a hook removed): CUDA graphs captured before
         then run another set of hooks and must be captured again."""

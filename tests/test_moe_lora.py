@@ -279,3 +279,17 @@ def test_moe_adapters_are_refused_under_tensor_parallelism(tmp_path):
                                          r"under tensor parallelism"):
         model.load_adapters({"down_only": paths["down_only"]})
     assert model.adapters == {}
+
+
+def test_the_engine_leaves_cuda_graphs_off_while_an_moe_adapter_is_loaded(moe, tmp_path):
+    from punica_hf.serving import attention
+
+    model, _, paths = moe
+    plain = MultiLoraModel(tiny_qwen3_moe(), max_adapters=2, max_rank=8)
+    plain.load_adapters({"attn": paths["attn"]})
+    for wrapped, graphable in ((model, False), (plain, True)):
+        assert wrapped.graphable is graphable
+        engine = Engine(wrapped, config=EngineConfig(max_running=4))
+        engine.attention = attention.choose(wrapped.model)  # as start() sets it
+        # as on a GPU with the default (transformers decides: None) or off
+        assert engine._cb_config(torch.device("cuda")).use_cuda_graph is (None if graphable else False)

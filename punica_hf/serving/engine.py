@@ -573,6 +573,9 @@ class Engine(TensorParallelLoop):
         """transformers' batching settings for this engine on ``device``."""
         max_running, max_batch_tokens = self.config.batch_limits(device.type)
         cuda_graphs = self.config.cuda_graphs
+        if cuda_graphs is None and not self.model.graphable:  # adapters on MoE experts: their LoRA runs eagerly
+            logger.info("CUDA graphs are off: an adapter on MoE experts is loaded, whose update runs eagerly")
+            cuda_graphs = False
         if self._control is not None and self._control.model_backend == "gloo" and device.type == "cuda":
             # gloo moves CUDA tensors through host copies and waits for them: no CUDA graph can capture that
             if cuda_graphs:
