@@ -30,7 +30,8 @@ LoRA on experts reads the routing on the host (the engine serves MoE adapters wi
 forward also records how far its logits move from the base model's and from plain LoRA's (the last position of the
 prefill): every kind must change them, or its adapters did not run.
 
-    # the run of record (writes benchmarks/results/bench_adapter_kinds_h200.json):
+    # the run of record (writes benchmarks/results/bench_adapter_kinds_h200.json; about 3 minutes on an H200 by
+    # estimate: most of it building the adapters and the MoE model's eager steps, which read the routing on the host):
     python benchmarks/bench_adapter_kinds.py
     # CPU smoke test of every path (tiny models, seconds; writes a file in the temp folder):
     python benchmarks/bench_adapter_kinds.py --tiny
@@ -250,24 +251,44 @@ def time_kind(model_name: str, kind: str, model: torch.nn.Module, steps: list[St
 def last_logits(model: torch.nn.Module, steps: list[Step], adapter_kwargs: Callable) -> torch.Tensor:
     """The prefill's logits (each row's last position), float32 on the CPU."""
     step = steps[-1]
-    with torch.no_grad():
-        return step.run(model, **adapter_kwargs(step)).float().cpu()
+    return step.run(model, **adapter_kwargs(step)).float().cpu()
 
 
+def adapter_arguments(kind: str, slots: torch.Tensor) -> Callable[[Step], dict]:
+    """The forward's adapter arguments for a step's rows: row ``i`` gets ``slots[i mod len(slots)]``; aLoRA rows
+    also their offsets, as ``MultiLoraModel`` finds them once per call."""
+
+    def arguments(step: Step) -> dict:
+        rows, length = step.input_ids.shape
+        row_slots = slots[torch.arange(rows, device=slots.device) % len(slots)]
+        if kind != "alora":
+            return {"adapter_ids": row_slots}
+        if length == 1:  # a decode step after a prompt that holds the invocation: its token has the adapter
+            offsets = [1] * rows
+        else:  # PEFT's offsets: each row's length from the start of its invocation on
+            offsets = [length - alora_start(INVOCATION, row) for row in step.input_ids.tolist()]
+        return {"adapter_ids": row_slots, "alora_offsets": torch.tensor(offsets, device=slots.device)}
+
+    return arguments
+
+
+@torch.no_grad()
 def run_model(model_name: str, model: torch.nn.Module, kinds: tuple[str, ...], args, device: torch.device,
-              graphs: bool, reps: int) -> tuple[list[dict], dict]:
-    """Every kind of ``kinds`` on ``model``: timing rows, and each kind's largest logit change from the base
-    model's and from plain LoRA's on the prefill. Every kind's adapters hold the same plain factors (drawn from the
-    same seed), so a change from plain LoRA's logits is the kind's own feature at work."""
+              graphs: bool, reps: int, report: Report) -> None:
+    """Every kind of ``kinds`` on ``model``, into ``report``: timing rows, and each kind's largest logit change
+    from the base model's and from plain LoRA's on the prefill. Every kind's adapters hold the same plain factors
+    (drawn from the same seed), so a change from plain LoRA's logits is the kind's own feature at work. A kind that
+    fails is recorded and the run goes on (a GPU session has one try)."""
     steps = make_steps(model.config, args, device, torch.Generator(device).manual_seed(0))
-    rows, changes, logits = [], {}, {}
-    with torch.no_grad():
-        rows += time_kind(model_name, "base", model, steps, lambda step: {}, reps, graphs, device)
-        logits["base"] = last_logits(model, steps, lambda step: {})
-        norms = None
-        for kind in kinds[1:]:
-            if kind == "dora" and norms is None:
-                norms = row_norms(model)
+    logits = {}
+    norms = row_norms(model) if "dora" in kinds else None
+    for kind in kinds:
+        served = None
+        try:
+            if kind == "base":  # the model unwrapped, as its users run it
+                report.add(time_kind(model_name, kind, model, steps, lambda step: {}, reps, graphs, device))
+                logits[kind] = last_logits(model, steps, lambda step: {})
+                continue
             generator = torch.Generator(device).manual_seed(1)
             adapters = {f"{kind}{i}": kind_adapter(model, kind, args.rank, generator, norms)
                         for i in range(args.adapters)}
@@ -275,31 +296,46 @@ def run_model(model_name: str, model: torch.nn.Module, kinds: tuple[str, ...], a
                                     gpu_pool_bytes=pool_bytes_for(list(adapters.values())))
             served.load_adapters(adapters)
             del adapters
-            lease = served.acquire(list(served.adapters))
-            slot_of = torch.tensor(lease.slots, dtype=torch.int32, device=device)
-
-            def adapter_kwargs(step: Step, kind=kind, slot_of=slot_of) -> dict:
-                rows_, length = step.input_ids.shape
-                slots = slot_of[torch.arange(rows_, device=device) % len(slot_of)]
-                if kind != "alora":
-                    return {"adapter_ids": slots}
-                if length == 1:  # a decode step after a prompt that holds the invocation: its token has the adapter
-                    offsets = [1] * rows_
-                else:  # PEFT's offsets: each row's length from the start of its invocation on
-                    offsets = [length - alora_start(INVOCATION, row) for row in step.input_ids.tolist()]
-                return {"adapter_ids": slots, "alora_offsets": torch.tensor(offsets, device=device)}
-
-            rows += time_kind(model_name, kind, served.model, steps, adapter_kwargs, reps, graphs, device)
-            logits[kind] = last_logits(served.model, steps, adapter_kwargs)
-            changes[kind] = {reference: (logits[kind] - logits[reference]).abs().max().item()
-                             for reference in ("base", "lora") if reference in logits and reference != kind}
-            lease.release()
-            served.unwrap()
-            del served, lease
+            with served.acquire(list(served.adapters)) as lease:
+                arguments = adapter_arguments(kind, torch.tensor(lease.slots, dtype=torch.int32, device=device))
+                report.add(time_kind(model_name, kind, served.model, steps, arguments, reps, graphs, device))
+                logits[kind] = last_logits(served.model, steps, arguments)
+            report.changes.setdefault(model_name, {})[kind] = {
+                reference: (logits[kind] - logits[reference]).abs().max().item()
+                for reference in ("base", "lora") if reference in logits and reference != kind
+            }
+        except Exception as error:
+            report.errors.append({"model": model_name, "kind": kind, "error": f"{type(error).__name__}: {error}"})
+            print(f"{model_name} {kind} FAILED: {report.errors[-1]['error']}", flush=True)
+        finally:
+            if served is not None:
+                served.unwrap()
+            del served
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    return rows, changes
+
+
+class Report:
+    """Rows, logit changes and failures so far, written to ``path`` after every kind: a run cut short keeps what
+    it measured."""
+
+    def __init__(self, path: Path, data: dict) -> None:
+        self.path = path
+        self.data = data
+        self.rows: list[dict] = []
+        self.changes: dict[str, dict] = {}
+        self.errors: list[dict] = []
+
+    def add(self, rows: list[dict]) -> None:
+        self.rows += rows
+        add_ratios(self.rows)
+        self.write()
+
+    def write(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        data = {**self.data, "rows": self.rows, "max_abs_logit_change": self.changes, "errors": self.errors}
+        self.path.write_text(json.dumps(data, indent=2) + "\n")
 
 
 def add_ratios(rows: list[dict]) -> None:
@@ -366,31 +402,29 @@ def main() -> None:
     graphs = args.graphs and device.type == "cuda"
     torch.manual_seed(0)
     started = time.perf_counter()
-    model = build_llama(llama_config(args.layers, args.tiny), device)
-    rows, llama_changes = run_model("llama", model, args.kinds, args, device, graphs, args.reps)
-    del model
-    gc.collect()
-    changes = {"llama": llama_changes}
-    if args.moe_layers:
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        moe = build_moe(qwen3_moe_config(args.moe_layers, args.tiny), device)
-        moe_rows, changes["moe"] = run_model("moe", moe, MOE_KINDS, args, device, False, args.moe_reps)
-        rows += moe_rows
-        del moe
-    add_ratios(rows)
     setup = {**vars(args), "output": str(args.output),
              "llama": f"Llama-3-8B shape, {args.layers} layers, bf16" if not args.tiny else "tiny Llama",
              "moe": f"Qwen3-30B-A3B shape, {args.moe_layers} layers, bf16" if not args.tiny else "tiny Qwen3-MoE"}
     notes = {"llama graphs": "decode steps captured" if graphs else "not captured: no GPU or --no-graphs",
              "moe graphs": MOE_GRAPHS}
-    report = {"environment": environment(device), "setup": setup, "notes": notes, "rows": rows,
-              "max_abs_logit_change": changes, "seconds": time.perf_counter() - started}
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(report, indent=2) + "\n")
-    print(table(rows))
+    report = Report(args.output, {"environment": environment(device), "setup": setup, "notes": notes})
+    model = build_llama(llama_config(args.layers, args.tiny), device)
+    run_model("llama", model, args.kinds, args, device, graphs, args.reps, report)
+    del model
+    gc.collect()
+    if args.moe_layers:
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        moe = build_moe(qwen3_moe_config(args.moe_layers, args.tiny), device)
+        run_model("moe", moe, MOE_KINDS, args, device, False, args.moe_reps, report)
+        del moe
+    report.data["seconds"] = time.perf_counter() - started
+    report.write()
+    print(table(report.rows))
     print("\n".join(f"{key}: {note}" for key, note in notes.items()))
-    print(f"written to {args.output} ({report['seconds']:.0f} s)")
+    print(f"written to {args.output} ({report.data['seconds']:.0f} s)")
+    if report.errors:
+        raise SystemExit(f"{len(report.errors)} kinds failed: {[(e['model'], e['kind']) for e in report.errors]}")
 
 
 if __name__ == "__main__":

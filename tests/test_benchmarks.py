@@ -200,6 +200,7 @@ def test_adapter_kinds_benchmark_smoke_run_times_every_kind_with_its_feature_at_
                             text=True, timeout=300, env=child_env())
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     report = json.loads(output.read_text())
+    assert report["errors"] == []
     rows = report["rows"]
     kinds = {"llama": ["base", "lora", "dora", "lora_bias", "vocab", "alora"], "moe": ["base", "lora", "experts"]}
     cases = ["decode 4", "decode 8", "prefill 2x24"]
@@ -211,7 +212,9 @@ def test_adapter_kinds_benchmark_smoke_run_times_every_kind_with_its_feature_at_
         assert row["to_base"] == pytest.approx(row["ms"] / eager[(model, "base", case)]["ms"])
     graph_rows = [r for r in rows if r["mode"] == "cuda graph"]
     assert {r["model"] for r in graph_rows} <= {"llama"}  # MoE steps are never captured
-    if not torch.cuda.is_available():
+    if torch.cuda.is_available():  # every decode step of every Llama kind, replayed
+        assert len(graph_rows) == 2 * len(kinds["llama"]) and all(r["ms"] for r in graph_rows), graph_rows
+    else:
         assert graph_rows == []
     changes = report["max_abs_logit_change"]
     for model, names in kinds.items():
