@@ -188,3 +188,38 @@ def test_ray_benchmark_smoke_run_measures_both_servers_on_the_same_workload(tmp_
         ray["saturation"]["tokens_per_second"] / engine["saturation"]["tokens_per_second"])
     assert comparison["ttft_p50_overhead_ms"] == pytest.approx(
         ray["low_load"]["ttft_p50_ms"] - engine["low_load"]["ttft_p50_ms"])
+
+
+def test_adapter_kinds_benchmark_smoke_run_times_every_kind_with_its_feature_at_work(tmp_path):
+    """``bench_adapter_kinds.py --tiny``: every kind of both models is timed at every step, each ratio is that of
+    the timings, and every kind's adapters did run: each changes the base model's logits, and each feature beyond
+    plain LoRA (whose adapters hold the same plain factors) changes plain LoRA's."""
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_adapter_kinds.py"
+    output = tmp_path / "kinds.json"
+    result = subprocess.run([sys.executable, str(script), "--tiny", "--output", str(output)], capture_output=True,
+                            text=True, timeout=300, env=child_env())
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    report = json.loads(output.read_text())
+    assert report["errors"] == []
+    rows = report["rows"]
+    kinds = {"llama": ["base", "lora", "dora", "lora_bias", "vocab", "alora"], "moe": ["base", "lora", "experts"]}
+    cases = ["decode 4", "decode 8", "prefill 2x24"]
+    eager = {(r["model"], r["kind"], r["case"]): r for r in rows if r["mode"] == "eager"}
+    assert set(eager) == {(model, kind, case) for model, names in kinds.items() for kind in names for case in cases}
+    for (model, kind, case), row in eager.items():
+        assert row["ms"] > 0
+        assert row["to_lora"] == pytest.approx(row["ms"] / eager[(model, "lora", case)]["ms"])
+        assert row["to_base"] == pytest.approx(row["ms"] / eager[(model, "base", case)]["ms"])
+    graph_rows = [r for r in rows if r["mode"] == "cuda graph"]
+    assert {r["model"] for r in graph_rows} <= {"llama"}  # MoE steps are never captured
+    if torch.cuda.is_available():  # every decode step of every Llama kind, replayed
+        assert len(graph_rows) == 2 * len(kinds["llama"]) and all(r["ms"] for r in graph_rows), graph_rows
+    else:
+        assert graph_rows == []
+    changes = report["max_abs_logit_change"]
+    for model, names in kinds.items():
+        assert set(changes[model]) == set(names) - {"base"}
+        for kind in names[1:]:
+            assert changes[model][kind]["base"] > 1e-3, (model, kind)
+        for kind in names[2:]:
+            assert changes[model][kind]["lora"] > 1e-3, (model, kind)
