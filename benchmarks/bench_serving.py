@@ -210,7 +210,7 @@ def run_static(model: MultiLoraModel, requests: list[Request], adapters: list[st
     return {"requests": len(requests), "tokens": tokens, "seconds": seconds, "tokens_per_second": tokens / seconds}
 
 
-# Per workload, the defaults that differ from the default run's: (full size, --tiny).
+# Each workload's defaults of these options, as (full size, --tiny); the options' help refers here.
 WORKLOAD_DEFAULTS = {
     "uniform": dict(requests=(160, 24), adapters=([32, 256], [4, 8]), max_adapters=(128, 8), max_running=(128, 8),
                     rates=([0.25, 0.5, 0.8], [0.25, 0.5, 0.8])),
@@ -235,16 +235,16 @@ def parse_args() -> argparse.Namespace:
                           help="each adapter's requests share a system prompt: prefix caching on vs off")
     parser.set_defaults(workload="uniform")
     parser.add_argument("--layers", type=int, default=32, help="decoder layers (32 = Llama-3-8B)")
-    parser.add_argument("--requests", type=int, help="requests per run (default: per workload, in the docstring)")
+    parser.add_argument("--requests", type=int, help="requests per run (default: WORKLOAD_DEFAULTS)")
     parser.add_argument("--adapters", type=lambda s: [int(x) for x in s.split(",")],
-                        help="adapter set sizes (default: 32,256; 4,8 with --tiny); a workload option takes the first")
+                        help="adapter set sizes (default: WORKLOAD_DEFAULTS); a workload option takes the first")
     parser.add_argument("--rank", type=int, default=16, help="LoRA rank of every adapter (not --mixed-ranks)")
     parser.add_argument("--zipf", type=float, default=1.0, help="--mixed-ranks: the popularity exponent")
-    parser.add_argument("--max-adapters", type=int, help="GPU adapter slots (default: 128; 8 with --tiny)")
-    parser.add_argument("--max-running", type=int, help="requests per batch at most (default: 128; 8 with --tiny)")
+    parser.add_argument("--max-adapters", type=int, help="GPU adapter slots (default: WORKLOAD_DEFAULTS)")
+    parser.add_argument("--max-running", type=int, help="requests per batch at most (default: WORKLOAD_DEFAULTS)")
     parser.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",") if x],
                         help="Poisson arrival rates as fractions of the first system's saturation rate (default: "
-                             "0.25,0.5,0.8; none with --mixed-ranks or --long-prompts; 0.5 with --shared-prefixes)")
+                             "WORKLOAD_DEFAULTS; empty: saturation only)")
     parser.add_argument("--static-requests", type=int,
                         help="requests timed with static generate() (default: 64; 0: no static generate())")
     parser.add_argument("--static-batch", type=int, default=32, help="rows per static generate() batch")
@@ -472,8 +472,8 @@ def run_workload(args: argparse.Namespace) -> None:
 
 
 def compare_outputs(first: list[list[tuple[int, ...]]], second: list[list[tuple[int, ...]]]) -> dict:
-    """Two systems' greedy tokens for the same requests, run by run: which requests differ, and where first.
-    Printed loudly when any do: the systems should compute the same tokens."""
+    """Greedy tokens of the same requests with prefix caching on (``first``) and off, run by run: which requests
+    differ, and where first. Printed loudly when any do: caching must not change what a request computes."""
     mismatches = [
         {"run": k, "request": i,
          "first_differing_token": next(p for p, (a, b) in enumerate(itertools.zip_longest(x, y)) if a != b)}
