@@ -46,6 +46,7 @@ tokens served from cached prefixes and the adapter store's loads and evictions:
 from __future__ import annotations
 
 import argparse
+import gc
 import itertools
 import json
 import platform
@@ -448,6 +449,8 @@ def run_workload(args: argparse.Namespace) -> None:
                         results[system.name]["runs"].append(run | {"fraction_of_saturation": fraction})
                         print_rate_run(system.name, results[system.name]["runs"][-1])
                     write()
+        del engine  # and its KV cache, before the next engine sizes its own from free memory
+        gc.collect()
     first, second = (results[system.name] for system in systems)
     ratio = first["saturation"]["tokens_per_second"] / second["saturation"]["tokens_per_second"]
     if args.workload == "shared-prefixes":
