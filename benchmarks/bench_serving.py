@@ -22,26 +22,44 @@ fractions of the saturation rate of the first adapter system. Throughput = gener
 arrival); TTFT = first token - arrival; TPOT = mean gap between a request's later tokens. Writes JSON (and the
 throughput / p99-latency vs offered load picture, ``serving_plot.py``) under benchmarks/results/.
 
+An option selects another workload instead (its streams, adapters and systems in ``serving_workloads.py``; no
+static ``generate()``, compiled step or transformers' engine; saturation only unless ``--rates`` says otherwise).
+Run k of every system serves the same requests, drawn with seed ``--seed + k``, and each run records the prompt
+tokens served from cached prefixes and the adapter store's loads and evictions:
+
+- ``--mixed-ranks``: 120 adapters of ranks 8, 16, 32 and 64 in turn over 64 GPU slots (``--max-adapters``), each
+  request's adapter drawn with Zipf popularity (``--zipf``), so the store swaps adapters while serving; 256
+  requests of the default mix; against the base engine.
+- ``--long-prompts``: RAG-like prompts (median 1,500 tokens, sigma 0.5, 256-3,500; the default outputs), 64
+  requests at once, at most 64 running; 32 adapters against the base engine. ``engine_steps.<system>.mixed.full``:
+  the mixed steps that packed at least 95 % of a step's token budget (2,048 on a GPU).
+- ``--shared-prefixes``: each of 32 adapters has a system prompt of 1,024 tokens; a request is its adapter's
+  followed by a user part (median 64 tokens, 8-256); 256 requests at saturation, then Poisson at half of it. The
+  engine with prefix caching on against off (an engine each): throughput, TTFT, prefix hits, and every request's
+  greedy tokens compared between the two (``output_check``; a mismatch is printed loudly).
+
     python benchmarks/bench_serving.py --output benchmarks/results/bench_serving_h200.json   # ~12 min on an H200
     python benchmarks/bench_serving.py --tiny     # CPU smoke test on a tiny model
+    python benchmarks/bench_serving.py --tiny --shared-prefixes    # a workload option's smoke test
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import itertools
 import json
 import platform
 import random
 import statistics
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import transformers
-from transformers import LlamaConfig, LlamaForCausalLM
-
-from bench_generate import MODES, StepTimer, build_llama, llama_config, random_adapter
+from bench_generate import MODES, StepTimer
+# FULL, LengthMix and build_model are also imported from here by bench_ray.py and profile_engine_steps.py
+from serving_workloads import FULL, TINY, LengthMix, Request, build_model, make_requests, workload_setup  # noqa: F401
 from transformers import GenerationConfig
 
 from punica_hf import MultiLoraModel
@@ -50,42 +68,9 @@ from punica_hf.serving import Completion, Engine, EngineConfig, SamplingParams, 
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-@dataclass(frozen=True)
-class LengthMix:
-    """Log-normal lengths, clipped: ``median * exp(sigma * N(0, 1))`` in ``[low, high]``."""
-
-    median: float
-    sigma: float
-    low: int
-    high: int
-
-    def draw(self, rng: random.Random) -> int:
-        return int(min(max(round(rng.lognormvariate(0, self.sigma) * self.median), self.low), self.high))
-
-
-FULL = dict(prompts=LengthMix(200, 0.8, 16, 1024), outputs=LengthMix(128, 0.7, 8, 512))
-TINY = dict(prompts=LengthMix(24, 0.8, 4, 96), outputs=LengthMix(16, 0.7, 2, 48))
-
-
-@dataclass(frozen=True)
-class Request:
-    prompt: list[int]
-    new_tokens: int
-    adapter_index: int  # which adapter of a system's set (taken modulo the set's size)
-
-
-def make_requests(count: int, vocab: int, mix: dict, seed: int) -> list[Request]:
-    rng = random.Random(seed)
-    return [
-        Request([rng.randrange(1, vocab) for _ in range(mix["prompts"].draw(rng))], mix["outputs"].draw(rng),
-                rng.randrange(1 << 30))
-        for _ in range(count)
-    ]
-
-
-def run_engine(engine: Engine, requests: list[Request], adapters: list[str | None], rate: float | None,
-               seed: int) -> dict:
-    """Submit ``requests`` (at once, or Poisson at ``rate`` per second), wait for all; the measurements."""
+def serve(engine: Engine, requests: list[Request], adapters: list[str | None], rate: float | None,
+          seed: int) -> list[Completion]:
+    """Submit ``requests`` (at once, or Poisson at ``rate`` per second), wait for all; their completions."""
     rng = random.Random(seed)
     arrivals, clock = [], 0.0
     for _ in requests:
@@ -100,7 +85,13 @@ def run_engine(engine: Engine, requests: list[Request], adapters: list[str | Non
         adapter = adapters[request.adapter_index % len(adapters)]
         params = SamplingParams(max_new_tokens=request.new_tokens, ignore_eos=True)
         handles.append(engine.submit(request.prompt, adapter, params))
-    return summarize([handle.result() for handle in handles], rate)
+    return [handle.result() for handle in handles]
+
+
+def run_engine(engine: Engine, requests: list[Request], adapters: list[str | None], rate: float | None,
+               seed: int) -> dict:
+    """``serve``'s measurements."""
+    return summarize(serve(engine, requests, adapters, rate, seed), rate)
 
 
 def run_transformers_cb(hf_model, requests: list[Request]) -> dict:
@@ -140,14 +131,23 @@ def decode_steps_by_batch(steps: list[StepRecord]) -> dict[int, dict]:
             for batch, records in sorted(by_batch.items()) if len(records) >= 3}
 
 
-def mixed_steps(steps: list[StepRecord]) -> dict:
-    """Steps that prefill (some request brings more than one token): how many, and their medians."""
+def mixed_steps(steps: list[StepRecord], step_budget: int) -> dict:
+    """Steps that prefill (some request brings more than one token): how many, and their medians; ``full``: those
+    that packed at least 95 % of the ``step_budget`` tokens a step may take (a long prompt's chunks)."""
     mixed = [step for step in steps if step.tokens > step.requests]
     if not mixed:
         return {"steps": 0}
+    full = [step for step in mixed if step.tokens >= 0.95 * step_budget]
     return {"steps": len(mixed), "median_ms": 1e3 * statistics.median(r.seconds for r in mixed),
             "median_tokens": statistics.median(r.tokens for r in mixed),
-            "total_seconds": sum(r.seconds for r in mixed), "all_steps_seconds": sum(r.seconds for r in steps)}
+            "total_seconds": sum(r.seconds for r in mixed), "all_steps_seconds": sum(r.seconds for r in steps),
+            "full": {"step_budget": step_budget, "steps": len(full)} | ({
+                "median_ms": 1e3 * statistics.median(r.seconds for r in full),
+                "median_tokens": statistics.median(r.tokens for r in full)} if full else {})}
+
+
+def step_summary(records: list[StepRecord], step_budget: int) -> dict:
+    return {"decode_by_batch": decode_steps_by_batch(records), "mixed": mixed_steps(records, step_budget)}
 
 
 def compiled_generate_steps(model: MultiLoraModel, timer: StepTimer, adapters: list[str | None], batches: list[int],
@@ -211,41 +211,41 @@ def run_static(model: MultiLoraModel, requests: list[Request], adapters: list[st
     return {"requests": len(requests), "tokens": tokens, "seconds": seconds, "tokens_per_second": tokens / seconds}
 
 
-def build_model(args) -> tuple[MultiLoraModel, dict[int, list[str]], LlamaConfig]:
-    """The base model wrapped, with ``max(--adapters)`` adapters registered as a0, a1, ... (the distinct random
-    factors are ``min(--adapters)`` sets, reused past that: distinct names, slots and transfers, shared values)."""
-    torch.manual_seed(0)
-    if args.tiny:
-        config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, pad_token_id=0)
-        device, dtype = torch.device("cpu"), torch.float32
-        with device:
-            base = LlamaForCausalLM(config).to(dtype).eval()
-    else:
-        config, device = llama_config(args.layers), torch.device("cuda")
-        base = build_llama(config, device)
-    base.generation_config.eos_token_id = None  # random weights: no request stops before its length
-    counts = sorted(args.adapters)
-    generator = torch.Generator(device).manual_seed(1)  # drawn on the GPU: 32 8B-shaped adapters in seconds
-    factors = [random_adapter(base, args.rank, generator) for _ in range(counts[0])]
-    model = MultiLoraModel(base, max_adapters=args.max_adapters, max_rank=args.rank)
-    names = [f"a{i}" for i in range(counts[-1])]
-    model.load_adapters({name: factors[i % len(factors)] for i, name in enumerate(names)})
-    return model, {count: names[:count] for count in counts}, config
+# Each workload's defaults of these options, as (full size, --tiny); the options' help refers here.
+WORKLOAD_DEFAULTS = {
+    "uniform": dict(requests=(160, 24), adapters=([32, 256], [4, 8]), max_adapters=(128, 8), max_running=(128, 8),
+                    rates=([0.25, 0.5, 0.8], [0.25, 0.5, 0.8])),
+    "mixed-ranks": dict(requests=(256, 24), adapters=([120], [12]), max_adapters=(64, 4), max_running=(128, 8),
+                        rates=([], [])),
+    "long-prompts": dict(requests=(64, 16), adapters=([32], [4]), max_adapters=(128, 8), max_running=(64, 8),
+                         rates=([], [])),
+    "shared-prefixes": dict(requests=(256, 24), adapters=([32], [4]), max_adapters=(128, 8), max_running=(128, 8),
+                            rates=([0.5], [0.5])),
+}
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="a tiny model on the CPU: a smoke test of this script")
+    workload = parser.add_mutually_exclusive_group()
+    workload.add_argument("--mixed-ranks", dest="workload", action="store_const", const="mixed-ranks",
+                          help="adapters of ranks 8/16/32/64 with Zipf popularity over fewer GPU slots, vs base")
+    workload.add_argument("--long-prompts", dest="workload", action="store_const", const="long-prompts",
+                          help="RAG-like prompts (median 1,500 tokens, 256-3,500), adapters vs base")
+    workload.add_argument("--shared-prefixes", dest="workload", action="store_const", const="shared-prefixes",
+                          help="each adapter's requests share a system prompt: prefix caching on vs off")
+    parser.set_defaults(workload="uniform")
     parser.add_argument("--layers", type=int, default=32, help="decoder layers (32 = Llama-3-8B)")
-    parser.add_argument("--requests", type=int, help="requests per run (default: 160; 24 with --tiny)")
+    parser.add_argument("--requests", type=int, help="requests per run (default: WORKLOAD_DEFAULTS)")
     parser.add_argument("--adapters", type=lambda s: [int(x) for x in s.split(",")],
-                        help="adapter set sizes (default: 32,256; 4,8 with --tiny)")
-    parser.add_argument("--rank", type=int, default=16, help="LoRA rank of every adapter")
-    parser.add_argument("--max-adapters", type=int, help="GPU adapter slots (default: 128; 8 with --tiny)")
-    parser.add_argument("--max-running", type=int, help="requests per batch at most (default: 128; 8 with --tiny)")
-    parser.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",") if x], default=[0.25, 0.5, 0.8],
-                        help="Poisson arrival rates as fractions of the first adapter system's saturation rate")
+                        help="adapter set sizes (default: WORKLOAD_DEFAULTS); a workload option takes the first")
+    parser.add_argument("--rank", type=int, default=16, help="LoRA rank of every adapter (not --mixed-ranks)")
+    parser.add_argument("--zipf", type=float, default=1.0, help="--mixed-ranks: the popularity exponent")
+    parser.add_argument("--max-adapters", type=int, help="GPU adapter slots (default: WORKLOAD_DEFAULTS)")
+    parser.add_argument("--max-running", type=int, help="requests per batch at most (default: WORKLOAD_DEFAULTS)")
+    parser.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",") if x],
+                        help="Poisson arrival rates as fractions of the first system's saturation rate (default: "
+                             "WORKLOAD_DEFAULTS; empty: saturation only)")
     parser.add_argument("--static-requests", type=int,
                         help="requests timed with static generate() (default: 64; 0: no static generate())")
     parser.add_argument("--static-batch", type=int, default=32, help="rows per static generate() batch")
@@ -256,18 +256,32 @@ def main() -> None:
     parser.add_argument("--no-cuda-graphs", action="store_true", help="run the engine without CUDA graphs")
     parser.add_argument("--kv-blocks", type=int, help="paged KV blocks (default: sized from free memory)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--output", type=Path, help="JSON path (default: results/bench_serving[_tiny].json)")
+    parser.add_argument("--output", type=Path,
+                        help="JSON path (default: results/bench_serving[_<workload>][_tiny].json)")
     args = parser.parse_args()
     tiny = args.tiny
-    args.requests = args.requests or (24 if tiny else 160)
-    args.adapters = args.adapters or ([4, 8] if tiny else [32, 256])
-    args.max_adapters = args.max_adapters or (8 if tiny else 128)
-    args.max_running = args.max_running or (8 if tiny else 128)
+    for option, sizes in WORKLOAD_DEFAULTS[args.workload].items():
+        if getattr(args, option) is None:
+            setattr(args, option, sizes[tiny])
     default_static = 16 if tiny else 64
     args.static_requests = min(default_static if args.static_requests is None else args.static_requests, args.requests)
     args.static_batch = min(args.static_batch, 8) if tiny else args.static_batch
-    args.output = args.output or RESULTS / ("bench_serving_tiny.json" if tiny else "bench_serving.json")
+    stem = "bench_serving" + ("" if args.workload == "uniform" else "_" + args.workload.replace("-", "_"))
+    args.output = args.output or RESULTS / (stem + ("_tiny.json" if tiny else ".json"))
+    return args
 
+
+def main() -> None:
+    args = parse_args()
+    if args.workload == "uniform":
+        run_uniform(args)
+    else:
+        run_workload(args)
+
+
+def run_uniform(args: argparse.Namespace) -> None:
+    """The default run: uniform adapters of one rank, static ``generate()``, transformers' continuous batching."""
+    tiny = args.tiny
     setup_start = time.perf_counter()
     model, adapter_sets, config = build_model(args)
     step_timer = StepTimer(model.model) if not tiny else None  # before anything compiles (its docstring says why)
@@ -292,26 +306,19 @@ def main() -> None:
     systems = {f"engine, {n} adapters": names for n, names in adapter_sets.items()} | {"engine, base model": [None]}
     results: dict[str, dict] = {name: {"runs": []} for name in systems}
 
+    step_budget = engine_config.batch_limits(model.device.type)[1]
+
     def write(**more) -> dict:
         """The report so far: a run cut short by a time limit keeps what it measured."""
-        report = {
-            "device": torch.cuda.get_device_name() if not tiny else "cpu (--tiny smoke test)",
-            "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
-                         "python": platform.python_version()},
-            "setup": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        return write_report(args, setup_start, {
             "systems": results,
             "static_generate": static,
             "compiled_generate_steps": compiled_steps,
-            "engine_steps": {name: {"decode_by_batch": decode_steps_by_batch(records), "mixed": mixed_steps(records)}
-                             for name, records in step_records.items()},
+            "engine_steps": {name: step_summary(records, step_budget) for name, records in step_records.items()},
             "transformers_continuous_batching": transformers_cb,
             "engine_cuda_graphs": graphs,
-            "wall_seconds": time.perf_counter() - setup_start,
             **more,
-        }
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(json.dumps(report, indent=2))
-        return report
+        })
 
     step_records: dict[str, list[StepRecord]] = {}
     graphs: dict[str, int] = {}  # CUDA graphs of the engine after its start and at the end
@@ -330,11 +337,7 @@ def main() -> None:
             recording.clear()
             results[name]["saturation"] = run_engine(engine, requests, adapters, None, args.seed)
             step_records[name] = list(recording)
-            steps = decode_steps_by_batch(step_records[name])
-            print(f"{name:28s} saturation {results[name]['saturation']['tokens_per_second']:8.0f} tokens/s, "
-                  f"TTFT p50 {results[name]['saturation']['ttft_p50']:.2f} s; decode steps (batch: ms) "
-                  + ", ".join(f"{b}: {v['median_ms']:.1f}" for b, v in steps.items() if b % 16 == 0 or b == max(steps)),
-                  flush=True)
+            print_saturation(name, results[name]["saturation"], step_records[name])
             write()
         if static_requests:
             results["engine, static subset"] = run_engine(engine, static_requests, first_set, None, args.seed)
@@ -344,8 +347,7 @@ def main() -> None:
                 run = run_engine(engine, requests, adapters, fraction * saturation_rate, args.seed + 1)
                 run["fraction_of_saturation"] = fraction
                 results[name]["runs"].append(run)
-                print(f"{name:28s} {fraction:.2f} x saturation: {run['tokens_per_second']:8.0f} tokens/s, "
-                      f"TTFT p99 {run['ttft_p99']:.3f} s, TPOT p99 {run['tpot_p99'] * 1e3:.1f} ms", flush=True)
+                print_rate_run(name, run)
                 write()
         adapter_stats = model.adapter_stats
         graphs["at_end"] = engine.stats().cuda_graphs
@@ -381,14 +383,160 @@ def main() -> None:
                 "compiled_generate_ms": compiled["period_ms"],
                 "ratio": engine_steps[nearest]["median_ms"] / compiled["period_ms"]}
     report = write(saturation_requests_per_second=saturation_rate, targets=targets, adapter_stats=adapter_stats)
+    finish(args, report, targets)
+
+
+# Issue 38's targets: adapters' throughput over the base engine's, at saturation, in the same run.
+ADAPTERS_VS_BASE_TARGET = {"mixed-ranks": 0.93, "long-prompts": 0.95}
+STORE_COUNTERS = ("hits", "host_loads", "disk_loads", "evictions", "bytes_to_gpu")
+
+
+def run_workload(args: argparse.Namespace) -> None:
+    """A workload option's run: each system at saturation, then at each of ``--rates`` (fractions of the first
+    system's saturation rate). Run k of every system serves the same requests, drawn with seed ``--seed + k``: no
+    run finds prefixes cached by an earlier one. Systems of the same prefix caching share one engine."""
+    setup_start = time.perf_counter()
+    model, systems, requests_for = workload_setup(args)
+    runs = [requests_for(args.seed + k) for k in range(1 + len(args.rates))]
+    warm_up = requests_for(args.seed + len(runs))[:8]  # prompts of its own: nothing it caches is found later
+    print(f"setup {time.perf_counter() - setup_start:.1f} s: {args.workload}, {len(runs)} runs of {args.requests} "
+          f"requests; the first: {sum(len(r.prompt) for r in runs[0])} prompt tokens, "
+          f"{sum(r.new_tokens for r in runs[0])} output tokens", flush=True)
+    results: dict[str, dict] = {system.name: {"runs": []} for system in systems}
+    step_records: dict[str, list[StepRecord]] = {}
+    tokens: dict[str, list[list[tuple[int, ...]]]] = {system.name: [] for system in systems}  # per run, per request
+    step_budget = 0
+    saturation_rate = None
+
+    def write(**more) -> dict:
+        return write_report(args, setup_start, {
+            "systems": results,
+            "engine_steps": {name: step_summary(records, step_budget) for name, records in step_records.items()},
+            **more,
+        })
+
+    cuda_graphs = None if args.tiny else not args.no_cuda_graphs
+    for prefix_caching, group in itertools.groupby(systems, key=lambda system: system.prefix_caching):
+        group = list(group)
+        engine_config = EngineConfig(max_queue=max(args.requests, len(warm_up)), max_running=args.max_running,
+                                     kv_blocks=args.kv_blocks, cuda_graphs=cuda_graphs, prefix_caching=prefix_caching)
+        step_budget = engine_config.batch_limits(model.device.type)[1]
+        started = time.perf_counter()
+        with Engine(model, config=engine_config) as engine:
+            print(f"engine (prefix caching {'on' if prefix_caching else 'off'}) started in "
+                  f"{time.perf_counter() - started:.1f} s, {engine.stats().cuda_graphs} CUDA graphs", flush=True)
+            recording: list[StepRecord] = []
+            engine.add_step_listener(recording.append)
+            serve(engine, warm_up, group[0].adapters, None, args.seed)  # first loads (and any capture)
+            for fraction, requests in zip([None, *args.rates], runs):
+                for system in group:
+                    rate = None if fraction is None else fraction * saturation_rate
+                    recording.clear()
+                    hits_before, store_before = engine.stats().prefix_hit_tokens, model.adapter_stats
+                    completions = serve(engine, requests, system.adapters, rate, args.seed + 1)
+                    store_after = model.adapter_stats
+                    run = summarize(completions, rate) | {
+                        "prompt_tokens": sum(len(r.prompt) for r in requests),
+                        "prefix_hit_tokens": engine.stats().prefix_hit_tokens - hits_before,
+                        "adapter_store": {key: store_after[key] - store_before[key] for key in STORE_COUNTERS}}
+                    tokens[system.name].append([completion.token_ids for completion in completions])
+                    if fraction is None:
+                        results[system.name]["saturation"] = run
+                        step_records[system.name] = list(recording)
+                        saturation_rate = saturation_rate or run["requests_per_second"]
+                        print_saturation(system.name, run, recording)
+                    else:
+                        results[system.name]["runs"].append(run | {"fraction_of_saturation": fraction})
+                        print_rate_run(system.name, results[system.name]["runs"][-1])
+                    write()
+        del engine  # and its KV cache, before the next engine sizes its own from free memory
+        gc.collect()
+    first, second = (results[system.name] for system in systems)
+    ratio = first["saturation"]["tokens_per_second"] / second["saturation"]["tokens_per_second"]
+    if args.workload == "shared-prefixes":
+        output_check = compare_outputs(*(tokens[system.name] for system in systems))
+        targets = {"caching_on_vs_off_at_saturation": ratio, "outputs_equal": output_check["equal"]}
+        for name, result in results.items():
+            targets[name] = {
+                "prefix_hit_fraction_at_saturation": (result["saturation"]["prefix_hit_tokens"]
+                                                      / result["saturation"]["prompt_tokens"]),
+                **{f"ttft_p50_p99_at_{run.get('fraction_of_saturation', 'saturation')}":
+                   [run["ttft_p50"], run["ttft_p99"]] for run in [result["saturation"], *result["runs"]]}}
+        more = {"output_check": output_check}
+    else:
+        targets = {"adapters_vs_base_at_saturation": ratio, "target": ADAPTERS_VS_BASE_TARGET[args.workload],
+                   "ttft_p50_at_saturation_seconds": {name: r["saturation"]["ttft_p50"] for name, r in results.items()},
+                   "full_mixed_step_ms": {name: step_summary(records, step_budget)["mixed"].get("full", {}).get(
+                       "median_ms") for name, records in step_records.items()}}
+        more = {}
+    report = write(saturation_requests_per_second=saturation_rate, targets=targets, adapter_stats=model.adapter_stats,
+                   **more)
+    finish(args, report, targets)
+
+
+def compare_outputs(first: list[list[tuple[int, ...]]], second: list[list[tuple[int, ...]]]) -> dict:
+    """Greedy tokens of the same requests with prefix caching on (``first``) and off, run by run: which requests
+    differ, and where first. Printed loudly when any do: caching must not change what a request computes."""
+    mismatches = [
+        {"run": k, "request": i,
+         "first_differing_token": next(p for p, (a, b) in enumerate(itertools.zip_longest(x, y)) if a != b)}
+        for k, (run_first, run_second) in enumerate(zip(first, second, strict=True))
+        for i, (x, y) in enumerate(zip(run_first, run_second, strict=True)) if x != y
+    ]
+    compared = sum(len(run) for run in first)
+    if mismatches:
+        banner = "!" * 100
+        print(f"{banner}\nOUTPUT MISMATCH: {len(mismatches)} of {compared} requests generated other tokens with "
+              f"prefix caching on than off; first: {mismatches[:3]}\n{banner}", flush=True)
+    else:
+        print(f"outputs equal with prefix caching on and off ({compared} requests)", flush=True)
+    return {"requests_compared": compared, "mismatched": len(mismatches), "equal": not mismatches,
+            "first_mismatches": mismatches[:10]}
+
+
+def write_report(args: argparse.Namespace, setup_start: float, measured: dict) -> dict:
+    """Write the device, versions and settings, then ``measured``, to ``--output``; the report."""
+    report = {
+        "device": torch.cuda.get_device_name() if not args.tiny else "cpu (--tiny smoke test)",
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
+                     "python": platform.python_version()},
+        "workload": args.workload,
+        "setup": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        **measured,
+        "wall_seconds": time.perf_counter() - setup_start,
+    }
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(report, indent=2))
+    return report
+
+
+def print_saturation(name: str, run: dict, records: list[StepRecord]) -> None:
+    steps = decode_steps_by_batch(records)
+    print(f"{name:28s} saturation {run['tokens_per_second']:8.0f} tokens/s, TTFT p50 {run['ttft_p50']:.2f} s, "
+          f"p99 {run['ttft_p99']:.2f} s; decode steps (batch: ms) "
+          + ", ".join(f"{b}: {v['median_ms']:.1f}" for b, v in steps.items() if b % 16 == 0 or b == max(steps)),
+          flush=True)
+
+
+def print_rate_run(name: str, run: dict) -> None:
+    print(f"{name:28s} {run['fraction_of_saturation']:.2f} x saturation: {run['tokens_per_second']:8.0f} tokens/s, "
+          f"TTFT p50 {run['ttft_p50']:.3f} s, p99 {run['ttft_p99']:.3f} s, TPOT p99 {run['tpot_p99'] * 1e3:.1f} ms",
+          flush=True)
+
+
+def finish(args: argparse.Namespace, report: dict, targets: dict) -> None:
     print(json.dumps(targets, indent=2))
     print(f"wrote {args.output} after {report['wall_seconds']:.0f} s")
+    if not any(system.get("runs") for system in report["systems"].values()):
+        return  # saturation only: no line to draw against offered load
     try:
         from serving_plot import plot
-    except ImportError as error:
+
+        picture = plot(args.output)
+    except ImportError as error:  # matplotlib is imported inside plot()
         print(f"no picture ({error}): run benchmarks/serving_plot.py {args.output} where matplotlib is installed")
     else:
-        print(f"wrote {plot(args.output)}")
+        print(f"wrote {picture}")
 
 
 if __name__ == "__main__":

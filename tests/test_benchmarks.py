@@ -223,3 +223,60 @@ def test_adapter_kinds_benchmark_smoke_run_times_every_kind_with_its_feature_at_
             assert changes[model][kind]["base"] > 1e-3, (model, kind)
         for kind in names[2:]:
             assert changes[model][kind]["lora"] > 1e-3, (model, kind)
+
+
+def run_bench_serving(tmp_path: Path, *options: str) -> dict:
+    """``bench_serving.py --tiny`` with ``options`` in a fresh process (as the GPU session runs it); its report."""
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_serving.py"
+    output = tmp_path / f"bench_serving{'_'.join(options)}.json"
+    result = subprocess.run([sys.executable, str(script), "--tiny", *options, "--output", str(output)],
+                            capture_output=True, text=True, timeout=240, env=child_env())
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    return json.loads(output.read_text())
+
+
+def test_serving_benchmark_workload_options_measure_what_they_name(tmp_path):
+    """Each workload option of ``bench_serving.py`` runs on the CPU (the GPU session runs them unrehearsed) and
+    measures its own workload: mixed ranks make the store swap adapters while serving; long prompts fill the step's
+    token budget; shared prefixes are served from cached pages only with caching on, with the same greedy tokens
+    as without. The default run still ends cleanly where matplotlib is not installed."""
+    mixed = run_bench_serving(tmp_path, "--mixed-ranks")
+    adapters, base = (mixed["systems"][name]["saturation"] for name in
+                      ("engine, 12 adapters of ranks 2-16", "engine, base model"))
+    assert adapters["tokens"] == base["tokens"] > 0 and adapters["prompt_tokens"] == base["prompt_tokens"]
+    assert adapters["adapter_store"]["host_loads"] > 0 and adapters["adapter_store"]["evictions"] > 0
+    assert base["adapter_store"]["host_loads"] == 0
+    assert mixed["adapter_stats"]["registered"] == 12 and mixed["adapter_stats"]["resident"] <= 4
+    assert mixed["targets"]["adapters_vs_base_at_saturation"] == pytest.approx(
+        adapters["tokens_per_second"] / base["tokens_per_second"])
+
+    long = run_bench_serving(tmp_path, "--long-prompts")
+    assert long["systems"]["engine, 4 adapters"]["saturation"]["prompt_tokens"] / 16 > 100  # median 120
+    for name, steps in long["engine_steps"].items():
+        full = steps["mixed"]["full"]
+        assert full["step_budget"] == 256 and full["steps"] > 0 and full["median_tokens"] >= 0.95 * 256, name
+        assert long["targets"]["full_mixed_step_ms"][name] == full["median_ms"]
+
+    shared = run_bench_serving(tmp_path, "--shared-prefixes")
+    on, off = (shared["systems"][f"engine, 4 adapters, prefix caching {state}"] for state in ("on", "off"))
+    assert len(on["runs"]) == len(off["runs"]) == 1  # at saturation, then Poisson at half of it
+    for run_on, run_off in zip([on["saturation"], *on["runs"]], [off["saturation"], *off["runs"]]):
+        assert run_on["prompt_tokens"] == run_off["prompt_tokens"]
+        assert 0 < run_on["prefix_hit_tokens"] < run_on["prompt_tokens"] and run_off["prefix_hit_tokens"] == 0
+    assert shared["output_check"] == {"requests_compared": 48, "mismatched": 0, "equal": True,
+                                      "first_mismatches": []}
+
+    default = run_bench_serving(tmp_path, "--requests", "8", "--rates", "0.5", "--static-requests", "0",
+                                "--no-transformers-cb")
+    assert [len(system["runs"]) for system in default["systems"].values()] == [1, 1, 1]
+
+
+def test_serving_output_check_names_each_request_that_differs_and_where():
+    from bench_serving import compare_outputs
+
+    same = [[(1, 2, 3), (4, 5)]]
+    assert compare_outputs(same, same)["equal"]
+    check = compare_outputs([[(1, 2, 3), (4, 5)], [(6,)]], [[(1, 2, 3), (4, 5, 9)], [(7,)]])
+    assert not check["equal"] and check["mismatched"] == 2 and check["requests_compared"] == 3
+    assert check["first_mismatches"] == [{"run": 0, "request": 1, "first_differing_token": 2},
+                                         {"run": 1, "request": 0, "first_differing_token": 0}]
