@@ -1,6 +1,7 @@
 #!/bin/bash
 # One device call, everything measured on the H200: the GPU, the kernel build, the GPU tests, then the op, adapter
-# store and generate() benchmarks. Every part runs under `timeout`, cut to what is left of one overall budget, so a
+# store and generate() benchmarks (and, when asked for in ONLY, the adapter kinds, the serving engine, its extra
+# workloads and Ray Serve against the engine's server). Every part runs under `timeout`, cut to what is left of one overall budget, so a
 # hang costs its part only. Into $OUT go seven files: session.log (every part's output), pytest.log,
 # bench_ops_h200.json/.md, bench_adapters_h200.json, bench_generate_h200.json, bench_step_lora_h200.json. A short
 # summary is printed last.
@@ -8,7 +9,11 @@
 #   OUT=$OUT bash benchmarks/gpu_session.sh          # from the repository root on the GPU machine
 #
 # Environment:
-#   ONLY="build tests ops adapters generate step"   the parts to run (default: all, in this order; the kernel
+#   ONLY="build tests ops adapters generate step"   the parts to run (default: these, in this order; also "kinds"
+#                                                   (bench_adapter_kinds.py), "serving" (bench_serving.py's quick
+#                                                   saturation run, adapters vs base), "workloads" (its mixed-ranks,
+#                                                   long-prompts and shared-prefixes runs) and "ray" (bench_ray.py:
+#                                                   Ray Serve carried with carry_packages.py, on PYTHONPATH); the kernel
 #                                                   build runs whenever another part does, so no part pays for it in
 #                                                   its timeout)
 #   SKIP_TESTS=1                                    leave out the GPU tests
@@ -18,7 +23,7 @@
 #   ADAPTER_FLAGS="..."                             bench_adapters.py flags (default: the issue-8 setup, ~2 min)
 #   BUDGET_S=530                                    seconds for the whole call
 set -o pipefail
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD PUNICA_HF_CACHE=${PUNICA_HF_CACHE:-/tmp/punica_hf_cache}
+export PYTHONUNBUFFERED=1 RAY_USAGE_STATS_ENABLED=0 PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PUNICA_HF_CACHE=${PUNICA_HF_CACHE:-/tmp/punica_hf_cache}
 OUT=${OUT:-/tmp/punica_out}
 ONLY=${ONLY:-build tests ops adapters generate step}
 [ -n "$SKIP_TESTS" ] && ONLY=${ONLY//tests/}
@@ -55,11 +60,13 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem,te
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'CUDA', torch.version.cuda,
 'transformers', transformers.__version__)" 2>&1 | tee -a "$LOG"
 
-if wanted build || wanted tests || wanted ops || wanted adapters || wanted generate || wanted step; then
+if [ -n "${ONLY// /}" ]; then  # every part runs the kernels
     part build 180 python3 -m punica_hf.ops.build || { log "BUILD FAILED: nothing else runs"; ONLY=""; }
 fi
 if wanted tests; then
-    part tests 180 bash -c "python3 -m pytest -q -p no:cacheprovider tests/gpu $PYTEST_ARGS > '$OUT/pytest.log' 2>&1"
+    # tests/gpu, and the engine's GPU-marked tests beside its CPU ones
+    part tests 300 bash -c "python3 -m pytest -q -p no:cacheprovider tests/gpu tests/test_engine.py tests/test_attention.py \
+        tests/test_prefix_cache.py $PYTEST_ARGS > '$OUT/pytest.log' 2>&1"
     [ -f "$OUT/pytest.log" ] && tail -3 "$OUT/pytest.log" | tee -a "$LOG"
 fi
 # The benchmarks use the CUDA kernels or fail: a silent fallback to the PyTorch ops would time the wrong code.
@@ -70,6 +77,18 @@ wanted adapters && part adapters 200 \
 wanted generate && part generate 330 \
     python3 benchmarks/bench_generate.py --output "$OUT/bench_generate_h200.json" $GEN_FLAGS
 wanted step && part step 90 python3 benchmarks/bench_step_lora.py --output "$OUT/bench_step_lora_h200.json"
+wanted kinds && part kinds 300 \
+    python3 benchmarks/bench_adapter_kinds.py --output "$OUT/bench_adapter_kinds_h200.json"
+wanted serving && part serving 240 python3 benchmarks/bench_serving.py --adapters 32 --static-requests 0 --rates "" \
+    --compiled-batches "" --no-transformers-cb --output "$OUT/bench_serving_quick_h200.json"
+if wanted workloads; then
+    for workload in mixed-ranks long-prompts shared-prefixes; do
+        part "$workload" 300 python3 benchmarks/bench_serving.py "--$workload" \
+            --output "$OUT/bench_serving_${workload//-/_}_h200.json"
+    done
+fi
+wanted ray && part ray 420 \
+    python3 benchmarks/bench_ray.py --output "$OUT/bench_ray_h200.json"
 
 log "summary"
 {
