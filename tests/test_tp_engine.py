@@ -47,7 +47,7 @@ def test_concurrent_requests_equal_the_unsplit_engine(ranks):
 
 def test_ranks_agree_on_every_token(ranks):
     leader, follower = (seen["completions"] for seen in ranks)
-    assert set(leader) == set(follower) == set(CONCURRENT) | {"u0", "i0", "i1", "x0", "d0", "d1"}
+    assert set(leader) == set(follower) == set(CONCURRENT) | {"u0", "i0", "i1", "p0", "p1", "x0", "d0", "d1"}
     for request_id, (tokens, _) in leader.items():
         assert follower[request_id][0] == tokens, request_id  # "u0" samples with a seed rank 0 chose
 
@@ -58,6 +58,15 @@ def test_an_idle_spell_longer_than_a_heartbeat(ranks):
         assert leader["completions"][request_id][0] == leader["unsplit"][request_id][0]
     # rank 0 idled 4 heartbeats: the follower still never waited much longer than one for its next record
     assert ranks[1]["longest_control_wait"] < 2 * HEARTBEAT_SECONDS
+
+
+def test_every_rank_shares_the_same_prefix_pages(ranks):
+    """Prefix caching under TP: p1 takes p0's first page on every rank (rank 0's keys go with its admissions), so
+    the ranks' batches stay the same and the tokens are the unsplit engine's."""
+    leader = ranks[0]
+    assert ranks[0]["prefix_hit_tokens"] == ranks[1]["prefix_hit_tokens"] >= 256
+    for request_id in ("p0", "p1"):
+        assert leader["completions"][request_id][0] == leader["unsplit"][request_id][0], request_id
 
 
 def test_a_cancel_ends_the_request_on_every_rank(ranks):

@@ -39,6 +39,9 @@ CONCURRENT = {  # request id: prompt, adapter, settings
 AFTER_IDLE = {"i0": ([12, 13, 14], "mlp", GREEDY), "i1": ([40, 2, 2, 7], "attn", SEEDED)}
 BASE = {"base-c3": ([88, 14, 29, 70, 51, 8], None, GREEDY)}  # c3 without its adapter
 DRAINED = {"d0": ([3, 1, 4, 1, 5], "attn", GREEDY), "d1": ([9, 2, 6], None, SEEDED)}
+# More than one KV page (256 tokens on the CPU) in common: the second request takes the first's page on every rank
+SHARED_PROMPT = [(7 * i + 3) % 97 + 1 for i in range(300)]
+PREFIXED = {"p0": (SHARED_PROMPT, "attn", GREEDY), "p1": (SHARED_PROMPT[:280] + [5, 6, 7, 8] * 5, "attn", GREEDY)}
 
 
 def serve(tensor_parallel: bool, adapters=("attn", "mlp")) -> tuple[MultiLoraModel, Engine, dict]:
@@ -65,6 +68,8 @@ def lead(engine: Engine, results: dict) -> None:
     time.sleep(IDLE_SECONDS)  # nothing to run: only heartbeats go to the followers
     for handle in submit_all(engine, AFTER_IDLE):
         handle.result(timeout=120)
+    for request_id, request in PREFIXED.items():  # one after the other: p1 finds p0's pages
+        submit_all(engine, {request_id: request})[0].result(timeout=120)
     long = engine.submit([6, 6, 6], "mlp", SamplingParams(max_new_tokens=60, ignore_eos=True), request_id="x0")
     next(iter(long))  # its first token: it runs on every rank
     long.cancel()
@@ -134,10 +139,11 @@ def main() -> None:
         results["engine_error"] = None if engine.error is None else repr(engine.error)
         results["completions"] = seen
         results["longest_control_wait"] = max(waits[1:])  # the first waits for the other ranks to start
+        results["prefix_hit_tokens"] = engine.stats().prefix_hit_tokens
         if RANK == 0:
             _, whole, whole_seen = serve(tensor_parallel=False)
             with whole:
-                for handle in submit_all(whole, CONCURRENT | AFTER_IDLE | DRAINED | BASE):
+                for handle in submit_all(whole, CONCURRENT | AFTER_IDLE | DRAINED | BASE | PREFIXED):
                     handle.result(timeout=120)
             results["unsplit"] = whole_seen
         leader_failure(results.setdefault("leader_failure", {}))

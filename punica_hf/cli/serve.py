@@ -95,7 +95,7 @@ def register(command: Callable[..., argparse.ArgumentParser]) -> None:
                         help="capture decoding steps in CUDA graphs (default: auto, transformers decides)")
     sizing.add_argument("--prefix-caching", choices=["on", "off"], default="on",
                         help="requests with the same prompt prefix and the same adapter share its KV pages "
-                        "(default: on; never across adapters; off under --tp)")
+                        "(default: on; never across adapters)")
     replicas = parser.add_argument_group("replicas on Ray Serve (needs the ray extra: pip install 'punica-hf[ray]')")
     replicas.add_argument(
         "--replicas", type=positive_int, default=None, metavar="N",

@@ -328,11 +328,15 @@ class Engine(TensorParallelLoop):
         return request.slot, request.adapter_start
 
     def _prefix_key_of(self, request_id: str) -> str | None:
-        """What a request's KV pages are shared under besides its tokens: its adapter's registration (None: the
-        base model). A request the engine does not know (transformers' warm-up) gets a key of its own: no sharing."""
+        """What a request's KV pages are shared under besides its tokens (``RequestState.prefix_key``). A request
+        the engine does not know (transformers' warm-up) gets a key of its own: no sharing."""
         request = self._requests.get(request_id)
-        if request is None:
-            return f"unknown {request_id} {next(self._ids)}"
+        return f"unknown {request_id} {next(self._ids)}" if request is None else request.prefix_key
+
+    @staticmethod
+    def _prefix_key(request: RequestState) -> str | None:
+        """An admitted request's prefix key: its adapter's registration (None: the base model). Under tensor
+        parallelism rank 0's key goes to every rank with the admission, so all ranks match the same pages."""
         if request.lease is None or request.adapter_start is None:  # aLoRA never invoked: the base model's pages
             return None
         # an aLoRA page depends on where the adapter starts, which tokens after it (a later invocation) can move
@@ -440,6 +444,7 @@ class Engine(TensorParallelLoop):
                     self._release(request)
                     continue
                 request.slot = request.lease.slots[0]
+            request.prefix_key = self._prefix_key(request)
             self._remove_from_queue(request)
             self._hand_to_backend(request)
             admitted.append(request)
@@ -586,6 +591,5 @@ class Engine(TensorParallelLoop):
             device, max_running=max_running, max_batch_tokens=max_batch_tokens, kv_blocks=self.config.kv_blocks,
             cuda_graphs=cuda_graphs, max_model_len=self.max_model_len,
             pad_keys_to_cache=self.attention.implementation == attention.NAME and device.type == "cuda",
-            # under tensor parallelism every rank would have to match the same prefixes: not agreed yet, so off
-            prefix_sharing=self.config.prefix_caching and self._control is None,
+            prefix_sharing=self.config.prefix_caching,
         )

@@ -48,6 +48,7 @@ class Admission:
     adapter: str | None
     params: SamplingParams  # its seed fixed by rank 0, so every rank draws the same tokens
     slot: int
+    prefix_key: str | None  # what rank 0 shares its KV pages under, so every rank matches the same prefixes
 
 
 @dataclass(frozen=True)

@@ -48,7 +48,7 @@ class TensorParallelLoop:
                 record = control.share(tp_control.StepControl(
                     admissions=tuple(
                         tp_control.Admission(r.request_id, r.handle.prompt_token_ids, r.handle.adapter, r.params,
-                                             r.slot)
+                                             r.slot, r.prefix_key)
                         for r in admitted
                     ),
                     cancellations=tuple(r.request_id for r in cancelled),
@@ -188,6 +188,7 @@ class TensorParallelLoop:
                         f"adapter {admission.adapter!r} is in slot {request.slot} here and in slot {admission.slot} "
                         "on rank 0: load and unload the same adapters on every rank, in the same order"
                     )
+            request.prefix_key = admission.prefix_key
             with self._lock:
                 self._requests[request.request_id] = request
             self._hand_to_backend(request)

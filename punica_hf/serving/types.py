@@ -95,7 +95,7 @@ class EngineConfig:
             punica_hf attention kernel and flash-attn; never on the CPU).
         warmup: capture the graphs at start instead of on first use.
         prefix_caching: requests with the same prompt prefix and the same adapter (or both none) share its KV pages
-            and skip computing it; pages of other adapters never (off under tensor parallelism).
+            and skip computing it; pages of other adapters never.
     """
 
     max_queue: int = 256
