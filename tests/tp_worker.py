@@ -8,17 +8,16 @@ compares (the tolerances live there). One process run checks everything, since s
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import traceback
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from transformers import AutoModelForCausalLM, DistributedConfig
 
 from punica_hf import MultiLoraModel, injection
+from two_ranks import finish_rank
 
 ROOT = Path(sys.argv[1])
 RANK = int(os.environ["RANK"])
@@ -205,9 +204,7 @@ def main() -> None:
             run(results[section])
         except Exception:  # every rank reports what failed, so the test shows it
             results[section]["error"] = traceback.format_exc()
-    (ROOT / f"rank{RANK}.json").write_text(json.dumps(results))
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    finish_rank(ROOT, results)
 
 
 if __name__ == "__main__":

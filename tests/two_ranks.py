@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -23,7 +24,28 @@ def run_two_ranks(worker: Path, root: Path, timeout_s: float, *worker_args: str,
     env = {**child_env(), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     if not gpus:
         env["CUDA_VISIBLE_DEVICES"] = ""
-    log = root / "torchrun.log"
+    results = [root / f"rank{rank}.json" for rank in range(2)]
+    for attempt in range(2):
+        log = root / ("torchrun.log" if attempt == 0 else "torchrun-again.log")
+        returncode = _run_bounded(command, env, log, timeout_s)
+        text = log.read_text()
+        if returncode == 0 and all(path.exists() for path in results):
+            break
+        # torch's C++ runtime has, rarely, aborted a rank of this harness ("terminate called without an active
+        # exception", SIGABRT) in runs that pass alone: once, that run goes again, and the test says so.
+        if attempt == 0 and _TORCH_ABORT in text and "SIGABRT" in text:
+            warnings.warn(f"a rank aborted in torch's C++ runtime; running {worker.name} again:\n{text[-2000:]}")
+            for path in results:
+                path.unlink(missing_ok=True)
+            continue
+        pytest.fail(f"torchrun ended with {returncode}:\n{text[-6000:]}")
+    return [json.loads(path.read_text()) for path in results]
+
+
+_TORCH_ABORT = "terminate called without an active exception"
+
+
+def _run_bounded(command: list[str], env: dict, log: Path, timeout_s: float) -> int:
     with open(log, "w") as output:
         # Its own session, so a timeout ends the ranks with it (killpg), never leaving them behind.
         process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -35,10 +57,7 @@ def run_two_ranks(worker: Path, root: Path, timeout_s: float, *worker_args: str,
             if process.poll() is None:
                 os.killpg(process.pid, signal.SIGKILL)
                 process.wait()
-    results = [root / f"rank{rank}.json" for rank in range(2)]
-    if process.returncode != 0 or not all(path.exists() for path in results):
-        pytest.fail(f"torchrun ended with {process.returncode}:\n{log.read_text()[-6000:]}")
-    return [json.loads(path.read_text()) for path in results]
+    return process.returncode
 
 
 def check_engines_ran(ranks: list[dict]) -> None:
@@ -55,3 +74,7 @@ def finish_rank(root: Path, results: dict) -> None:
     (root / f"rank{os.environ['RANK']}.json").write_text(json.dumps(results))
     if dist.is_initialized():
         dist.destroy_process_group()
+    # Out without the interpreter's teardown, where torch's C++ threads can abort a finished rank
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
