@@ -475,11 +475,15 @@ class _EngineCache(PagedAttentionCache):
         self.prefix_hit_tokens += matched
         return matched
 
+    # transformers calls these for every request of every step; most steps complete no page, and keying a request's
+    # tokens copies all of them: only for a step that completes one (transformers does nothing for the others)
     def mark_complete_blocks(self, state, complete_blocks: dict[str, int]) -> None:  # transformers >= 5.18
-        super().mark_complete_blocks(self._keyed_state(state), complete_blocks)
+        if complete_blocks:
+            super().mark_complete_blocks(self._keyed_state(state), complete_blocks)
 
     def mark_shareable_blocks_as_complete(self, state, num_complete_blocks: int) -> None:  # transformers 5.17
-        super().mark_shareable_blocks_as_complete(self._keyed_state(state), num_complete_blocks)
+        if num_complete_blocks:
+            super().mark_shareable_blocks_as_complete(self._keyed_state(state), num_complete_blocks)
 
     def _keyed(self, request_id: str, tokens: list[int]) -> list[int]:
         key = self._prefix_key_of(request_id)
