@@ -127,8 +127,15 @@ def decode_steps_by_batch(steps: list[StepRecord]) -> dict[int, dict]:
         if step.tokens == step.requests:
             by_batch.setdefault(step.requests, []).append(step)
     return {batch: {"steps": len(records), "median_ms": 1e3 * statistics.median(r.seconds for r in records),
-                    "median_prepare_ms": 1e3 * statistics.median(r.prepare_seconds for r in records)}
+                    "median_prepare_ms": 1e3 * statistics.median(r.prepare_seconds for r in records),
+                    "median_device_ms": median_device_ms(records)}
             for batch, records in sorted(by_batch.items()) if len(records) >= 3}
+
+
+def median_device_ms(records: list[StepRecord]) -> float | None:
+    """Median GPU time of the steps' forwards (``StepRecord.device_seconds``); None off CUDA."""
+    device = [r.device_seconds for r in records if r.device_seconds is not None]
+    return 1e3 * statistics.median(device) if device else None
 
 
 def mixed_steps(steps: list[StepRecord], step_budget: int) -> dict:
@@ -139,10 +146,10 @@ def mixed_steps(steps: list[StepRecord], step_budget: int) -> dict:
         return {"steps": 0}
     full = [step for step in mixed if step.tokens >= 0.95 * step_budget]
     return {"steps": len(mixed), "median_ms": 1e3 * statistics.median(r.seconds for r in mixed),
-            "median_tokens": statistics.median(r.tokens for r in mixed),
+            "median_device_ms": median_device_ms(mixed), "median_tokens": statistics.median(r.tokens for r in mixed),
             "total_seconds": sum(r.seconds for r in mixed), "all_steps_seconds": sum(r.seconds for r in steps),
             "full": {"step_budget": step_budget, "steps": len(full)} | ({
-                "median_ms": 1e3 * statistics.median(r.seconds for r in full),
+                "median_ms": 1e3 * statistics.median(r.seconds for r in full), "median_device_ms": median_device_ms(full),
                 "median_tokens": statistics.median(r.tokens for r in full)} if full else {})}
 
 
@@ -513,8 +520,10 @@ def write_report(args: argparse.Namespace, setup_start: float, measured: dict) -
 def print_saturation(name: str, run: dict, records: list[StepRecord]) -> None:
     steps = decode_steps_by_batch(records)
     print(f"{name:28s} saturation {run['tokens_per_second']:8.0f} tokens/s, TTFT p50 {run['ttft_p50']:.2f} s, "
-          f"p99 {run['ttft_p99']:.2f} s; decode steps (batch: ms) "
-          + ", ".join(f"{b}: {v['median_ms']:.1f}" for b, v in steps.items() if b % 16 == 0 or b == max(steps)),
+          f"p99 {run['ttft_p99']:.2f} s; decode steps (batch: ms[, on the GPU]) "
+          + ", ".join(f"{b}: {v['median_ms']:.1f}" + ("" if v["median_device_ms"] is None else
+                                                        f" [{v['median_device_ms']:.1f}]")
+                      for b, v in steps.items() if b % 16 == 0 or b == max(steps)),
           flush=True)
 
 

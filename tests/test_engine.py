@@ -201,10 +201,11 @@ def test_the_engines_attention_reads_the_paged_cache_in_place(tiny_model, monkey
         assert {key_memory, value_memory} <= cache_memory and slots_memory in slot_memory
 
 
-def test_padded_steps_are_keyed_by_their_query_count_alone(tiny_model, monkeypatch):
+def test_padded_steps_are_keyed_by_their_query_count_and_whether_they_run_adapters(tiny_model, monkeypatch):
     """Steps padded to static shapes as under CUDA graphs (run without graphs: a CPU has none). Every step's graph
-    key is its padded query count, whatever number of keys it reads: the kernel gets slot lists as long as the
-    cache's readable tokens plus the queries, every step. The tokens equal ``generate()``'s."""
+    key is its padded query count and whether a token of it has an adapter, whatever number of keys it reads: the
+    kernel gets slot lists as long as the cache's readable tokens plus the queries, every step. The tokens equal
+    ``generate()``'s."""
     from punica_hf import ops
     from punica_hf.serving import transformers_cb
 
@@ -219,7 +220,7 @@ def test_padded_steps_are_keyed_by_their_query_count_alone(tiny_model, monkeypat
 
     def recording_prepare(io, *args, **kwargs):
         prepare(io, *args, **kwargs)
-        steps.append((io._get_graph_key(), io.num_q_tokens, io.true_read_sizes[0]))
+        steps.append((io._get_graph_key(), (io.num_q_tokens, io.step_has_adapter), io.true_read_sizes[0]))
 
     paged_attention = ops.paged_attention
 
@@ -237,9 +238,72 @@ def test_padded_steps_are_keyed_by_their_query_count_alone(tiny_model, monkeypat
         handles = [engine.submit(prompt, adapter, SamplingParams(max_new_tokens=n)) for adapter, prompt, n in plan]
         completions = [handle.result(timeout=60) for handle in handles]
     assert [list(c.token_ids) for c in completions] == expected
-    assert all(key == (queries,) for key, queries, _ in steps), steps
+    assert all(key == queries_and_adapter for key, queries_and_adapter, _ in steps), steps
     assert len({keys for *_, keys in steps}) > 10  # the steps read many different numbers of keys
     assert len({slots - rows for slots, rows in slot_lists}) == 1, set(slot_lists)
+
+
+def test_steps_in_which_no_token_has_an_adapter_run_the_base_model_alone(tiny_model, monkeypatch):
+    """A step none of whose tokens has an adapter (base requests, an aLoRA request before its invocation) runs the
+    wrapped model without adapter slots: no LoRA grouping, no LoRA kernel. A step with one adapter token groups its
+    tokens once. The tokens equal ``generate()``'s either way."""
+    from punica_hf.layers import LoraContext
+
+    groupings = []
+    build = LoraContext.build
+
+    def counting_build(context, token_slots, *args, **kwargs):
+        groupings.append(sorted(set(token_slots.tolist())))
+        return build(context, token_slots, *args, **kwargs)
+
+    monkeypatch.setattr(LoraContext, "build", counting_build)
+    base_plan = [(None, tiny_prompt(90 + i, 5 + 7 * i), 6 + i) for i in range(3)]
+    mixed_plan = [(None, tiny_prompt(95, 9), 8), ("b", tiny_prompt(96, 4), 3)]
+    expected = [reference_tokens(tiny_model, prompt, adapter, n) for adapter, prompt, n in base_plan + mixed_plan]
+    groupings.clear()
+    steps = []
+    with Engine(tiny_model, config=EngineConfig(max_running=4, max_batch_tokens=32)) as engine:
+        engine.add_step_listener(steps.append)
+        base = [engine.submit(prompt, adapter, SamplingParams(max_new_tokens=n)) for adapter, prompt, n in base_plan]
+        tokens = [list(handle.result(timeout=60).token_ids) for handle in base]
+        base_steps = len(steps)
+        assert base_steps >= 8 and groupings == []  # every step ran, none grouped tokens by adapter
+        mixed = [engine.submit(prompt, adapter, SamplingParams(max_new_tokens=n)) for adapter, prompt, n in mixed_plan]
+        tokens += [list(handle.result(timeout=60).token_ids) for handle in mixed]
+    assert tokens == expected
+    assert groupings and all(any(slot >= 0 for slot in slots) for slots in groupings)  # only steps with "b" tokens
+    assert len(groupings) < len(steps) - base_steps  # the base request's steps after "b" ended ran without LoRA
+    assert all(step.device_seconds is None for step in steps)  # GPU time: CUDA only
+
+
+def test_warm_up_captures_every_shape_with_and_without_the_adapter_path(tiny_model, monkeypatch):
+    """With graphs on, the warm-up runs each padded query count twice, largest first: once on the adapter path (its
+    graph keyed ``(queries, True)``), once on the base model's (``(queries, False)``), so a step of either kind
+    replays a graph captured at start. (A CPU captures no graph: the runs go through the same calls.)"""
+    from punica_hf.serving import transformers_cb
+
+    warm_up = transformers_cb.ContinuousBatchingBackend.warm_up
+    keys = []
+
+    def padded(backend):
+        backend._runner.pad_inputs = True
+        run_one_warmup = backend._runner.run_one_warmup
+
+        def recording_run(model, num_q_tokens, max_kv_read):
+            run_one_warmup(model, num_q_tokens=num_q_tokens, max_kv_read=max_kv_read)
+            keys.append(backend._io._get_graph_key())
+
+        monkeypatch.setattr(backend._runner, "run_one_warmup", recording_run)
+        warm_up(backend)
+
+    monkeypatch.setattr(transformers_cb.ContinuousBatchingBackend, "warm_up", padded)
+    with Engine(tiny_model, config=EngineConfig(max_running=4, max_batch_tokens=96)) as engine:
+        assert engine._backend._io.warm_up_adapter_path is False  # the flag is the warm-up's alone
+        completion = engine.submit(tiny_prompt(97, 6), "a", SamplingParams(max_new_tokens=4)).result(timeout=60)
+    interval = engine._backend._processor.cb_config.q_padding_interval_size
+    sizes = sorted({96} | {min(size, 96) for size in range(interval, 96 + interval, interval)}, reverse=True)
+    assert keys == [(size, with_adapters) for size in sizes for with_adapters in (True, False)]
+    assert len(completion.token_ids) == 4
 
 
 def test_streamed_pieces_add_up_to_the_completion(demo_model):
@@ -531,7 +595,8 @@ def test_a_graph_capture_that_fails_at_warm_up_stops_start(tiny_model, monkeypat
     monkeypatch.setattr(transformers_cb.ContinuousBatchingBackend, "warm_up", with_graphs_on)
     before = tiny_model.model.config._attn_implementation
     engine = Engine(tiny_model, config=EngineConfig(max_running=4, max_batch_tokens=64))
-    with pytest.raises(RuntimeError, match="CUDA graph warm-up failed: no graph for 64 tokens per step: .*"
+    with pytest.raises(RuntimeError, match=r"CUDA graph warm-up failed: no graph for 64 tokens per step \(with "
+                                           r"adapters\): .*"
                                            "a KV cache of .* blocks and 64 tokens per step"):
         engine.start()
     assert not engine.running and tiny_model.model.config._attn_implementation == before
@@ -574,6 +639,31 @@ def test_cuda_graph_replays_follow_each_steps_adapters(tiny_adapters, tmp_path):
         handles = [engine.submit(prompt, adapter, SamplingParams(max_new_tokens=n)) for adapter, prompt, n in plan]
         completions = [handle.result(timeout=120) for handle in handles]
     assert [list(c.token_ids) for c in completions] == expected
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_base_and_adapter_steps_replay_graphs_captured_at_start(tiny_adapters):
+    """Steps with no adapter token and steps with one each replay a graph captured at start (none is captured
+    while requests wait), give ``generate()``'s tokens, and report the forward's GPU time."""
+    model = MultiLoraModel(tiny_base().to("cuda"), max_adapters=3)
+    model.load_adapters(tiny_adapters)
+    base_plan = [(None, tiny_prompt(130 + i, 3 + 5 * i), 8 + i) for i in range(3)]
+    mixed_plan = [(adapter, tiny_prompt(140 + i, 4 + 3 * i), 6 + 2 * i) for i, adapter in enumerate(["a", None, "c"])]
+    expected = [reference_tokens(model, prompt, adapter, n) for adapter, prompt, n in base_plan + mixed_plan]
+    steps = []
+    config = EngineConfig(max_running=8, max_batch_tokens=128, kv_blocks=16, cuda_graphs=True)
+    with Engine(model, config=config) as engine:
+        captured = engine.stats().cuda_graphs
+        assert captured >= 4 and captured % 2 == 0  # each query count with and without the adapter path
+        engine.add_step_listener(steps.append)
+        tokens = []
+        for plan in (base_plan, mixed_plan):
+            handles = [engine.submit(prompt, adapter, SamplingParams(max_new_tokens=n)) for adapter, prompt, n in plan]
+            tokens += [list(handle.result(timeout=120).token_ids) for handle in handles]
+        assert engine.stats().cuda_graphs == captured
+    assert tokens == expected
+    assert steps and all(0 < step.device_seconds <= step.seconds for step in steps)
 
 
 @pytest.mark.gpu

@@ -180,7 +180,8 @@ class Engine(TensorParallelLoop):
     def _tell_step_listeners(self, started: float, prepared: float) -> None:
         if self._step_listeners:
             requests, tokens = self._last_batch
-            record = StepRecord(requests, tokens, time.perf_counter() - started, prepared - started)
+            record = StepRecord(requests, tokens, time.perf_counter() - started, prepared - started,
+                                self._backend.step_device_seconds())
             for listener in self._step_listeners:
                 listener(record)
 

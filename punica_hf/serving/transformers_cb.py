@@ -8,6 +8,8 @@ sampling and, from 5.24, no attention that reads the paged cache in place, so th
 - ``_AdapterSlotIOs``: the batch inputs gain ``adapter_ids`` ``[1, T]``, the GPU slot of each packed token's
   request (-1 = base model, padding, and an aLoRA request's tokens before its invocation), in a static buffer
   that CUDA graphs captured once read at every replay; the wrapped model's ``forward`` takes it to the LoRA layers.
+  A step in which no token has an adapter goes without it (the base model alone, no LoRA kernels), from graphs of
+  its own.
 - ``_ScoreKeepingRunner``: greedy decoding stays inside transformers' (graphable) step, which also copies its
   scores into a static buffer; the engine draws each sampling request's token from it with the request's own
   settings and generator, so a seeded request gives the same text whatever else is in the batch.
@@ -177,6 +179,11 @@ class ContinuousBatchingBackend:
         self._processor = processor
         self._io: _AdapterSlotIOs = processor.inputs_and_outputs
         self._runner: _ScoreKeepingRunner = processor.model_runner
+        # CUDA events around each step's forward, for its device time (None: not on CUDA, or the step failed)
+        self._step_events = None
+        if self._io.device.type == "cuda":
+            self._step_events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        self._step_timed = False
 
     # ------------------------------------------------------------------ sizes and counters
     @property
@@ -249,8 +256,27 @@ class ContinuousBatchingBackend:
 
     def forward(self) -> None:
         """Queue the prepared batch's forward (and greedy tokens) on the device."""
+        self._step_timed = False
         batch_data = self._io.get_model_kwargs(use_padding=self._runner.pad_inputs)
+        if self._step_events is None:
+            self._runner.compute_batch(self.hf_model, batch_data)
+            return
+        start, end = self._step_events
+        with self.on_compute_stream():
+            start.record()
         self._runner.compute_batch(self.hf_model, batch_data)
+        with self.on_compute_stream():
+            end.record()
+        self._step_timed = True
+
+    def step_device_seconds(self) -> float | None:
+        """The last step's forward on the GPU, from its first kernel to its greedy tokens (after
+        ``fetch_outputs``); None on other devices or when the step failed."""
+        if not self._step_timed:
+            return None
+        start, end = self._step_events
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
 
     def deliver_outputs(self) -> None:
         self._router.deliver_pending()
@@ -297,32 +323,50 @@ class ContinuousBatchingBackend:
         every slot. Ours captures the largest step first (its memory pool then holds every smaller one), then every
         smaller padded query count, each over one page of cached tokens: the kernel reads the cache in place, so the
         graphs are keyed by query count alone, and no step captures a graph while requests wait.
+        Every shape is captured twice: with the LoRA layers' kernels, and without them for steps in which no token
+        has an adapter (``_AdapterSlotIOs.step_has_adapter``).
         transformers logs a failed capture and goes on; here each capture is checked: the forward raised nothing
         (``_ScoreKeepingRunner.compute_batch``) and stored its graph (``_AdapterSlotIOs.set_graph``).
         """
         runner, io, cb_config = self._runner, self._io, self._processor.cb_config
         runner.last_error = None
         failure = None
-        if not self._own_attention:
-            stored = io.graphs_stored
-            self._processor.warmup(self.hf_model)
-            if runner.last_error is not None:
-                failure = str(runner.last_error)
-            elif runner.pad_inputs and runner.use_cuda_graph_varlen and io.graphs_stored == stored:
-                failure = "transformers' warm-up captured no graph"
-        elif runner.pad_inputs:  # graphs on
-            interval, max_batch_tokens = cb_config.q_padding_interval_size, self._processor.cache.max_batch_tokens
-            padded = range(interval, max_batch_tokens + interval, interval)  # what the runner pads up to
-            sizes = {max_batch_tokens} | {min(size, max_batch_tokens) for size in padded}
-            for num_q_tokens in sorted(sizes, reverse=True):  # the largest first
+        try:
+            if not self._own_attention:
+                for with_adapters in (True, False):
+                    io.warm_up_adapter_path = with_adapters
+                    stored = io.graphs_stored
+                    self._processor.warmup(self.hf_model)
+                    if runner.last_error is not None:
+                        failure = str(runner.last_error)
+                    elif runner.pad_inputs and runner.use_cuda_graph_varlen and io.graphs_stored == stored:
+                        failure = "transformers' warm-up captured no graph"
+                    if failure is not None:
+                        break
+            elif runner.pad_inputs:  # graphs on
+                interval, max_batch_tokens = cb_config.q_padding_interval_size, self._processor.cache.max_batch_tokens
+                padded = range(interval, max_batch_tokens + interval, interval)  # what the runner pads up to
+                sizes = {max_batch_tokens} | {min(size, max_batch_tokens) for size in padded}
+                failure = self._warm_up_sizes(sorted(sizes, reverse=True))  # the largest first
+        finally:
+            io.warm_up_adapter_path = False
+        if failure is not None:
+            raise RuntimeError(f"CUDA graph warm-up failed: {failure} ({self._memory_report()})")
+
+    def _warm_up_sizes(self, sizes: list[int]) -> str | None:
+        """Capture the graphs of each padded query count in ``sizes``, with and without the adapter path; returns
+        what failed, None if nothing did."""
+        runner, io = self._runner, self._io
+        for num_q_tokens in sizes:
+            for with_adapters in (True, False):
+                io.warm_up_adapter_path = with_adapters
                 stored = io.graphs_stored
                 runner.run_one_warmup(self.hf_model, num_q_tokens=num_q_tokens, max_kv_read=self.page_size)
                 if runner.last_error is not None or (runner.use_cuda_graph_varlen and io.graphs_stored == stored):
-                    failure = f"no graph for {num_q_tokens} tokens per step" + (
+                    path = "with" if with_adapters else "without"
+                    return f"no graph for {num_q_tokens} tokens per step ({path} adapters)" + (
                         f": {runner.last_error}" if runner.last_error is not None else "")
-                    break
-        if failure is not None:
-            raise RuntimeError(f"CUDA graph warm-up failed: {failure} ({self._memory_report()})")
+        return None
 
     def _memory_report(self) -> str:
         """The GPU's memory in words, for a failed warm-up."""
@@ -357,6 +401,10 @@ class _AdapterSlotIOs(ContinuousBatchingIOs):
 
     _slot_of: Callable[[str], tuple[int, int]]  # request id -> (its adapter's slot, the first position it applies to)
     _token_slots: torch.Tensor  # [1, max_batch_tokens] int32 on the model's device; -1 = base model / padding
+    # Whether a token of the prepared step has an adapter. A step with none runs the base model alone (no LoRA
+    # kernels, which would only find no adapter token), from graphs of its own: the flag is part of the graph key.
+    step_has_adapter: bool
+    warm_up_adapter_path: bool  # set by the warm-up: capture the adapter path though its requests have no adapter
     _page_groups: list[_PageGroup] | None  # one per attention group; None: transformers builds the key slots
     captured_keys: set[tuple[int, ...]]  # the step shapes whose graphs are stored
     graphs_stored: int  # graphs stored so far (a capture that failed stores none)
@@ -369,6 +417,7 @@ class _AdapterSlotIOs(ContinuousBatchingIOs):
         io._slot_of = slot_of
         io._token_slots = torch.full((1, io.cache.max_batch_tokens), -1, dtype=torch.int32, device=io.device)
         io._page_groups = _page_groups(io.cache) if own_attention else None
+        io.step_has_adapter = io.warm_up_adapter_path = False
         io.captured_keys = set()
         io.graphs_stored = 0
 
@@ -383,14 +432,17 @@ class _AdapterSlotIOs(ContinuousBatchingIOs):
         if own_key_slots:
             self.max_kv_read = max_kv_read
             self._fill_key_slots([s.state.request_id for s in requests_in_batch], key_lengths)
-        slots = []
+        slots, has_adapter = [], self.warm_up_adapter_path
         for future_state, past_length in zip(requests_in_batch, past_lengths):
             slot, first_position = self._slot_of(future_state.state.request_id)
             # the step's tokens sit at positions past_length on; those before the adapter's first run as the base
             before = min(max(first_position - past_length, 0), future_state.query_length)
             slots += [-1] * before + [slot] * (future_state.query_length - before)
-        self._token_slots[0, : len(slots)] = torch.tensor(slots, dtype=torch.int32, device=self.device)
-        self._token_slots[0, len(slots) : max(self.num_q_tokens, len(slots))] = -1  # padding up to a graph's size
+            has_adapter = has_adapter or (slot >= 0 and before < future_state.query_length)
+        self.step_has_adapter = has_adapter
+        if has_adapter:  # else the forward reads no slot
+            self._token_slots[0, : len(slots)] = torch.tensor(slots, dtype=torch.int32, device=self.device)
+            self._token_slots[0, len(slots) : max(self.num_q_tokens, len(slots))] = -1  # padding up to a graph's size
         if self.compute_stream is not None:  # the step runs there: after the inputs written on this stream
             self.compute_stream.wait_stream(torch.cuda.current_stream(self.device))
 
@@ -412,10 +464,10 @@ class _AdapterSlotIOs(ContinuousBatchingIOs):
             self.true_read_sizes[index] = total
 
     # upstream hook: a graph-key function in ContinuousBatchingConfig
-    def _get_graph_key(self) -> tuple[int, ...]:
+    def _get_graph_key(self) -> tuple[int | bool, ...]:
         if self._page_groups is not None and not self.use_block_table:
-            return (self.num_q_tokens,)
-        return super()._get_graph_key()
+            return self.num_q_tokens, self.step_has_adapter
+        return *super()._get_graph_key(), self.step_has_adapter
 
     def set_graph(self, graph) -> None:
         super().set_graph(graph)
@@ -424,7 +476,8 @@ class _AdapterSlotIOs(ContinuousBatchingIOs):
 
     def get_model_kwargs(self, *args, **kwargs):
         model_kwargs = super().get_model_kwargs(*args, **kwargs)
-        model_kwargs["adapter_ids"] = self._token_slots[:, : model_kwargs["input_ids"].shape[1]]
+        if self.step_has_adapter:  # without adapter_ids the wrapped model runs the base model alone
+            model_kwargs["adapter_ids"] = self._token_slots[:, : model_kwargs["input_ids"].shape[1]]
         return model_kwargs
 
 

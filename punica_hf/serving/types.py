@@ -204,10 +204,13 @@ class StepRecord:
     """One engine step: the requests and packed tokens it ran (``tokens == requests``: a decode step), its
     ``seconds`` from admitting requests to its new tokens in transformers' request states (they reach their
     requests' handles while the next step runs), and ``prepare_seconds`` of those spent before the forward
-    (admission, scheduling, building the batch's tensors on the host)."""
+    (admission, scheduling, building the batch's tensors on the host). ``device_seconds`` (CUDA only, else None):
+    the GPU's time from the forward's first kernel to its greedy tokens; the rest of ``seconds`` is the host's work
+    the GPU waited for."""
 
     requests: int
     tokens: int
     seconds: float
     prepare_seconds: float
+    device_seconds: float | None = None
 
