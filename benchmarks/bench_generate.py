@@ -64,6 +64,14 @@ def llama_config(layers: int, tiny: bool = False) -> LlamaConfig:
                        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=4096, pad_token_id=0)
 
 
+def llama_3_2_1b_config() -> LlamaConfig:
+    """Llama-3.2-1B's shape (hidden 2048, 16 layers, GQA 32/8 heads of 64, MLP 8192, vocab 128256, tied
+    embeddings), positions cut to 4096."""
+    return LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                       num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=4096,
+                       tie_word_embeddings=True, rope_theta=500000.0)
+
+
 def build_llama(config: LlamaConfig, device: torch.device) -> LlamaForCausalLM:
     """Random weights, made on ``device`` directly in bf16 (an 8B model in fp32 first would double the time)."""
     with device:

@@ -49,7 +49,7 @@ from pathlib import Path
 import httpx
 import torch
 import transformers
-from bench_generate import TARGETS, build_llama, llama_config, random_adapter
+from bench_generate import TARGETS, build_llama, llama_3_2_1b_config, llama_config, random_adapter
 from bench_serving import FULL, LengthMix, make_requests, percentile
 from peft import LoraConfig
 from safetensors.torch import save_file
@@ -69,16 +69,6 @@ THROUGHPUT_TARGET = 0.95  # Ray Serve / engine, saturation tokens/s, at least
 TTFT_OVERHEAD_TARGET_MS = 10.0  # Ray Serve - engine, median TTFT at low load, at most
 SMOKE = dict(prompts=LengthMix(8, 0.5, 2, 20), outputs=LengthMix(8, 0.5, 2, 24))  # the demo model: 64 positions
 TTFT_NEW_TOKENS = 16  # a low-load request streams this many tokens at most: its first one is what is timed
-
-
-def llama_3_2_1b_config() -> LlamaConfig:
-    """Llama-3.2-1B's shape (hidden 2048, 16 layers, GQA 32/8 heads of 64, MLP 8192, vocab 128256, tied
-    embeddings), positions cut to 4096."""
-    return LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                       num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=4096,
-                       tie_word_embeddings=True, rope_theta=500000.0)
-
-
 SHAPES = {"llama-3.2-1b": llama_3_2_1b_config, "llama-3-8b": lambda: llama_config(32)}
 
 

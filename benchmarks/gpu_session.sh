@@ -11,8 +11,9 @@
 # Environment:
 #   ONLY="build tests ops adapters generate step"   the parts to run (default: these, in this order; also "kinds"
 #                                                   (bench_adapter_kinds.py), "serving" (bench_serving.py's quick
-#                                                   saturation run, adapters vs base), "workloads" (its mixed-ranks,
-#                                                   long-prompts and shared-prefixes runs) and "ray" (bench_ray.py:
+#                                                   saturation run, adapters vs base), "workloads" (its small-model,
+#                                                   mixed-ranks, long-prompts and shared-prefixes runs; WORKLOADS=
+#                                                   to pick some) and "ray" (bench_ray.py:
 #                                                   Ray Serve carried with carry_packages.py, on PYTHONPATH); the kernel
 #                                                   build runs whenever another part does, so no part pays for it in
 #                                                   its timeout)
@@ -82,7 +83,7 @@ wanted kinds && part kinds 300 \
 wanted serving && part serving 240 python3 benchmarks/bench_serving.py --adapters 32 --static-requests 0 --rates "" \
     --compiled-batches "" --no-transformers-cb --output "$OUT/bench_serving_quick_h200.json"
 if wanted workloads; then
-    for workload in mixed-ranks long-prompts shared-prefixes; do
+    for workload in ${WORKLOADS:-small-model mixed-ranks long-prompts shared-prefixes}; do
         part "$workload" 300 python3 benchmarks/bench_serving.py "--$workload" \
             --output "$OUT/bench_serving_${workload//-/_}_h200.json"
     done

@@ -1,6 +1,6 @@
 """What ``bench_serving.py`` serves: the request streams, adapter sets and models of its default run and of the
-workloads its options select (``--mixed-ranks``, ``--long-prompts``, ``--shared-prefixes``), and each workload's
-systems. Nothing here measures."""
+workloads its options select (``--mixed-ranks``, ``--long-prompts``, ``--shared-prefixes``, ``--small-model``),
+and each workload's systems. Nothing here measures."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from bench_generate import build_llama, llama_config, random_adapter
+from bench_generate import build_llama, llama_3_2_1b_config, llama_config, random_adapter
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from punica_hf import MultiLoraModel
@@ -94,7 +94,8 @@ def mixed_rank_adapters(base: torch.nn.Module, count: int, ranks: tuple[int, ...
 
 
 def build_base(args) -> tuple[LlamaForCausalLM, LlamaConfig]:
-    """The base model: Llama-3-8B-shaped (``--layers``) with random weights on the GPU, or tiny on the CPU."""
+    """The base model: Llama-3-8B-shaped (``--layers``; Llama-3.2-1B-shaped for ``--small-model``) with random
+    weights on the GPU, or tiny on the CPU."""
     torch.manual_seed(0)
     if args.tiny:
         config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -103,7 +104,7 @@ def build_base(args) -> tuple[LlamaForCausalLM, LlamaConfig]:
         with torch.device("cpu"):
             base = LlamaForCausalLM(config).to(torch.float32).eval()
     else:
-        config = llama_config(args.layers)
+        config = llama_3_2_1b_config() if args.workload == "small-model" else llama_config(args.layers)
         base = build_llama(config, torch.device("cuda"))
     base.generation_config.eos_token_id = None  # random weights: no request stops before its length
     return base, config
@@ -148,8 +149,8 @@ def workload_setup(args: argparse.Namespace) -> tuple[MultiLoraModel, list[Syste
         return model, systems, lambda seed: zipf_requests(args.requests, config.vocab_size, mix, count, args.zipf, seed)
     model, adapter_sets, config = build_model(args)
     names = adapter_sets[count]
-    if args.workload == "long-prompts":
-        mix = LONG_PROMPTS_TINY if tiny else LONG_PROMPTS
+    if args.workload in ("long-prompts", "small-model"):
+        mix = {"long-prompts": (LONG_PROMPTS, LONG_PROMPTS_TINY), "small-model": (FULL, TINY)}[args.workload][tiny]
         systems = [System(f"engine, {count} adapters", names), System("engine, base model", [None])]
         return model, systems, lambda seed: make_requests(args.requests, config.vocab_size, mix, seed)
     mix = SHARED_PREFIX_TINY if tiny else SHARED_PREFIX

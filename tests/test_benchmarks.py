@@ -239,7 +239,8 @@ def test_serving_benchmark_workload_options_measure_what_they_name(tmp_path):
     """Each workload option of ``bench_serving.py`` runs on the CPU (the GPU session runs them unrehearsed) and
     measures its own workload: mixed ranks make the store swap adapters while serving; long prompts fill the step's
     token budget; shared prefixes are served from cached pages only with caching on, with the same greedy tokens
-    as without. The default run still ends cleanly where matplotlib is not installed."""
+    as without; the small model reports its base engine's throughput against its target. The default run still
+    ends cleanly where matplotlib is not installed."""
     mixed = run_bench_serving(tmp_path, "--mixed-ranks")
     adapters, base = (mixed["systems"][name]["saturation"] for name in
                       ("engine, 12 adapters of ranks 2-16", "engine, base model"))
@@ -265,6 +266,14 @@ def test_serving_benchmark_workload_options_measure_what_they_name(tmp_path):
         assert 0 < run_on["prefix_hit_tokens"] < run_on["prompt_tokens"] and run_off["prefix_hit_tokens"] == 0
     assert shared["output_check"] == {"requests_compared": 48, "mismatched": 0, "equal": True,
                                       "first_mismatches": []}
+
+    small = run_bench_serving(tmp_path, "--small-model")
+    adapters, base = (small["systems"][name]["saturation"] for name in ("engine, 4 adapters", "engine, base model"))
+    assert adapters["tokens"] == base["tokens"] > 0
+    assert small["targets"]["base_tokens_per_second"] == base["tokens_per_second"]
+    decode_summaries = [summary for steps in small["engine_steps"].values()
+                        for summary in steps["decode_by_batch"].values()]
+    assert decode_summaries and all(summary["median_device_ms"] is None for summary in decode_summaries)  # CUDA only
 
     default = run_bench_serving(tmp_path, "--requests", "8", "--rates", "0.5", "--static-requests", "0",
                                 "--no-transformers-cb")
