@@ -107,3 +107,38 @@ def test_prefix_caching_can_be_turned_off(model_and_answers):
 def test_prefix_caching_is_a_bool(value):
     with pytest.raises(ValueError, match="prefix_caching must be True or False"):
         EngineConfig(prefix_caching=value)
+
+
+def test_an_alora_request_shares_the_base_models_pages_before_its_invocation(tmp_path):
+    """aLoRA leaves the prompt before its invocation to the base model, so the pages wholly before it are the base
+    model's: a base request and an aLoRA request with the same first page share it, either one first. A page the
+    invocation falls in is the adapter's, never shared with the base model. Every answer equals ``generate()``."""
+    base = tiny_base()
+    alora = save_peft_adapter(base, tmp_path / "alora", seed=5, r=4, lora_alpha=16,
+                              target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], alora_invocation_tokens=[3, 4])
+    model = MultiLoraModel(base, max_adapters=1)
+    model.load_adapters({"alora": alora})
+
+    def words(seed: int, length: int) -> list[int]:  # ids from 10 on: the invocation occurs only where put
+        return torch.randint(10, 100, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+    first_page = words(20, 256)
+    late = first_page + words(21, 20) + [3, 4] + words(22, 10)  # invoked after the first page
+    early = first_page[:200] + [3, 4] + first_page[202:] + words(23, 30)  # invoked inside the first page
+    plain = first_page + words(24, 25)
+    answers = {}
+    for adapter, tokens in (("alora", late), ("alora", early), (None, plain)):
+        output = model.generate(torch.tensor([tokens]), adapter_ids=[adapter], max_new_tokens=NEW_TOKENS,
+                                do_sample=False, pad_token_id=0)
+        answers[adapter, tuple(tokens)] = output[0, len(tokens):].tolist()
+    assert answers["alora", tuple(late)] != model.generate(
+        torch.tensor([late]), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)[0, len(late):].tolist()
+    for order in ([(None, plain), ("alora", late)], [("alora", late), (None, plain)]):
+        with Engine(model, None, EngineConfig(max_running=4)) as engine:
+            (adapter, tokens), (second_adapter, second_tokens) = order
+            assert run(engine, tokens, adapter) == (answers[adapter, tuple(tokens)], 0)
+            assert run(engine, second_tokens, second_adapter) == (answers[second_adapter, tuple(second_tokens)], 256)
+    with Engine(model, None, EngineConfig(max_running=4)) as engine:
+        assert run(engine, plain, None) == (answers[None, tuple(plain)], 0)
+        assert run(engine, early, "alora") == (answers["alora", tuple(early)], 0)  # its first page is its own
+        assert run(engine, plain, None)[1] >= 256  # the base model's pages are still there

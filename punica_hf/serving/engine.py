@@ -328,20 +328,22 @@ class Engine(TensorParallelLoop):
             return -1, 0
         return request.slot, request.adapter_start
 
-    def _prefix_key_of(self, request_id: str) -> str | None:
+    def _prefix_key_of(self, request_id: str) -> transformers_cb.PrefixKey | None:
         """What a request's KV pages are shared under besides its tokens (``RequestState.prefix_key``). A request
         the engine does not know (transformers' warm-up) gets a key of its own: no sharing."""
         request = self._requests.get(request_id)
-        return f"unknown {request_id} {next(self._ids)}" if request is None else request.prefix_key
+        return (f"unknown {request_id} {next(self._ids)}", 0) if request is None else request.prefix_key
 
     @staticmethod
-    def _prefix_key(request: RequestState) -> str | None:
-        """An admitted request's prefix key: its adapter's registration (None: the base model). Under tensor
-        parallelism rank 0's key goes to every rank with the admission, so all ranks match the same pages."""
+    def _prefix_key(request: RequestState) -> transformers_cb.PrefixKey | None:
+        """An admitted request's prefix key: its adapter's registration and the first position the adapter
+        computes (None: the base model). Under tensor parallelism rank 0's key goes to every rank with the
+        admission, so all ranks match the same pages."""
         if request.lease is None or request.adapter_start is None:  # aLoRA never invoked: the base model's pages
             return None
         # an aLoRA page depends on where the adapter starts, which tokens after it (a later invocation) can move
-        return f"adapter {request.lease.registrations[0]} from {request.adapter_start}"
+        start = request.adapter_start
+        return f"adapter {request.lease.registrations[0]} from {start}", start
 
     # ------------------------------------------------------------------ engine thread
     def _run(self) -> None:

@@ -32,7 +32,7 @@ class RequestState:
     warpers: tuple = ()
     lease: AdapterLease | None = None  # pins the adapter on the GPU from admission to the end
     slot: int = -1
-    prefix_key: str | None = None  # what its KV pages are shared under besides its tokens (None: the base model's)
+    prefix_key: tuple[str, int] | None = None  # its KV pages' key besides its tokens (None: the base model's)
     seen_tokens: int = 0
     token_ids: list[int] = field(default_factory=list)
     token_times: list[float] = field(default_factory=list)

@@ -48,7 +48,7 @@ class Admission:
     adapter: str | None
     params: SamplingParams  # its seed fixed by rank 0, so every rank draws the same tokens
     slot: int
-    prefix_key: str | None  # what rank 0 shares its KV pages under, so every rank matches the same prefixes
+    prefix_key: tuple[str, int] | None  # what rank 0 shares its KV pages under: every rank matches the same pages
 
 
 @dataclass(frozen=True)

@@ -74,6 +74,9 @@ PAGED_PREFIX = "paged|" if "paged|sdpa" in AttentionInterface._global_mapping el
 ATTENTION_NAME = PAGED_PREFIX + "punica_flash"
 SDPA_NAME = PAGED_PREFIX + "sdpa"
 ONE_KV_PADDING = 1 << 40  # a padding interval longer than any cache: every step's slot list padded to the cache
+# What a request's KV pages are shared under besides its tokens: its adapter's key, and the first position the
+# adapter computes (0; an aLoRA's invocation): the pages wholly before it hold the base model's keys and values.
+PrefixKey = tuple[str, int]
 
 
 def set_attention(hf_model, implementation: str, forward: Callable) -> list[tuple[object, str | None]]:
@@ -151,7 +154,8 @@ class ContinuousBatchingBackend:
     """
 
     def __init__(self, hf_model, cb_config: ContinuousBatchingConfig, *, eos_token_ids: list[int],
-                 vocab_size: int, slot_of: Callable[[str], tuple[int, int]], prefix_key_of: Callable[[str], int | None],
+                 vocab_size: int, slot_of: Callable[[str], tuple[int, int]],
+                 prefix_key_of: Callable[[str], PrefixKey | None],
                  on_tokens: Callable[[str, list[int], bool], None], on_failure: Callable[[str, object], None],
                  attention: str | None, attention_forward: Callable):
         self.hf_model = hf_model
@@ -486,10 +490,13 @@ class _EngineCache(PagedAttentionCache):
 
     Prefix sharing keyed by adapter: transformers hashes each full page from its tokens and its parent page's hash,
     and a new request takes the pages of its prompt's longest hashed prefix. Keys and values depend on the adapter
-    as well, so here the tokens a request's pages are hashed from (and matched against) begin with two values made
-    from its adapter's registration (``prefix_key_of(request_id)``; None for the base model: its tokens as they
-    are). Those values are negative, never a token id, so an adapter's pages are never taken for the base model's,
-    and another adapter, or another load of the same name, meets a different pair (62 bits).
+    as well, so in the tokens a request's pages are hashed from (and matched against), the two at the first
+    position its adapter computes are replaced by values made from its adapter's registration and those tokens
+    (``prefix_key_of(request_id)``; None for the base model: its tokens as they are). Those values are negative,
+    never a token id, so an adapter's pages are never taken for the base model's, and another adapter, or another
+    load of the same name, meets a different pair (62 bits). Each page's hash covers its parents', so every page
+    from that position on is the adapter's; the pages wholly before it (an aLoRA request's prompt before its
+    invocation, which the adapter leaves to the base model) are hashed as the base model's and shared with it.
 
     ``update`` (the 5.18 layout on, with the engine's attention): from transformers 5.24 the models' attention
     modules call ``cache.update(key, value, layer_idx, kwargs)`` before the attention function, and transformers'
@@ -501,12 +508,12 @@ class _EngineCache(PagedAttentionCache):
     """
 
     _reads_in_place: bool
-    _prefix_key_of: Callable[[str], int | None]
+    _prefix_key_of: Callable[[str], PrefixKey | None]
     prefix_hit_tokens: int  # prompt tokens served from shared pages so far
 
     @classmethod
     def adopt(cls, cache: PagedAttentionCache, own_attention: bool,
-              prefix_key_of: Callable[[str], int | None]) -> None:
+              prefix_key_of: Callable[[str], PrefixKey | None]) -> None:
         if type(cache) is not PagedAttentionCache:
             raise TypeError(f"expected transformers' PagedAttentionCache, got {type(cache).__name__}")
         # upstream hook: a cache class (or block-hash salt per request) as an argument of the batch processor
@@ -539,13 +546,16 @@ class _EngineCache(PagedAttentionCache):
             super().mark_shareable_blocks_as_complete(self._keyed_state(state), num_complete_blocks)
 
     def _keyed(self, request_id: str, tokens: list[int]) -> list[int]:
-        key = self._prefix_key_of(request_id)
-        if key is None or not tokens:
+        prefix_key = self._prefix_key_of(request_id)
+        if prefix_key is None:
             return tokens
-        digest = hashlib.blake2b(f"{key}:{tokens[:2]}".encode(), digest_size=8).digest()
+        key, start = prefix_key
+        if start >= len(tokens):  # no token the adapter computes yet: the base model's pages
+            return tokens
+        digest = hashlib.blake2b(f"{key}:{tokens[start:start + 2]}".encode(), digest_size=8).digest()
         salt = [-1 - (int.from_bytes(digest[:4], "little") & 0x7FFFFFFF),  # int32, as transformers packs tokens
                 -1 - (int.from_bytes(digest[4:], "little") & 0x7FFFFFFF)]
-        return salt[: len(tokens)] + list(tokens[2:])
+        return [*tokens[:start], *salt[: len(tokens) - start], *tokens[start + 2 :]]
 
     def _keyed_state(self, state) -> "_KeyedTokens":
         return _KeyedTokens(state, self._keyed(state.request_id, state.initial_tokens + state.generated_tokens))
