@@ -268,6 +268,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--no-transformers-cb", action="store_true",
                         help="skip transformers' own continuous batching (its defaults) on the base model")
     parser.add_argument("--no-cuda-graphs", action="store_true", help="run the engine without CUDA graphs")
+    parser.add_argument("--compile-steps", action="store_true",
+                        help="every engine compiles its steps (EngineConfig.compile_steps): run with and without to compare")
     parser.add_argument("--kv-blocks", type=int, help="paged KV blocks (default: sized from free memory)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", type=Path,
@@ -316,7 +318,8 @@ def run_uniform(args: argparse.Namespace) -> None:
         model, step_timer, first_set, args.compiled_batches, median_prompt, 32, config.vocab_size)
 
     engine_config = EngineConfig(max_queue=args.requests, max_running=args.max_running, kv_blocks=args.kv_blocks,
-                                 cuda_graphs=None if tiny else not args.no_cuda_graphs)
+                                 cuda_graphs=None if tiny else not args.no_cuda_graphs,
+                                 compile_steps=args.compile_steps)
     systems = {f"engine, {n} adapters": names for n, names in adapter_sets.items()} | {"engine, base model": [None]}
     results: dict[str, dict] = {name: {"runs": []} for name in systems}
 
@@ -434,7 +437,8 @@ def run_workload(args: argparse.Namespace) -> None:
     for prefix_caching, group in itertools.groupby(systems, key=lambda system: system.prefix_caching):
         group = list(group)
         engine_config = EngineConfig(max_queue=max(args.requests, len(warm_up)), max_running=args.max_running,
-                                     kv_blocks=args.kv_blocks, cuda_graphs=cuda_graphs, prefix_caching=prefix_caching)
+                                     kv_blocks=args.kv_blocks, cuda_graphs=cuda_graphs, prefix_caching=prefix_caching,
+                                     compile_steps=args.compile_steps)
         step_budget = engine_config.batch_limits(model.device.type)[1]
         started = time.perf_counter()
         with Engine(model, config=engine_config) as engine:

@@ -11,7 +11,8 @@
 # Environment:
 #   ONLY="build tests ops adapters generate step"   the parts to run (default: these, in this order; also "kinds"
 #                                                   (bench_adapter_kinds.py), "serving" (bench_serving.py's quick
-#                                                   saturation run, adapters vs base), "workloads" (its small-model,
+#                                                   saturation run, adapters vs base), "compiled" (the same run
+#                                                   with EngineConfig.compile_steps), "workloads" (its small-model,
 #                                                   mixed-ranks, long-prompts and shared-prefixes runs; WORKLOADS=
 #                                                   to pick some) and "ray" (bench_ray.py:
 #                                                   Ray Serve carried with carry_packages.py, on PYTHONPATH); the kernel
@@ -82,6 +83,8 @@ wanted kinds && part kinds 300 \
     python3 benchmarks/bench_adapter_kinds.py --output "$OUT/bench_adapter_kinds_h200.json"
 wanted serving && part serving 240 python3 benchmarks/bench_serving.py --adapters 32 --static-requests 0 --rates "" \
     --compiled-batches "" --no-transformers-cb --output "$OUT/bench_serving_quick_h200.json"
+wanted compiled && part compiled 360 python3 benchmarks/bench_serving.py --adapters 32 --static-requests 0 \
+    --rates "" --compiled-batches "" --no-transformers-cb --compile-steps --output "$OUT/bench_serving_compiled_h200.json"
 if wanted workloads; then
     for workload in ${WORKLOADS:-small-model mixed-ranks long-prompts shared-prefixes}; do
         part "$workload" 300 python3 benchmarks/bench_serving.py "--$workload" \

@@ -364,3 +364,18 @@ def test_replicas_on_ray_serve_whenever_replicas_or_a_cluster_is_named(options, 
 
     args = build_parser().parse_args(["serve", "--model", "demo", *options])
     assert on_ray(args) is ray
+
+
+def test_serve_engine_options_reach_the_engine_config():
+    """``punica-hf serve``'s engine options become the engine's settings (the demo model: nothing to download)."""
+    from punica_hf.cli import build_parser
+    from punica_hf.cli.serve import make_engine
+
+    def config_of(*options):
+        args = build_parser().parse_args(["serve", "--model", "demo", "--device", "cpu", *options])
+        return make_engine(args).config
+
+    default = config_of()
+    assert default.prefix_caching and not default.compile_steps and default.cuda_graphs is None
+    chosen = config_of("--prefix-caching", "off", "--compile-steps", "on", "--cuda-graphs", "off", "--max-running", "3")
+    assert (chosen.prefix_caching, chosen.compile_steps, chosen.cuda_graphs, chosen.max_running) == (False, True, False, 3)

@@ -306,6 +306,29 @@ def test_warm_up_captures_every_shape_with_and_without_the_adapter_path(tiny_mod
     assert len(completion.token_ids) == 4
 
 
+def test_compiled_steps_give_the_tokens_of_generate(tiny_model, monkeypatch):
+    """``EngineConfig(compile_steps=True)``: transformers compiles each step's forward (padded to static shapes, as
+    under CUDA graphs; dynamic, so one compile serves every size) with the LoRA ops as opaque calls, as the CUDA
+    kernels are to torch.compile, and the attention left out: adapter and base requests, mixed and alone, give
+    ``generate()``'s tokens, through the compiled function."""
+    from opaque_kernels import route_to_opaque_kernels
+    from torch._dynamo.utils import counters
+
+    plan = [(adapter, tiny_prompt(150 + i, 3 + 9 * i), 4 + 2 * i) for i, adapter in enumerate(["a", None, "c", "b"])]
+    expected = [reference_tokens(tiny_model, prompt, adapter, n) for adapter, prompt, n in plan]
+    route_to_opaque_kernels(tiny_model, monkeypatch)
+    torch._dynamo.reset()
+    counters.clear()
+    config = EngineConfig(max_running=4, max_batch_tokens=64, compile_steps=True)
+    with Engine(tiny_model, config=config) as engine:
+        assert engine._backend.graphs_on  # compiled steps run padded
+        handles = [engine.submit(prompt, adapter, SamplingParams(max_new_tokens=n)) for adapter, prompt, n in plan]
+        completions = [handle.result(timeout=300) for handle in handles]
+    torch._dynamo.reset()
+    assert [list(c.token_ids) for c in completions] == expected
+    assert counters["stats"]["unique_graphs"] > 0  # the steps ran through compiled code
+
+
 def test_streamed_pieces_add_up_to_the_completion(demo_model):
     model, answers = demo_model
     with Engine(model, DemoTokenizer()) as engine:
@@ -690,6 +713,37 @@ def test_the_paged_attention_kernel_serves_what_generate_gives(tmp_path):
         handles = [engine.submit(prompt, adapter, SamplingParams(max_new_tokens=n)) for adapter, prompt, n in plan]
         completions = [handle.result(timeout=120) for handle in handles]
         assert engine._backend.graphs_on  # the steps ran padded, replayed from graphs
+    assert_greedy_up_to_rounding(model, plan, completions)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_compiled_steps_are_captured_at_start_and_serve_the_greedy_tokens(tmp_path):
+    """``compile_steps=True`` on the GPU: every step shape is compiled and captured at start (no capture while
+    requests run), and each token the engine picks is the greedy choice of the model's own forward, up to bf16
+    rounding (the compiled code fuses and rounds differently)."""
+    base = tiny_llama(seed=4, hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                      intermediate_size=512, max_position_embeddings=512)
+    base.generation_config.eos_token_id = None
+    adapters = {name: save_peft_adapter(base, tmp_path / name, seed=i, r=8, lora_alpha=16,
+                                        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "down_proj"])
+                for i, name in enumerate(["a", "b"])}
+    model = MultiLoraModel(base.to("cuda", torch.bfloat16), max_adapters=2)
+    model.load_adapters(adapters)
+    plan = [(adapter, tiny_prompt(160 + i, 2 + 29 * i), 10 + 3 * i) for i, adapter in enumerate(["a", None, "b"] * 3)]
+    config = EngineConfig(max_running=8, max_batch_tokens=256, kv_blocks=64, compile_steps=True)
+    with Engine(model, config=config) as engine:
+        captured = engine.stats().cuda_graphs
+        assert engine._backend._runner._compiled_varlen is not None and captured > 0
+        handles = [engine.submit(prompt, adapter, SamplingParams(max_new_tokens=n)) for adapter, prompt, n in plan]
+        completions = [handle.result(timeout=300) for handle in handles]
+        assert engine.stats().cuda_graphs == captured
+    assert_greedy_up_to_rounding(model, plan, completions)
+
+
+def assert_greedy_up_to_rounding(model, plan, completions) -> None:
+    """Each token of each completion is the greedy choice of the model's own forward over the same tokens, up to a
+    rounding margin of the scores' spread (bf16 kernels that differ may flip a near tie)."""
     for (adapter, prompt, n), completion in zip(plan, completions):
         tokens = list(completion.token_ids)
         assert len(tokens) == n

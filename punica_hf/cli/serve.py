@@ -96,6 +96,9 @@ def register(command: Callable[..., argparse.ArgumentParser]) -> None:
     sizing.add_argument("--prefix-caching", choices=["on", "off"], default="on",
                         help="requests with the same prompt prefix and the same adapter share its KV pages "
                         "(default: on; never across adapters)")
+    sizing.add_argument("--compile-steps", choices=["on", "off"], default="off",
+                        help="compile each step's forward with torch.compile, fusing the work between the GEMMs "
+                        "(default: off; compiling takes minutes at start)")
     replicas = parser.add_argument_group("replicas on Ray Serve (needs the ray extra: pip install 'punica-hf[ray]')")
     replicas.add_argument(
         "--replicas", type=positive_int, default=None, metavar="N",
@@ -259,7 +262,7 @@ def make_engine(args: argparse.Namespace):
             max_queue=args.max_queue, max_running=args.max_running, max_batch_tokens=args.max_batch_tokens,
             kv_blocks=args.kv_blocks, max_model_len=args.max_model_len,
             cuda_graphs={"auto": None, "on": True, "off": False}[args.cuda_graphs],
-            prefix_caching=args.prefix_caching == "on",
+            prefix_caching=args.prefix_caching == "on", compile_steps=args.compile_steps == "on",
         ),
     )
 

@@ -50,6 +50,9 @@ def choose(hf_model) -> AttentionChoice:
     return AttentionChoice(NAME, "punica_hf paged kernel", "flash-attn is not installed")
 
 
+# Left out of compiled steps (EngineConfig.compile_steps): it writes into the cache through views, which compiled code
+# would turn into copies of the cache, and its work is one kernel anyway.
+@torch.compiler.disable
 def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                             attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                             **kwargs) -> tuple[torch.Tensor, None]:

@@ -594,5 +594,5 @@ class Engine(TensorParallelLoop):
             device, max_running=max_running, max_batch_tokens=max_batch_tokens, kv_blocks=self.config.kv_blocks,
             cuda_graphs=cuda_graphs, max_model_len=self.max_model_len,
             pad_keys_to_cache=self.attention.implementation == attention.NAME and device.type == "cuda",
-            prefix_sharing=self.config.prefix_caching,
+            prefix_sharing=self.config.prefix_caching, compile_steps=self.config.compile_steps,
         )

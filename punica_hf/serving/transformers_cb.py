@@ -60,7 +60,7 @@ def check_transformers_version(version: str | None = None) -> None:
 check_transformers_version()
 
 # After the version check, so that an old transformers gets its message rather than a failed import:
-from transformers import AttentionInterface, ContinuousBatchingConfig, GenerationConfig  # noqa: E402
+from transformers import AttentionInterface, CompileConfig, ContinuousBatchingConfig, GenerationConfig  # noqa: E402
 from transformers.generation.continuous_batching.cache import PagedAttentionCache  # noqa: E402
 from transformers.generation.continuous_batching.input_outputs import ContinuousBatchingIOs  # noqa: E402
 from transformers.generation.continuous_batching.model_runner import ModelRunner  # noqa: E402
@@ -117,11 +117,13 @@ def layer_cache(cache, layer_idx: int) -> tuple[int, torch.Tensor, torch.Tensor]
 
 def batching_config(device: torch.device, *, max_running: int | None, max_batch_tokens: int | None,
                     kv_blocks: int | None, cuda_graphs: bool | None, max_model_len: int,
-                    pad_keys_to_cache: bool, prefix_sharing: bool) -> ContinuousBatchingConfig:
+                    pad_keys_to_cache: bool, prefix_sharing: bool, compile_steps: bool) -> ContinuousBatchingConfig:
     """transformers' batching settings; ``None`` sizes lets it size them (on a GPU). ``pad_keys_to_cache``: every
     step's key slot list is padded to one length (the kernel reads only the real slots), keeping key counts out of
     the graphs' shapes. ``prefix_sharing``: requests share the pages of a common prompt prefix (transformers turns
-    it off for models with sliding-window layers); only with the backend's ``prefix_key_of``."""
+    it off for models with sliding-window layers); only with the backend's ``prefix_key_of``. ``compile_steps``:
+    transformers compiles the step function it captures in graphs (dynamic shapes: one compile serves every padded
+    query count; graph breaks allowed, at the attention function and the PyTorch LoRA ops)."""
     cb_config = ContinuousBatchingConfig(
         max_requests_per_batch=max_running,
         max_batch_tokens=max_batch_tokens,
@@ -130,6 +132,9 @@ def batching_config(device: torch.device, *, max_running: int | None, max_batch_
         # transformers would turn graphs on for a CPU model on a machine with a GPU (it asks the machine)
         use_cuda_graph=cuda_graphs if device.type == "cuda" else False,
     )
+    if compile_steps:
+        # mode "default": the graphs are transformers' (CompileConfig's own default mode would capture its own)
+        cb_config.varlen_compile_config = CompileConfig(fullgraph=False, dynamic=True, mode="default")
     if pad_keys_to_cache:
         cb_config.kv_padding_interval_size = ONE_KV_PADDING
     if kv_blocks is None and device.type == "cpu":
