@@ -698,14 +698,7 @@ def test_the_paged_attention_kernel_serves_what_generate_gives(tmp_path):
     choice of the model's own forward over the same tokens, up to a rounding margin of the scores' spread."""
     from punica_hf.serving import attention
 
-    base = tiny_llama(seed=3, hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                      intermediate_size=512, max_position_embeddings=512)
-    base.generation_config.eos_token_id = None
-    adapters = {name: save_peft_adapter(base, tmp_path / name, seed=i, r=8, lora_alpha=16,
-                                        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "down_proj"])
-                for i, name in enumerate(["a", "b"])}
-    model = MultiLoraModel(base.to("cuda", torch.bfloat16), max_adapters=2)
-    model.load_adapters(adapters)
+    model = bf16_model_on_the_paged_kernel(tmp_path, seed=3)
     plan = [(adapter, tiny_prompt(120 + i, 2 + 37 * i), 12 + 3 * i) for i, adapter in enumerate(["a", None, "b"] * 3)]
     config = EngineConfig(max_running=8, max_batch_tokens=256, kv_blocks=64)
     with Engine(model, config=config) as engine:
@@ -722,14 +715,7 @@ def test_compiled_steps_are_captured_at_start_and_serve_the_greedy_tokens(tmp_pa
     """``compile_steps=True`` on the GPU: every step shape is compiled and captured at start (no capture while
     requests run), and each token the engine picks is the greedy choice of the model's own forward, up to bf16
     rounding (the compiled code fuses and rounds differently)."""
-    base = tiny_llama(seed=4, hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                      intermediate_size=512, max_position_embeddings=512)
-    base.generation_config.eos_token_id = None
-    adapters = {name: save_peft_adapter(base, tmp_path / name, seed=i, r=8, lora_alpha=16,
-                                        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "down_proj"])
-                for i, name in enumerate(["a", "b"])}
-    model = MultiLoraModel(base.to("cuda", torch.bfloat16), max_adapters=2)
-    model.load_adapters(adapters)
+    model = bf16_model_on_the_paged_kernel(tmp_path, seed=4)
     plan = [(adapter, tiny_prompt(160 + i, 2 + 29 * i), 10 + 3 * i) for i, adapter in enumerate(["a", None, "b"] * 3)]
     config = EngineConfig(max_running=8, max_batch_tokens=256, kv_blocks=64, compile_steps=True)
     with Engine(model, config=config) as engine:
@@ -739,6 +725,19 @@ def test_compiled_steps_are_captured_at_start_and_serve_the_greedy_tokens(tmp_pa
         completions = [handle.result(timeout=300) for handle in handles]
         assert engine.stats().cuda_graphs == captured
     assert_greedy_up_to_rounding(model, plan, completions)
+
+
+def bf16_model_on_the_paged_kernel(tmp_path, seed: int) -> MultiLoraModel:
+    """A tiny bf16 Llama on the GPU with 64-wide heads (the paged kernel's size) and two rank-8 adapters "a", "b"."""
+    base = tiny_llama(seed=seed, hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                      intermediate_size=512, max_position_embeddings=512)
+    base.generation_config.eos_token_id = None
+    adapters = {name: save_peft_adapter(base, tmp_path / name, seed=i, r=8, lora_alpha=16,
+                                        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "down_proj"])
+                for i, name in enumerate(["a", "b"])}
+    model = MultiLoraModel(base.to("cuda", torch.bfloat16), max_adapters=2)
+    model.load_adapters(adapters)
+    return model
 
 
 def assert_greedy_up_to_rounding(model, plan, completions) -> None:
