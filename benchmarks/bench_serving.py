@@ -72,8 +72,9 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def serve(engine: Engine, requests: list[Request], adapters: list[str | None], rate: float | None,
-          seed: int) -> list[Completion]:
-    """Submit ``requests`` (at once, or Poisson at ``rate`` per second), wait for all; their completions."""
+          seed: int, sampling: bool = False) -> list[Completion]:
+    """Submit ``requests`` (at once, or Poisson at ``rate`` per second), wait for all; their completions.
+    ``sampling``: every request samples with ``SAMPLED`` (seeded by its index) rather than decoding greedily."""
     rng = random.Random(seed)
     arrivals, clock = [], 0.0
     for _ in requests:
@@ -81,20 +82,21 @@ def serve(engine: Engine, requests: list[Request], adapters: list[str | None], r
         clock += rng.expovariate(rate) if rate else 0.0
     start = time.perf_counter()
     handles = []
-    for request, arrival in zip(requests, arrivals):
+    for index, (request, arrival) in enumerate(zip(requests, arrivals)):
         delay = start + arrival - time.perf_counter()
         if delay > 0:
             time.sleep(delay)
         adapter = adapters[request.adapter_index % len(adapters)]
-        params = SamplingParams(max_new_tokens=request.new_tokens, ignore_eos=True)
+        params = SamplingParams(max_new_tokens=request.new_tokens, ignore_eos=True,
+                                **(dict(SAMPLED, seed=index) if sampling else {}))
         handles.append(engine.submit(request.prompt, adapter, params))
     return [handle.result() for handle in handles]
 
 
 def run_engine(engine: Engine, requests: list[Request], adapters: list[str | None], rate: float | None,
-               seed: int) -> dict:
+               seed: int, sampling: bool = False) -> dict:
     """``serve``'s measurements."""
-    return summarize(serve(engine, requests, adapters, rate, seed), rate)
+    return summarize(serve(engine, requests, adapters, rate, seed, sampling), rate)
 
 
 def run_transformers_cb(hf_model, requests: list[Request]) -> dict:
@@ -152,7 +154,8 @@ def mixed_steps(steps: list[StepRecord], step_budget: int) -> dict:
             "median_device_ms": median_device_ms(mixed), "median_tokens": statistics.median(r.tokens for r in mixed),
             "total_seconds": sum(r.seconds for r in mixed), "all_steps_seconds": sum(r.seconds for r in steps),
             "full": {"step_budget": step_budget, "steps": len(full)} | ({
-                "median_ms": 1e3 * statistics.median(r.seconds for r in full), "median_device_ms": median_device_ms(full),
+                "median_ms": 1e3 * statistics.median(r.seconds for r in full),
+                "median_device_ms": median_device_ms(full),
                 "median_tokens": statistics.median(r.tokens for r in full)} if full else {})}
 
 
@@ -221,6 +224,7 @@ def run_static(model: MultiLoraModel, requests: list[Request], adapters: list[st
     return {"requests": len(requests), "tokens": tokens, "seconds": seconds, "tokens_per_second": tokens / seconds}
 
 
+SAMPLED = dict(temperature=0.8, top_p=0.95, top_k=50)  # --sampling: what chat clients commonly send
 # Each workload's defaults of these options, as (full size, --tiny); the options' help refers here.
 WORKLOAD_DEFAULTS = {
     "uniform": dict(requests=(160, 24), adapters=([32, 256], [4, 8]), max_adapters=(128, 8), max_running=(128, 8),
@@ -247,7 +251,7 @@ def parse_args() -> argparse.Namespace:
     workload.add_argument("--shared-prefixes", dest="workload", action="store_const", const="shared-prefixes",
                           help="each adapter's requests share a system prompt: prefix caching on vs off")
     workload.add_argument("--small-model", dest="workload", action="store_const", const="small-model",
-                          help="a Llama-3.2-1B-shaped model, the default mix: 8 adapters vs base (fixed costs per step)")
+                          help="a Llama-3.2-1B-shaped model, the default mix: 8 adapters vs base (per-step costs)")
     parser.set_defaults(workload="uniform")
     parser.add_argument("--layers", type=int, default=32, help="decoder layers (32 = Llama-3-8B)")
     parser.add_argument("--requests", type=int, help="requests per run (default: WORKLOAD_DEFAULTS)")
@@ -268,8 +272,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--no-transformers-cb", action="store_true",
                         help="skip transformers' own continuous batching (its defaults) on the base model")
     parser.add_argument("--no-cuda-graphs", action="store_true", help="run the engine without CUDA graphs")
+    parser.add_argument("--sampling", action="store_true",
+                        help=f"every request samples ({SAMPLED}, seeded) instead of decoding greedily")
     parser.add_argument("--compile-steps", action="store_true",
-                        help="every engine compiles its steps (EngineConfig.compile_steps): run with and without to compare")
+                        help="every engine compiles its steps (EngineConfig.compile_steps): run with and without")
     parser.add_argument("--kv-blocks", type=int, help="paged KV blocks (default: sized from free memory)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", type=Path,
@@ -349,19 +355,22 @@ def run_uniform(args: argparse.Namespace) -> None:
         engine.add_step_listener(recording.append)
         graphs["at_start"] = engine.stats().cuda_graphs
         print(f"{graphs['at_start']} CUDA graphs captured at start", flush=True)
-        run_engine(engine, requests[:8], first_set, None, args.seed)  # warm-up: first loads (and any capture)
+        # warm-up: first loads (and any capture)
+        run_engine(engine, requests[:8], first_set, None, args.seed, args.sampling)
         for name, adapters in systems.items():
             recording.clear()
-            results[name]["saturation"] = run_engine(engine, requests, adapters, None, args.seed)
+            results[name]["saturation"] = run_engine(engine, requests, adapters, None, args.seed, args.sampling)
             step_records[name] = list(recording)
             print_saturation(name, results[name]["saturation"], step_records[name])
             write()
         if static_requests:
-            results["engine, static subset"] = run_engine(engine, static_requests, first_set, None, args.seed)
+            results["engine, static subset"] = run_engine(engine, static_requests, first_set, None, args.seed,
+                                                          args.sampling)
         saturation_rate = results[f"engine, {min(adapter_sets)} adapters"]["saturation"]["requests_per_second"]
         for fraction in args.rates:
             for name, adapters in systems.items():
-                run = run_engine(engine, requests, adapters, fraction * saturation_rate, args.seed + 1)
+                run = run_engine(engine, requests, adapters, fraction * saturation_rate, args.seed + 1,
+                                 args.sampling)
                 run["fraction_of_saturation"] = fraction
                 results[name]["runs"].append(run)
                 print_rate_run(name, run)
@@ -446,13 +455,14 @@ def run_workload(args: argparse.Namespace) -> None:
                   f"{time.perf_counter() - started:.1f} s, {engine.stats().cuda_graphs} CUDA graphs", flush=True)
             recording: list[StepRecord] = []
             engine.add_step_listener(recording.append)
-            serve(engine, warm_up, group[0].adapters, None, args.seed)  # first loads (and any capture)
+            # first loads (and any capture)
+            serve(engine, warm_up, group[0].adapters, None, args.seed, args.sampling)
             for fraction, requests in zip([None, *args.rates], runs):
                 for system in group:
                     rate = None if fraction is None else fraction * saturation_rate
                     recording.clear()
                     hits_before, store_before = engine.stats().prefix_hit_tokens, model.adapter_stats
-                    completions = serve(engine, requests, system.adapters, rate, args.seed + 1)
+                    completions = serve(engine, requests, system.adapters, rate, args.seed + 1, args.sampling)
                     store_after = model.adapter_stats
                     run = summarize(completions, rate) | {
                         "prompt_tokens": sum(len(r.prompt) for r in requests),

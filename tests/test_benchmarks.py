@@ -239,8 +239,8 @@ def test_serving_benchmark_workload_options_measure_what_they_name(tmp_path):
     """Each workload option of ``bench_serving.py`` runs on the CPU (the GPU session runs them unrehearsed) and
     measures its own workload: mixed ranks make the store swap adapters while serving; long prompts fill the step's
     token budget; shared prefixes are served from cached pages only with caching on, with the same greedy tokens
-    as without; the small model reports its base engine's throughput against its target. The default run still
-    ends cleanly where matplotlib is not installed."""
+    as without; the small model (its requests sampling) reports its base engine's throughput against its target.
+    The default run still ends cleanly where matplotlib is not installed."""
     mixed = run_bench_serving(tmp_path, "--mixed-ranks")
     adapters, base = (mixed["systems"][name]["saturation"] for name in
                       ("engine, 12 adapters of ranks 2-16", "engine, base model"))
@@ -267,7 +267,7 @@ def test_serving_benchmark_workload_options_measure_what_they_name(tmp_path):
     assert shared["output_check"] == {"requests_compared": 48, "mismatched": 0, "equal": True,
                                       "first_mismatches": []}
 
-    small = run_bench_serving(tmp_path, "--small-model")
+    small = run_bench_serving(tmp_path, "--small-model", "--sampling")
     adapters, base = (small["systems"][name]["saturation"] for name in ("engine, 4 adapters", "engine, base model"))
     assert adapters["tokens"] == base["tokens"] > 0
     assert small["targets"]["base_tokens_per_second"] == base["tokens_per_second"]

@@ -34,7 +34,8 @@ import torch
 from ..store import AdapterCapacityError, AdapterNotReady
 from . import attention, tp_control, transformers_cb
 from .handles import RequestHandle
-from .request_state import RequestState, eos_token_ids, sample_rows
+from .request_state import RequestState, eos_token_ids
+from .sampling import sample_rows
 from .text import Tokenizer, as_tokenizer
 from .tp_loop import IDLE_POLL_SECONDS, TensorParallelLoop
 # The public types, importable from here as before the split (the server imports some of them from here).
@@ -236,7 +237,7 @@ class Engine(TensorParallelLoop):
                 raise ValueError(f"request id {request_id!r} is in use")
             request = RequestState.create(
                 RequestHandle(self._cancel, request_id, adapter, tuple(prompt_ids)), params, self.eos_token_ids,
-                None if self.tokenizer is None else self.tokenizer.decode, self.hf_model.device,
+                None if self.tokenizer is None else self.tokenizer.decode,
             )
             self._requests[request_id] = request
             self._queue.append(request)
@@ -506,19 +507,21 @@ class Engine(TensorParallelLoop):
     def _check_scores_and_sample(self) -> None:
         """Fail each request whose scores (or, sampling, whose probabilities) are NaN or infinite, alone: the
         others in the batch keep their tokens. Then replace the greedy token of each sampling request by one drawn
-        with its own settings and generator."""
+        with its own settings and random stream (all at once: ``sampling.sample_rows``)."""
         backend = self._backend
         row_requests = [self._requests.get(request_id) for request_id in backend.rows()]
         if not row_requests:
             return
         with backend.on_compute_stream():
-            failures, tokens = sample_rows(backend.scores(len(row_requests)), row_requests)
+            samplers = [None if request is None else request.sampler for request in row_requests]
+            sampled = sample_rows(backend.scores(len(row_requests)), samplers)
             if self._control is not None:
-                failures, tokens = self._agree_on_samples(row_requests, failures, tokens)
-            for request, reason in failures:
-                self._fail_in_step(request, reason)
-            for row, token in tokens:
-                backend.set_token(row, token)
+                sampled = self._agree_on_samples(sampled)
+            for row, reason in sampled.failures:
+                if row_requests[row] is not None:  # else a request the engine has forgotten already
+                    self._fail_in_step(row_requests[row], reason)
+            if sampled.rows:
+                backend.set_tokens(sampled.rows, sampled.tokens)
 
     def _fail_in_step(self, request: RequestState, reason: str) -> None:
         """End a request whose scores cannot give a token; transformers drops it (frees its KV) at the next step."""

@@ -9,12 +9,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import torch
-from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
-
 from ..model import alora_start
 from ..store import AdapterLease
 from .handles import RequestHandle
+from .sampling import RowSampler
 from .text import TextStream
 from .types import Completion, SamplingParams
 
@@ -28,8 +26,7 @@ class RequestState:
     stop_token_ids: frozenset[int]  # end-of-sequence ids (unless ignore_eos) and the request's stop ids
     text: TextStream | None
     submitted_at: float
-    generator: torch.Generator | None = None  # sampling requests only
-    warpers: tuple = ()
+    sampler: RowSampler | None = None  # sampling requests only: their settings and random stream
     lease: AdapterLease | None = None  # pins the adapter on the GPU from admission to the end
     slot: int = -1
     prefix_key: tuple[str, int] | None = None  # its KV pages' key besides its tokens (None: the base model's)
@@ -39,22 +36,20 @@ class RequestState:
 
     @classmethod
     def create(cls, handle: RequestHandle, params: SamplingParams, eos_token_ids: frozenset[int],
-               decode: Callable | None, device: torch.device) -> RequestState:
+               decode: Callable | None) -> RequestState:
         """A new request's state: its stop ids, text stream (``decode``: the tokenizer's, if any) and, when it
-        samples, its generator (seeded by ``params.seed``, or at random) and warpers."""
+        samples, its sampler (seeded by ``params.seed``, or at random)."""
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
-        generator = None
+        sampler = None
         if not params.greedy:
-            seed = params.seed if params.seed is not None else random.randrange(2**63)
-            generator = torch.Generator(device).manual_seed(seed)
+            sampler = RowSampler(params, params.seed if params.seed is not None else random.randrange(2**63))
         return cls(
             handle=handle,
             params=params,
             stop_token_ids=frozenset(stop_ids),
             text=None if decode is None else TextStream(decode, params.stop),
             submitted_at=time.perf_counter(),
-            generator=generator,
-            warpers=_warpers(params) if generator is not None else (),
+            sampler=sampler,
         )
 
     @property
@@ -86,12 +81,6 @@ class RequestState:
         text = self.text.add(kept) if self.text is not None else ""
         return kept, text, stopped_by_token
 
-    def probabilities(self, row_scores: torch.Tensor) -> torch.Tensor:
-        """A sampling request's next-token probabilities ``[1, V]`` from its row of the step's scores."""
-        for warper in self.warpers:
-            row_scores = warper(None, row_scores)
-        return row_scores.softmax(dim=-1)
-
     def finish(self, reason: str, error: str | None = None, error_code: str | None = None) -> tuple[str, Completion]:
         """The text still held back (a possible stop string's start) and the request's completion."""
         tail = self.text.finish() if self.text is not None else ""
@@ -111,42 +100,6 @@ class RequestState:
             error_code=error_code,
         )
         return tail, completion
-
-
-def _warpers(params: SamplingParams) -> tuple:
-    """transformers' own warpers for a sampling request, in ``generate()``'s order."""
-    warpers = [TemperatureLogitsWarper(params.temperature)] if params.temperature != 1 else []
-    if params.top_k > 0:
-        warpers.append(TopKLogitsWarper(params.top_k))
-    if params.top_p < 1:
-        warpers.append(TopPLogitsWarper(params.top_p))
-    return tuple(warpers)
-
-
-def sample_rows(scores: torch.Tensor, row_requests: list[RequestState | None]
-                ) -> tuple[list[tuple[RequestState, str]], list[tuple[int, torch.Tensor]]]:
-    """Check a step's scores ``[rows, V]`` (row ``i`` is ``row_requests[i]``'s; None: a request the engine has
-    forgotten) and draw the token of each sampling request with its own settings and generator. Returns the
-    requests that cannot get a token, each with why (NaN or infinite scores or probabilities), and the
-    ``(row, token)`` of each sampled token, which replaces the step's greedy one."""
-    sampling = [(row, r) for row, r in enumerate(row_requests) if r is not None and not r.params.greedy]
-    probabilities = [request.probabilities(scores[row : row + 1]) for row, request in sampling]
-    # amax is NaN if any score is, +inf if any is, -inf if all are: finite for usable scores only
-    checks = [torch.isfinite(scores.amax(dim=-1))]
-    checks += [torch.isfinite(p).all(dim=-1) for p in probabilities]
-    finite = torch.cat(checks).tolist()  # the step's one wait for the device
-    scores_finite, probabilities_finite = finite[: len(row_requests)], finite[len(row_requests) :]
-    failures = [(request, "the model's scores for it are NaN or infinite")
-                for row, request in enumerate(row_requests) if request is not None and not scores_finite[row]]
-    tokens = []
-    for (row, request), probs, usable in zip(sampling, probabilities, probabilities_finite):
-        if not scores_finite[row]:
-            continue
-        if not usable:
-            failures.append((request, "its sampling settings turn the scores into NaN or infinite probabilities"))
-            continue
-        tokens.append((row, torch.multinomial(probs, 1, generator=request.generator)[0, 0]))
-    return failures, tokens
 
 
 def eos_token_ids(hf_model, tokenizer) -> set[int]:

@@ -19,9 +19,12 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import Future, InvalidStateError
 
+import torch
+
 from . import tp_control
 from .handles import RequestHandle
 from .request_state import RequestState
+from .sampling import SampledStep
 from .types import EngineClosedError
 
 logger = logging.getLogger(__name__)
@@ -176,7 +179,6 @@ class TensorParallelLoop:
             request = RequestState.create(
                 RequestHandle(self._cancel, admission.request_id, admission.adapter, admission.prompt_token_ids),
                 admission.params, self.eos_token_ids, None if self.tokenizer is None else self.tokenizer.decode,
-                self.hf_model.device,
             )
             if admission.adapter is not None:
                 # Rank 0 placed it, so it is loaded here too (unless the ranks' adapters differ): wait for its read.
@@ -203,20 +205,17 @@ class TensorParallelLoop:
             self._backend.cancel(request.request_id)
         return handed_over
 
-    def _agree_on_samples(self, row_requests: list[RequestState | None], failures: list, tokens: list
-                          ) -> tuple[list[tuple[RequestState, str]], list[tuple[int, int]]]:
+    def _agree_on_samples(self, sampled: SampledStep) -> SampledStep:
         """Every rank takes rank 0's failures and sampled tokens, so the ranks' batches never drift apart (their
         scores may differ in the last bits where the split sums run in another order)."""
         if self._control.leader:
-            row_of = {id(request): row for row, request in enumerate(row_requests)}
-            samples = self._control.share(tp_control.StepSamples(
-                failures=tuple((row_of[id(request)], reason) for request, reason in failures),
-                tokens=tuple((row, int(token)) for row, token in tokens),
+            shared = self._control.share(tp_control.StepSamples(
+                failures=tuple(sampled.failures), tokens=tuple(zip(sampled.rows, sampled.tokens.tolist())),
             ))
         else:
-            samples = self._control.share()
-        failed = [(row_requests[row], reason) for row, reason in samples.failures]
-        return [(request, reason) for request, reason in failed if request is not None], list(samples.tokens)
+            shared = self._control.share()
+        tokens = torch.tensor([token for _, token in shared.tokens], dtype=torch.long, device=sampled.tokens.device)
+        return SampledStep(list(shared.failures), [row for row, _ in shared.tokens], tokens)
 
 
 def _answer(done: Future, result, error: BaseException | None) -> None:

@@ -153,7 +153,7 @@ class ContinuousBatchingBackend:
 
     A step: ``prepare()`` schedules the next batch (dropping cancelled requests); ``forward()`` queues it on the
     device; ``deliver_outputs()`` hands the previous step's tokens to ``on_tokens(request_id, generated, finished)``
-    / ``on_failure(request_id, error)``; ``rows()`` / ``scores()`` / ``set_token()`` let the engine re-sample rows;
+    / ``on_failure(request_id, error)``; ``rows()`` / ``scores()`` / ``set_tokens()`` let the engine re-sample rows;
     ``fetch_outputs()`` waits for the device and ``end_step()`` advances the requests (``fail_step(error)`` instead,
     when the step raised). ``close()`` gives the model back its attention implementation.
     """
@@ -303,9 +303,10 @@ class ContinuousBatchingBackend:
         stream = self._io.compute_stream
         return torch.cuda.stream(stream) if stream is not None else nullcontext()
 
-    def set_token(self, row: int, token: torch.Tensor) -> None:
-        """Replace the greedy token of ``row`` (before ``fetch_outputs``)."""
-        self._io.output_ids[0, row] = token
+    def set_tokens(self, rows: list[int], tokens: torch.Tensor) -> None:
+        """Replace the greedy tokens of ``rows`` by ``tokens`` ``[len(rows)]`` (before ``fetch_outputs``)."""
+        output_ids = self._io.output_ids
+        output_ids[0, torch.tensor(rows, device=output_ids.device)] = tokens.to(output_ids.dtype)
 
     def fetch_outputs(self) -> None:
         self._io.retrieve_device_outputs()
