@@ -1,0 +1,281 @@
+"""The adapter kinds beyond plain LoRA (DoRA, LoRA biases, embed_tokens / lm_head, MoE experts, aLoRA) under what a
+careless or hostile user does: malformed checkpoints are refused by name and change nothing, every kind in one
+batch equals PEFT row by row (generate() and the engine, with fewer slots than adapters), files that change under
+a loaded adapter, copies and moves of a model that holds each kind, loads and unloads from other threads while
+the engine serves.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import assert_state_unchanged, capture_state, save_peft_adapter
+from safetensors.torch import load_file, save_file
+from test_embedding_lora import _BackendWithoutKernelSizes
+from vector_adapters import make_base, peft_oracles, save_vector_adapter
+
+from punica_hf import MultiLoraModel
+from punica_hf.formats import LoraAdapterConfig, convert_adapter
+from punica_hf.serving import Engine, EngineConfig, SamplingParams
+
+ATOL = 2e-5
+VOCAB = 96  # vector_adapters' tiny Llama, with attention and MLP biases
+INVOCATION = [3, 4]
+# One adapter of every kind for the tiny Llama, by name: LoraConfig kwargs (saved with random factors and vectors)
+KINDS = {
+    "plain": dict(r=4, lora_alpha=8, target_modules=["q_proj", "o_proj"]),
+    "dora": dict(r=4, lora_alpha=8, use_dora=True, target_modules=["q_proj", "v_proj", "down_proj"]),
+    "lora_bias": dict(r=2, lora_alpha=4, lora_bias=True, target_modules=["k_proj", "up_proj"]),
+    "lora_only": dict(r=4, lora_alpha=8, bias="lora_only", target_modules=["o_proj", "gate_proj"]),
+    "vocab": dict(r=4, lora_alpha=8, target_modules=["embed_tokens", "lm_head", "v_proj"]),
+    "alora": dict(r=4, lora_alpha=8, task_type="CAUSAL_LM", alora_invocation_tokens=INVOCATION,
+                  target_modules=["q_proj", "v_proj", "down_proj"]),
+}
+ROWS = ["alora", "dora", None, "vocab", "lora_bias", "plain", "lora_only", "dora"]
+
+
+@pytest.fixture(scope="module")
+def kinds(tmp_path_factory):
+    """``(base, {name: PEFT folder}, {name or None: PEFT oracle})``."""
+    base = make_base("llama")
+    root = tmp_path_factory.mktemp("kinds")
+    paths = {name: save_vector_adapter(base, root / name, seed, **config)
+             for seed, (name, config) in enumerate(KINDS.items(), start=1)}
+    return base, paths, peft_oracles(base, paths)
+
+
+def prompts(count: int, seed: int = 0) -> list[list[int]]:
+    """Random prompts of 4 to 9 tokens from [10, VOCAB), the aLoRA invocation in the middle of every other one."""
+    generator = torch.Generator().manual_seed(seed)
+    rows = []
+    for row in range(count):
+        tokens = torch.randint(10, VOCAB, (4 + (row * 3) % 6,), generator=generator).tolist()
+        if row % 2 == 0:
+            tokens[1:3] = INVOCATION
+        rows.append(tokens)
+    return rows
+
+
+def left_padded(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(map(len, rows))
+    input_ids = torch.zeros(len(rows), width, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for row, tokens in enumerate(rows):
+        input_ids[row, width - len(tokens):] = torch.tensor(tokens)
+        attention_mask[row, width - len(tokens):] = 1
+    return input_ids, attention_mask
+
+
+def peft_tokens(oracles, adapter: str | None, tokens: list[int], new_tokens: int) -> list[int]:
+    output = oracles[adapter].generate(torch.tensor([tokens]), max_new_tokens=new_tokens, do_sample=False)
+    return output[0, len(tokens):].tolist()
+
+
+@torch.no_grad()
+def assert_rows_match_peft(model, oracles, rows, input_ids, attention_mask):
+    logits = model(input_ids, attention_mask=attention_mask, adapter_ids=rows).logits
+    real = attention_mask.bool()
+    base_logits = oracles[None](input_ids, attention_mask=attention_mask).logits
+    for row, adapter in enumerate(rows):
+        expected = oracles[adapter](input_ids, attention_mask=attention_mask).logits
+        torch.testing.assert_close(logits[row][real[row]], expected[row][real[row]], atol=ATOL, rtol=0)
+        if adapter is not None:  # the adapter really changes this row
+            assert (expected[row][real[row]] - base_logits[row][real[row]]).abs().max() > 1e-3, adapter
+
+
+# ---------------------------------------------------------------------------------------------- every kind at once
+@torch.no_grad()
+def test_every_kind_in_one_batch_equals_peft_row_by_row(kinds):
+    base, paths, oracles = kinds
+    model = MultiLoraModel(copy.deepcopy(base), max_adapters=len(paths), max_rank=8)
+    model.load_adapters(paths)
+    rows_tokens = prompts(len(ROWS))
+    assert_rows_match_peft(model, oracles, ROWS, *left_padded(rows_tokens))
+    input_ids, attention_mask = left_padded(rows_tokens)
+    generated = model.generate(input_ids, attention_mask=attention_mask, adapter_ids=ROWS, max_new_tokens=4,
+                               do_sample=False)
+    for row, adapter in enumerate(ROWS):
+        expected = oracles[adapter].generate(input_ids[row:row + 1], attention_mask=attention_mask[row:row + 1],
+                                             max_new_tokens=4, do_sample=False)
+        assert generated[row, input_ids.shape[1]:].tolist() == expected[0, input_ids.shape[1]:].tolist(), adapter
+
+
+@torch.no_grad()
+def test_the_engine_serves_every_kind_with_fewer_slots_than_adapters(kinds):
+    """Three slots for six adapters: requests of every kind interleaved evict one another's adapters (each placed
+    again from the host tier); each request's tokens are PEFT's."""
+    base, paths, oracles = kinds
+    model = MultiLoraModel(copy.deepcopy(base), max_adapters=3, max_rank=8)
+    model.load_adapters(paths)
+    plan = list(zip([*ROWS, "vocab", "alora", None], prompts(len(ROWS) + 3, seed=1)))
+    with Engine(model, config=EngineConfig(max_running=3)) as engine:
+        handles = [engine.submit(tokens, adapter, SamplingParams(max_new_tokens=3)) for adapter, tokens in plan]
+        completions = [handle.result(timeout=120) for handle in handles]
+    for (adapter, tokens), completion in zip(plan, completions):
+        assert list(completion.token_ids) == peft_tokens(oracles, adapter, tokens, 3), adapter
+    assert model.adapter_stats["evictions"] > 0
+
+
+# ---------------------------------------------------------------------------------------------- malformed checkpoints
+def edited_copy(folder: Path, destination: Path, tensors=None, config=None) -> Path:
+    """A copy of PEFT folder ``folder`` whose state dict ``tensors(state_dict)`` and config dict ``config(dict)``
+    edited in place."""
+    shutil.copytree(folder, destination)
+    if tensors is not None:
+        state_dict = load_file(destination / "adapter_model.safetensors")
+        tensors(state_dict)
+        save_file({key: value.contiguous() for key, value in state_dict.items()},
+                  destination / "adapter_model.safetensors")
+    if config is not None:
+        raw = json.loads((destination / "adapter_config.json").read_text())
+        config(raw)
+        (destination / "adapter_config.json").write_text(json.dumps(raw))
+    return destination
+
+
+def first_key(state_dict: dict, marker: str) -> str:
+    return next(key for key in sorted(state_dict) if marker in key)
+
+
+def retype(marker: str, dtype: torch.dtype):
+    def edit(state_dict):
+        key = first_key(state_dict, marker)
+        state_dict[key] = state_dict[key].to(dtype)
+    return edit
+
+
+def drop(marker: str):
+    def edit(state_dict):
+        del state_dict[first_key(state_dict, marker)]
+    return edit
+
+
+def add_magnitude(state_dict):
+    key = first_key(state_dict, "lora_B.weight")
+    state_dict[key.replace("lora_B.weight", "lora_magnitude_vector")] = torch.rand(state_dict[key].shape[0]) + 0.5
+
+
+def set_config(**settings):
+    return lambda raw: raw.update(settings)
+
+
+# name -> (adapter of KINDS edited, state dict edit, config edit, the error it must raise)
+MALFORMED = {
+    "integer-magnitude": ("dora", retype("lora_magnitude_vector", torch.int64), None,
+                          r"tensor '.*lora_magnitude_vector.*' holds torch.int64, not floating-point values"),
+    "boolean-lora-bias": ("lora_bias", retype("lora_B.bias", torch.bool), None, r"lora_B.bias' holds torch.bool"),
+    "integer-embedding-factor": ("vocab", retype("lora_embedding_A", torch.int32), None,
+                                 r"lora_embedding_A' holds torch.int32"),
+    "dora-without-a-magnitude": ("dora", drop("lora_magnitude_vector"), None,
+                                 r"has no lora_magnitude_vector but its config sets use_dora=True"),
+    "magnitude-without-dora": ("plain", add_magnitude, None,
+                               r"has a lora_magnitude_vector but its config sets use_dora=False"),
+    "lora-bias-without-the-setting": ("lora_bias", None, set_config(lora_bias=False),
+                                      r"has a lora_B bias but its config sets lora_bias=False"),
+    "lora-bias-setting-without-biases": ("plain", None, set_config(lora_bias=True),
+                                         r"has no lora_B bias but its config sets lora_bias=True"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED))
+def test_a_malformed_checkpoint_is_refused_by_name_and_changes_nothing(kinds, tmp_path, case):
+    """Refused when loaded from its folder (beside a good adapter, which is not registered either) and when
+    converted: PEFT would cast a tensor of another dtype, ignore a vector its config does not ask for and start one
+    its checkpoint lacks from its own initialisation, so the checkpoint alone does not say what to serve."""
+    base, paths, _ = kinds
+    adapter, tensors, config, error = MALFORMED[case]
+    folder = edited_copy(paths[adapter], tmp_path / case, tensors, config)
+    model = MultiLoraModel(copy.deepcopy(base), max_adapters=3, max_rank=8)
+    model.load_adapters({"dora": paths["dora"]})
+    input_ids, _ = left_padded(prompts(2))
+    state = capture_state(model, input_ids, ["dora", None])
+    with pytest.raises(ValueError, match=error):
+        model.load_adapters({"good": paths["plain"], case: folder})
+    assert_state_unchanged(model, state)
+    with pytest.raises(ValueError, match=error):
+        convert_adapter(folder, tmp_path / f"{case}.safetensors")
+
+
+@pytest.mark.parametrize("setting", [{"use_dora": True}, {"lora_bias": True}, {"fan_in_fan_out": True}])
+def test_settings_peft_refuses_on_expert_parameters_are_refused(setting):
+    raw = {"peft_type": "LORA", "r": 4, "target_modules": ["q_proj"], "target_parameters": ["experts.down_proj"]}
+    name, value = next(iter(setting.items()))
+    with pytest.raises(ValueError, match=f"target_parameters with {name}={value} is refused by PEFT"):
+        LoraAdapterConfig.from_dict({**raw, **setting})
+
+
+def test_an_invocation_outside_the_vocabulary_is_refused_and_an_empty_one_is_plain_lora(kinds, tmp_path):
+    """Token ids the model's vocabulary lacks can never occur in an input: the adapter would silently never apply.
+    An empty invocation is unset, as in PEFT: the adapter is plain LoRA."""
+    base, paths, _ = kinds
+    outside = edited_copy(paths["alora"], tmp_path / "outside", config=set_config(alora_invocation_tokens=[3, VOCAB]))
+    model = MultiLoraModel(copy.deepcopy(base), max_adapters=3, max_rank=8)
+    model.load_adapters({"alora": paths["alora"]})
+    input_ids, _ = left_padded(prompts(2))
+    state = capture_state(model, input_ids, ["alora", None])
+    with pytest.raises(ValueError, match=rf"'outside': its alora_invocation_tokens \[3, {VOCAB}\] hold token ids beyond "
+                                         rf"the model's vocabulary of {VOCAB} tokens"):
+        model.load_adapters({"good": paths["plain"], "outside": outside})
+    assert_state_unchanged(model, state)
+    assert LoraAdapterConfig.from_dict({"peft_type": "LORA", "alora_invocation_tokens": []}).alora_invocation_tokens \
+        is None
+
+
+# ---------------------------------------------------------------------------------------------- vectors on lm_head
+@torch.no_grad()
+def test_dora_and_lora_bias_on_the_output_layer_apply_on_the_fixed_shape_ops(kinds, tmp_path):
+    """An output layer the kernels cannot take (a vocabulary that is no multiple of 8, as GPT-2's) runs PyTorch ops
+    of its own: DoRA's scale and lora_B's bias apply there too."""
+    base, _, _ = kinds
+    paths = {
+        "head_dora": save_vector_adapter(base, tmp_path / "head_dora", 1, r=4, use_dora=True,
+                                         target_modules=["lm_head", "q_proj"]),
+        "head_bias": save_vector_adapter(base, tmp_path / "head_bias", 2, r=4, lora_bias=True,
+                                         target_modules=["lm_head"]),
+    }
+    oracles = peft_oracles(base, paths)
+    model = MultiLoraModel(copy.deepcopy(base), max_adapters=2, max_rank=8)
+    model.load_adapters(paths)
+    model._injection.context._backends[torch.device("cpu")] = _BackendWithoutKernelSizes()
+    rows = ["head_dora", None, "head_bias"]
+    input_ids, attention_mask = left_padded(prompts(3))
+    logits = model(input_ids, attention_mask=attention_mask, adapter_ids=rows, logits_to_keep=1).logits
+    for row, adapter in enumerate(rows):
+        expected = oracles[adapter](input_ids, attention_mask=attention_mask).logits[row, -1]
+        torch.testing.assert_close(logits[row, -1], expected, atol=ATOL, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------- files that change
+@pytest.mark.parametrize("kind, other_kind", [("dora", "plain"), ("plain", "dora")], ids=["loses", "gains"])
+@torch.no_grad()
+def test_a_file_whose_vectors_change_after_loading_is_refused_when_read_again(kinds, tmp_path, kind, other_kind):
+    """One slot and a host tier that holds one adapter: an adapter used after others were read again is read again
+    from its folder. A folder whose adapter now has other vectors (DoRA's, same modules and shapes) is refused by name rather
+    than filling the chunk laid out for the old one (a scale of 0, or a vector written outside its place)."""
+    base, paths, _ = kinds
+    folder = shutil.copytree(paths[kind], tmp_path / "x")
+    replacement = save_vector_adapter(base, tmp_path / "replacement", 9,
+                                      **{**KINDS[kind], "use_dora": KINDS[other_kind].get("use_dora", False)})
+    sources = {"x": folder, "y": paths["lora_bias"], "z": paths["lora_only"]}
+    one_adapter = 0
+    for name, source in sources.items():
+        scratch = MultiLoraModel(copy.deepcopy(base), max_adapters=1, max_rank=8)
+        scratch.load_adapters({name: source})
+        one_adapter = max(one_adapter, scratch.adapter_stats["host_bytes_used"])
+    model = MultiLoraModel(copy.deepcopy(base), max_adapters=1, max_rank=8, host_pool_bytes=one_adapter)
+    model.load_adapters(sources)
+    input_ids, _ = left_padded(prompts(2))
+    for name in ["x", "y", "z", "y", "z"]:  # y and z read again: x's copy leaves the host tier
+        model(input_ids, adapter_ids=[name, None])
+    shutil.rmtree(folder)
+    shutil.copytree(replacement, folder)
+    disk_loads = model.adapter_stats["disk_loads"]
+    with pytest.raises(ValueError, match=r"adapter 'x' changed at .* since it was loaded"):
+        model(input_ids, adapter_ids=["x", None])
+    assert model.adapter_stats["disk_loads"] == disk_loads + 1
