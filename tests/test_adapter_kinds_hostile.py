@@ -8,6 +8,7 @@ the engine serves.
 from __future__ import annotations
 
 import copy
+import io
 import json
 import shutil
 import threading
@@ -15,9 +16,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_state_unchanged, capture_state, save_peft_adapter
+from helpers import assert_state_unchanged, capture_state, tiny_llama
+from peft import PeftModel
 from safetensors.torch import load_file, save_file
 from test_embedding_lora import _BackendWithoutKernelSizes
+from test_moe_lora import save_moe_adapters, tiny_qwen3_moe
 from vector_adapters import make_base, peft_oracles, save_vector_adapter
 
 from punica_hf import MultiLoraModel
@@ -279,3 +282,117 @@ def test_a_file_whose_vectors_change_after_loading_is_refused_when_read_again(ki
     with pytest.raises(ValueError, match=r"adapter 'x' changed at .* since it was loaded"):
         model(input_ids, adapter_ids=["x", None])
     assert model.adapter_stats["disk_loads"] == disk_loads + 1
+
+
+# ---------------------------------------------------------------------------------------------- while serving
+@torch.no_grad()
+def test_two_threads_load_use_and_unload_every_kind_while_the_engine_serves(kinds):
+    """Each thread loads one name with a kind after another (the same name, other weights), starts a request with it
+    and unloads it while the request runs; meanwhile other requests go on. Three slots for four adapters at times:
+    adapters are evicted and placed again. Every request, running through its adapter's unload or not, gets PEFT's
+    tokens of the adapter it was submitted with."""
+    base, paths, oracles = kinds
+    model = MultiLoraModel(copy.deepcopy(base), max_adapters=3, max_rank=8)
+    model.load_adapters({name: paths[name] for name in ("dora", "plain")})
+    served = list(zip(["dora", "plain", None, "dora"] * 3, prompts(12, seed=2)))
+    churned, failures = [], []
+
+    def churn(name: str, kinds_in_turn: list[str], seed: int) -> None:
+        try:
+            for turn, kind in enumerate(kinds_in_turn):
+                tokens = prompts(1, seed=seed + turn)[0]
+                engine.load_adapters({name: paths[kind]})
+                handle = engine.submit(tokens, name, SamplingParams(max_new_tokens=5))
+                next(iter(handle))  # running: its first token is out
+                engine.unload_adapter(name)
+                churned.append((kind, tokens, handle.result(timeout=120)))
+        except Exception as error:  # noqa: BLE001 - reported by the test's thread
+            failures.append(error)
+
+    with Engine(model, config=EngineConfig(max_running=4)) as engine:
+        threads = [threading.Thread(target=churn, args=("a", ["vocab", "alora", "lora_bias"], 10)),
+                   threading.Thread(target=churn, args=("b", ["lora_only", "dora", "vocab"], 20))]
+        for thread in threads:
+            thread.start()
+        handles = [engine.submit(tokens, adapter, SamplingParams(max_new_tokens=4)) for adapter, tokens in served]
+        completions = [handle.result(timeout=120) for handle in handles]
+        for thread in threads:
+            thread.join(timeout=120)
+    assert not failures
+    assert len(churned) == 6
+    for kind, tokens, completion in churned:
+        assert completion.finish_reason == "length", completion
+        assert list(completion.token_ids) == peft_tokens(oracles, kind, tokens, 5), kind
+    for (adapter, tokens), completion in zip(served, completions):
+        assert list(completion.token_ids) == peft_tokens(oracles, adapter, tokens, 4), adapter
+    assert sorted(model.adapters) == ["dora", "plain"]
+
+
+# ---------------------------------------------------------------------------------------------- copies and moves
+def through_torch_save(model):
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+@pytest.mark.parametrize("make_copy", ["deepcopy", "torch.save", "float64"])
+@torch.no_grad()
+def test_a_copy_or_a_move_of_a_model_holding_every_kind_keeps_them(kinds, make_copy):
+    """Three slots for six adapters: the copy carries the resident ones in its pools and the others in its host
+    tier; each equals PEFT, in a float64 move too."""
+    base, paths, oracles = kinds
+    model = MultiLoraModel(copy.deepcopy(base), max_adapters=3, max_rank=8)
+    model.load_adapters(paths)
+    if make_copy == "float64":
+        copied = model.to(torch.float64)
+        oracles = {name: copy.deepcopy(oracle).double() for name, oracle in oracles.items()}
+    else:
+        copied = copy.deepcopy(model) if make_copy == "deepcopy" else through_torch_save(model)
+    for start in range(0, len(ROWS), 3):
+        rows = ROWS[start:start + 3]
+        assert_rows_match_peft(copied, oracles, rows, *left_padded(prompts(len(rows), seed=start)))
+
+
+@torch.no_grad()
+def test_a_copy_of_a_model_with_lora_on_moe_experts_keeps_it(tmp_path):
+    base = tiny_qwen3_moe()
+    paths = save_moe_adapters(base, tmp_path)
+    model = MultiLoraModel(copy.deepcopy(base), max_adapters=2, max_rank=8)
+    model.load_adapters(paths)
+    oracles = {None: base, **{name: PeftModel.from_pretrained(copy.deepcopy(base), path).eval()
+                              for name, path in paths.items()}}
+    for copied in (copy.deepcopy(model), through_torch_save(model)):
+        assert_rows_match_peft(copied, oracles, ["experts", None, "down_only"], *left_padded(prompts(3)))
+        assert_rows_match_peft(copied, oracles, ["attn", "experts"], *left_padded(prompts(2, seed=1)))
+
+
+# ---------------------------------------------------------------------------------------------- prefix pages
+@torch.no_grad()
+def test_prefix_pages_of_a_dora_adapter_are_shared_and_never_meet_another_kind_loaded_under_its_name(tmp_path):
+    """A page is 256 tokens on the CPU: prompts of 300 share their first page."""
+    base = tiny_llama(max_position_embeddings=1024)
+    base.generation_config.eos_token_id = None
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    paths = {"dora": save_vector_adapter(base, tmp_path / "dora", 1, r=4, use_dora=True, target_modules=targets),
+             "lora_bias": save_vector_adapter(base, tmp_path / "lora_bias", 2, r=4, lora_bias=True,
+                                              target_modules=targets)}
+    oracles = peft_oracles(base, paths)
+    shared = torch.randint(1, 100, (300,), generator=torch.Generator().manual_seed(0)).tolist()
+    other_end = shared[:-20] + shared[:20]
+    assert peft_tokens(oracles, "dora", shared, 4) != peft_tokens(oracles, "lora_bias", shared, 4)  # they differ
+    model = MultiLoraModel(base, max_adapters=2, max_rank=8)
+    model.load_adapters({"x": paths["dora"]})
+
+    def run(tokens: list[int]) -> tuple[list[int], int]:
+        hits = engine.stats().prefix_hit_tokens
+        completion = engine.submit(tokens, "x", SamplingParams(max_new_tokens=4)).result(timeout=120)
+        return list(completion.token_ids), engine.stats().prefix_hit_tokens - hits
+
+    with Engine(model, config=EngineConfig(max_running=2)) as engine:
+        assert run(shared) == (peft_tokens(oracles, "dora", shared, 4), 0)
+        tokens, hits = run(other_end)
+        assert tokens == peft_tokens(oracles, "dora", other_end, 4) and hits >= 256
+        engine.unload_adapter("x")
+        engine.load_adapters({"x": paths["lora_bias"]})
+        assert run(shared) == (peft_tokens(oracles, "lora_bias", shared, 4), 0)
