@@ -468,11 +468,22 @@ def _token_ids(args: tuple, kwargs: dict) -> torch.Tensor | None:
 
 def _check_alora(name: str, weights: AdapterWeights, model: nn.Module) -> None:
     """ValueError for an aLoRA adapter whose invocation holds a token id the model's vocabulary lacks (no input
-    could ever hold it: the adapter would silently never apply), or with LoRA on an embedding layer, which PEFT
-    refuses (its aLoRA masks the positions of linear layers only)."""
+    could ever hold it: the adapter would silently never apply); with DoRA, which PEFT refuses (it has no such
+    variant); with biases of its own for the base layers (``bias="lora_only"`` / ``"all"``), which PEFT loads into
+    the base model, so they change the positions before the invocation too, which serving runs as the base model;
+    or with LoRA on an embedding layer, which PEFT refuses (its aLoRA masks the positions of linear layers only)."""
     invocation_tokens = weights.config.alora_invocation_tokens
     if invocation_tokens is None:
         return
+    refused = {
+        "magnitude": "DoRA is not supported (PEFT refuses it)",
+        "base_bias": "biases of its own for the base layers (bias='lora_only' or 'all') are not supported (PEFT "
+                     "loads them into the base layers: they would change the positions before the invocation too)",
+    }
+    for vector, problem in refused.items():
+        modules = sorted(module for module, factors in weights.modules.items() if getattr(factors, vector) is not None)
+        if modules:
+            raise ValueError(f"adapter {name!r}: aLoRA with {problem}: {modules[:3]}")
     vocab_size = getattr(getattr(model, "get_input_embeddings", lambda: None)(), "num_embeddings", None)
     if vocab_size is not None and max(invocation_tokens) >= vocab_size:
         raise ValueError(

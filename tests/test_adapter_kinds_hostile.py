@@ -222,12 +222,31 @@ def test_an_invocation_outside_the_vocabulary_is_refused_and_an_empty_one_is_pla
     model.load_adapters({"alora": paths["alora"]})
     input_ids, _ = left_padded(prompts(2))
     state = capture_state(model, input_ids, ["alora", None])
-    with pytest.raises(ValueError, match=rf"'outside': its alora_invocation_tokens \[3, {VOCAB}\] hold token ids beyond "
-                                         rf"the model's vocabulary of {VOCAB} tokens"):
+    refusal = rf"'outside': its alora_invocation_tokens \[3, {VOCAB}\] hold token ids beyond the model's vocabulary"
+    with pytest.raises(ValueError, match=refusal):
         model.load_adapters({"good": paths["plain"], "outside": outside})
     assert_state_unchanged(model, state)
     assert LoraAdapterConfig.from_dict({"peft_type": "LORA", "alora_invocation_tokens": []}).alora_invocation_tokens \
         is None
+
+
+@pytest.mark.parametrize("kind, refusal", [
+    ("dora", r"aLoRA with DoRA is not supported \(PEFT refuses it\)"),
+    ("lora_only", r"aLoRA with biases of its own for the base layers \(bias='lora_only' or 'all'\) are not supported"),
+], ids=["dora", "lora_only"])
+def test_alora_with_dora_or_base_layer_biases_is_refused(kinds, tmp_path, kind, refusal):
+    """PEFT has no aLoRA variant of DoRA; and it loads a bias="lora_only" adapter's biases into the base layers,
+    where they change the positions before the invocation, which serving runs as the base model."""
+    base, paths, _ = kinds
+    invoked = edited_copy(paths[kind], tmp_path / kind,
+                          config=set_config(alora_invocation_tokens=INVOCATION, task_type="CAUSAL_LM"))
+    model = MultiLoraModel(copy.deepcopy(base), max_adapters=3, max_rank=8)
+    model.load_adapters({"alora": paths["alora"]})
+    input_ids, _ = left_padded(prompts(2))
+    state = capture_state(model, input_ids, ["alora", None])
+    with pytest.raises(ValueError, match=refusal):
+        model.load_adapters({"good": paths["plain"], "invoked": invoked})
+    assert_state_unchanged(model, state)
 
 
 # ---------------------------------------------------------------------------------------------- vectors on lm_head
@@ -259,8 +278,8 @@ def test_dora_and_lora_bias_on_the_output_layer_apply_on_the_fixed_shape_ops(kin
 @torch.no_grad()
 def test_a_file_whose_vectors_change_after_loading_is_refused_when_read_again(kinds, tmp_path, kind, other_kind):
     """One slot and a host tier that holds one adapter: an adapter used after others were read again is read again
-    from its folder. A folder whose adapter now has other vectors (DoRA's, same modules and shapes) is refused by name rather
-    than filling the chunk laid out for the old one (a scale of 0, or a vector written outside its place)."""
+    from its folder. A folder whose adapter now has other vectors (DoRA's, same modules and shapes) is refused by
+    name rather than filling the chunk laid out for the old one (a scale of 0, or a vector written outside it)."""
     base, paths, _ = kinds
     folder = shutil.copytree(paths[kind], tmp_path / "x")
     replacement = save_vector_adapter(base, tmp_path / "replacement", 9,

@@ -236,13 +236,12 @@ def _check_vectors_against_config(module: str, tensors: dict[str, torch.Tensor],
     """A module's DoRA magnitude and lora_B bias must be there exactly when the config asks for them: PEFT builds
     its layers from the config, ignores a tensor its layer lacks, and starts one the checkpoint lacks from its own
     initialisation (a DoRA magnitude from the base weight's norm), so the checkpoint alone would serve other math."""
-    for kind, setting, key in (("magnitude", "use_dora", "lora_magnitude_vector"), ("lora_bias", "lora_bias", "lora_B bias")):
+    for kind, setting, tensor in (("magnitude", "use_dora", "lora_magnitude_vector"),
+                                  ("lora_bias", "lora_bias", "lora_B bias")):
         asked = bool(config.raw.get(setting))
         if asked != (kind in tensors):
             has = "has no" if asked else "has a"
-            raise ValueError(
-                f"adapter {source}: module {module} {has} {key} but its config sets {setting}={asked}"
-            )
+            raise ValueError(f"adapter {source}: module {module} {has} {tensor} but its config sets {setting}={asked}")
 
 
 def _tensor_kind(match: re.Match) -> str:
