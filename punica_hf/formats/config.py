@@ -260,10 +260,11 @@ def _check_target_parameters(raw: dict[str, Any]) -> None:
         isinstance(targets, list) and all(isinstance(name, str) and "." in name.strip(".") for name in targets),
         "target_parameters", "a list of 'module.parameter' names (e.g. 'experts.gate_up_proj')", targets,
     )
-    # PEFT's ParamWrapper refuses these: dropout cannot be factored out of W + dW, and DoRA, lora_B's bias and
-    # fan_in_fan_out are not implemented for wrapped parameters
+    # PEFT's ParamWrapper refuses these: dropout cannot be factored out of W + dW, and DoRA, lora_B's bias,
+    # fan_in_fan_out and aLoRA are not implemented for wrapped parameters
     for setting, refused in (("lora_dropout", "lora_dropout != 0"), ("use_dora", "use_dora=True"),
-                             ("lora_bias", "lora_bias=True"), ("fan_in_fan_out", "fan_in_fan_out=True")):
+                             ("lora_bias", "lora_bias=True"), ("fan_in_fan_out", "fan_in_fan_out=True"),
+                             ("alora_invocation_tokens", "aLoRA (alora_invocation_tokens)")):
         if raw.get(setting):
             raise ValueError(f"target_parameters with {refused} is refused by PEFT")
 
