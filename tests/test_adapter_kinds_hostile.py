@@ -18,6 +18,7 @@ import pytest
 import torch
 from helpers import assert_state_unchanged, capture_state, tiny_llama
 from peft import PeftModel
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from test_embedding_lora import _BackendWithoutKernelSizes
 from test_moe_lora import save_moe_adapters, tiny_qwen3_moe
@@ -203,6 +204,51 @@ def test_a_malformed_checkpoint_is_refused_by_name_and_changes_nothing(kinds, tm
     assert_state_unchanged(model, state)
     with pytest.raises(ValueError, match=error):
         convert_adapter(folder, tmp_path / f"{case}.safetensors")
+
+
+def converted_tensor(tensors: dict, kind: str) -> str:
+    return next(key for key in sorted(tensors) if key.endswith(f".{kind}"))
+
+
+def edit_vector(kind: str, change):
+    def edit(tensors):
+        key = converted_tensor(tensors, kind)
+        tensors[key] = change(tensors[key])
+    return edit
+
+
+def vector_for_a_module_without_lora(tensors):
+    tensors["model.layers.0.mlp.up_proj.magnitude"] = torch.ones(48)
+
+
+# name -> (adapter of KINDS converted, edit of the file's tensors, the error it must raise)
+MALFORMED_CONVERTED = {
+    "integer-magnitude": ("dora", edit_vector("magnitude", lambda t: t.to(torch.int32)), r"non-float vectors"),
+    "short-magnitude": ("dora", edit_vector("magnitude", lambda t: t[:-1]), r"magnitude has shape \[31\], expected"),
+    "nan-lora-bias": ("lora_bias", edit_vector("lora_bias", lambda t: t * float("nan")), r"NaN or Inf .* lora_bias"),
+    "long-base-bias": ("lora_only", edit_vector("base_bias", lambda t: torch.cat([t, t])), r"base_bias has shape"),
+    "inf-magnitude": ("dora", edit_vector("magnitude", lambda t: t / 0), r"NaN or Inf values in its magnitude"),
+    "stray-vector": ("dora", vector_for_a_module_without_lora, r"unexpected: \['model.layers.0.mlp.up_proj.magnitude"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED_CONVERTED))
+def test_a_malformed_converted_file_is_refused_by_name_and_changes_nothing(kinds, tmp_path, case):
+    base, paths, _ = kinds
+    adapter, edit, error = MALFORMED_CONVERTED[case]
+    good = convert_adapter(paths[adapter], tmp_path / "good.safetensors")
+    with safe_open(good, framework="pt") as reader:
+        metadata, tensors = reader.metadata(), {key: reader.get_tensor(key) for key in reader.keys()}
+    edit(tensors)
+    bad = tmp_path / f"{case}.safetensors"
+    save_file({key: value.contiguous() for key, value in tensors.items()}, bad, metadata=metadata)
+    model = MultiLoraModel(copy.deepcopy(base), max_adapters=3, max_rank=8)
+    model.load_adapters({"dora": paths["dora"]})
+    input_ids, _ = left_padded(prompts(2))
+    state = capture_state(model, input_ids, ["dora", None])
+    with pytest.raises(ValueError, match=error):
+        model.load_adapters({"good": paths["plain"], case: bad})
+    assert_state_unchanged(model, state)
 
 
 @pytest.mark.parametrize("setting, refused", [
