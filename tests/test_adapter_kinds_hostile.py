@@ -323,6 +323,25 @@ def test_dora_and_lora_bias_on_the_output_layer_apply_on_the_fixed_shape_ops(kin
         torch.testing.assert_close(logits[row, -1], expected, atol=ATOL, rtol=0)
 
 
+@torch.no_grad()
+def test_every_kind_evicted_and_read_again_from_its_folder_equals_peft(kinds):
+    """Two slots and a host tier that holds one adapter: each kind in turn is evicted, dropped from the host tier
+    and read again from its folder (its base-weight copy checked again, its invocation kept)."""
+    base, paths, oracles = kinds
+    one_adapter = 0
+    for name, path in paths.items():
+        scratch = MultiLoraModel(copy.deepcopy(base), max_adapters=1, max_rank=8)
+        scratch.load_adapters({name: path})
+        one_adapter = max(one_adapter, scratch.adapter_stats["host_bytes_used"])
+    model = MultiLoraModel(copy.deepcopy(base), max_adapters=2, max_rank=8, host_pool_bytes=one_adapter)
+    model.load_adapters(paths)
+    names = list(paths)
+    for _ in range(2):
+        for first, second in zip(names, names[1:] + names[:1]):
+            assert_rows_match_peft(model, oracles, [first, None, second], *left_padded(prompts(3)))
+    assert model.adapter_stats["disk_loads"] >= len(names)
+
+
 # ---------------------------------------------------------------------------------------------- files that change
 @pytest.mark.parametrize("kind, other_kind", [("dora", "plain"), ("plain", "dora")], ids=["loses", "gains"])
 @torch.no_grad()
