@@ -617,8 +617,7 @@ class AdapterStore:
             if _chunk_dims(weights) != adapter.dims:
                 raise ValueError(
                     f"adapter {adapter.name!r} changed at {source} since it was loaded (other modules, shapes or "
-                    "DoRA / bias vectors); "
-                    "unload it and load it again"
+                    "DoRA / bias vectors); unload it and load it again"
                 )
         factors_by_device = {
             device: {name: weights.modules[name] for name in layout.modules} for device, layout in adapter.layouts.items()
