@@ -147,11 +147,15 @@ def first_key(state_dict: dict, marker: str) -> str:
     return next(key for key in sorted(state_dict) if marker in key)
 
 
-def retype(marker: str, dtype: torch.dtype):
+def change(marker: str, how):
     def edit(state_dict):
         key = first_key(state_dict, marker)
-        state_dict[key] = state_dict[key].to(dtype)
+        state_dict[key] = how(state_dict[key])
     return edit
+
+
+def retype(marker: str, dtype: torch.dtype):
+    return change(marker, lambda tensor: tensor.to(dtype))
 
 
 def drop(marker: str):
@@ -184,16 +188,32 @@ MALFORMED = {
                                       r"has a lora_B bias but its config sets lora_bias=False"),
     "lora-bias-setting-without-biases": ("plain", None, set_config(lora_bias=True),
                                          r"has no lora_B bias but its config sets lora_bias=True"),
+    "short-lora-bias": ("lora_bias", change("lora_B.bias", lambda t: t[:-1]), None,
+                        r"lora_bias has shape \[47\], expected \[48\]"),
+    "matrix-magnitude": ("dora", change("lora_magnitude_vector", lambda t: t[None]), None,
+                         r"magnitude has shape \[1, 32\], expected \[32\]"),
+    "nan-magnitude": ("dora", change("lora_magnitude_vector", lambda t: t / 0 * 0), None,
+                      r"has NaN or Inf values in its magnitude"),
+    "inf-base-bias": ("lora_only", change("base_layer.bias", lambda t: t / 0), None,
+                      r"has NaN or Inf values in its base_bias"),
+}
+# Fine as files (a converted file holds them as they are), refused against the base model they do not fit
+MISFITS = {
+    "embedding-of-another-vocabulary": ("vocab", change("lora_embedding_A", lambda t: t[:, :90]), None,
+                                        r"module model.embed_tokens takes lora_A \[r, 96\] .* has \[4, 90\]"),
+    "output-layer-of-another-vocabulary": ("vocab", change("lm_head.lora_B", lambda t: t[:90]), None,
+                                           r"module lm_head takes lora_A \[r, 32\] and lora_B \[96, r\]"),
 }
 
 
-@pytest.mark.parametrize("case", sorted(MALFORMED))
+@pytest.mark.parametrize("case", sorted(MALFORMED) + sorted(MISFITS))
 def test_a_malformed_checkpoint_is_refused_by_name_and_changes_nothing(kinds, tmp_path, case):
-    """Refused when loaded from its folder (beside a good adapter, which is not registered either) and when
-    converted: PEFT would cast a tensor of another dtype, ignore a vector its config does not ask for and start one
-    its checkpoint lacks from its own initialisation, so the checkpoint alone does not say what to serve."""
+    """Refused when loaded from its folder (beside a good adapter, which is not registered either) and, unless it
+    only misfits the model, when converted: PEFT would cast a tensor of another dtype, ignore a vector its config
+    does not ask for and start one its checkpoint lacks from its own initialisation, so the checkpoint alone does
+    not say what to serve."""
     base, paths, _ = kinds
-    adapter, tensors, config, error = MALFORMED[case]
+    adapter, tensors, config, error = {**MALFORMED, **MISFITS}[case]
     folder = edited_copy(paths[adapter], tmp_path / case, tensors, config)
     model = MultiLoraModel(copy.deepcopy(base), max_adapters=3, max_rank=8)
     model.load_adapters({"dora": paths["dora"]})
@@ -202,8 +222,36 @@ def test_a_malformed_checkpoint_is_refused_by_name_and_changes_nothing(kinds, tm
     with pytest.raises(ValueError, match=error):
         model.load_adapters({"good": paths["plain"], case: folder})
     assert_state_unchanged(model, state)
+    if case in MISFITS:
+        return
     with pytest.raises(ValueError, match=error):
         convert_adapter(folder, tmp_path / f"{case}.safetensors")
+
+
+def three_experts_of_four(state_dict):
+    """Every expert parameter's factors cut to three experts' rows and columns (rank 4 on gate_up_proj)."""
+    for key in [key for key in state_dict if ".experts.base_layer.lora_" in key]:
+        factor = state_dict[key]
+        state_dict[key] = factor[:12] if ".lora_A." in key else factor[:, :12]
+
+
+@pytest.mark.parametrize("case, edit, error", [
+    ("three-experts", three_experts_of_four, r"gate_up_proj \(4 experts, rank 4\) takes lora_A \[16, 32\] and "
+                                             r"lora_B \[32, 16\], the adapter has \[12, 32\] and \[32, 12\]"),
+    ("integer-experts", retype("experts.lora_A", torch.int64), r"experts.lora_A.weight' holds torch.int64"),
+    ("missing-expert-factor", drop("experts.lora_B"), r"module model.layers.\d.mlp.experts has no lora_B weight"),
+], ids=["three-experts", "integer", "missing-factor"])
+def test_a_malformed_moe_checkpoint_is_refused_by_name_and_changes_nothing(tmp_path, case, edit, error):
+    base = tiny_qwen3_moe()
+    paths = save_moe_adapters(base, tmp_path)
+    folder = edited_copy(paths["experts"], tmp_path / case, edit)
+    model = MultiLoraModel(copy.deepcopy(base), max_adapters=3, max_rank=8)
+    model.load_adapters({"down_only": paths["down_only"]})
+    input_ids, _ = left_padded(prompts(2))
+    state = capture_state(model, input_ids, ["down_only", None])
+    with pytest.raises(ValueError, match=error):
+        model.load_adapters({"attn": paths["attn"], case: folder})
+    assert_state_unchanged(model, state)
 
 
 def converted_tensor(tensors: dict, kind: str) -> str:
