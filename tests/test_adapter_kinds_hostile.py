@@ -25,7 +25,7 @@ from test_moe_lora import save_moe_adapters, tiny_qwen3_moe
 from vector_adapters import make_base, peft_oracles, save_vector_adapter
 
 from punica_hf import MultiLoraModel
-from punica_hf.formats import LoraAdapterConfig, convert_adapter
+from punica_hf.formats import LoraAdapterConfig, ModuleLora, convert_adapter
 from punica_hf.serving import Engine, EngineConfig, SamplingParams
 
 ATOL = 2e-5
@@ -226,6 +226,14 @@ def test_a_malformed_checkpoint_is_refused_by_name_and_changes_nothing(kinds, tm
         return
     with pytest.raises(ValueError, match=error):
         convert_adapter(folder, tmp_path / f"{case}.safetensors")
+
+
+@pytest.mark.parametrize("factor", ["lora_a", "magnitude", "lora_bias"])
+def test_factors_made_in_code_must_be_floating_point(factor):
+    factors = dict(lora_a=torch.randn(2, 32), lora_b=torch.randn(32, 2), magnitude=torch.rand(32) + 0.5)
+    factors[factor] = torch.ones(factors.get(factor, factors["magnitude"]).shape, dtype=torch.int64)
+    with pytest.raises(ValueError, match=f"{factor} holds torch.int64, not floating-point values"):
+        ModuleLora(**factors)
 
 
 def three_experts_of_four(state_dict):
