@@ -228,6 +228,25 @@ def test_a_malformed_checkpoint_is_refused_by_name_and_changes_nothing(kinds, tm
         convert_adapter(folder, tmp_path / f"{case}.safetensors")
 
 
+def test_an_adapter_with_base_layer_biases_on_a_model_without_them_is_refused(kinds):
+    """A bias="lora_only" adapter of a model with biases, given a base model of the same shapes without them: PEFT
+    would drop its biases without a word; serving refuses it by name (another base model)."""
+    _, paths, _ = kinds
+    torch.manual_seed(0)
+    without_biases = make_base("llama")
+    for module in without_biases.modules():
+        if isinstance(module, torch.nn.Linear):
+            module.bias = None
+    model = MultiLoraModel(without_biases, max_adapters=3, max_rank=8)
+    model.load_adapters({"dora": paths["dora"]})  # DoRA needs the weights alone
+    input_ids, _ = left_padded(prompts(2))
+    state = capture_state(model, input_ids, ["dora", None])
+    with pytest.raises(ValueError, match=r"module model.layers.0.mlp.gate_proj has no bias in the base model, but "
+                                         r"the adapter holds one for it"):
+        model.load_adapters({"good": paths["plain"], "lora_only": paths["lora_only"]})
+    assert_state_unchanged(model, state)
+
+
 @pytest.mark.parametrize("factor", ["lora_a", "magnitude", "lora_bias"])
 def test_factors_made_in_code_must_be_floating_point(factor):
     factors = dict(lora_a=torch.randn(2, 32), lora_b=torch.randn(32, 2), magnitude=torch.rand(32) + 0.5)
