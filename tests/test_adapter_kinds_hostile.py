@@ -1,8 +1,9 @@
 """The adapter kinds beyond plain LoRA (DoRA, LoRA biases, embed_tokens / lm_head, MoE experts, aLoRA) under what a
-careless or hostile user does: malformed checkpoints are refused by name and change nothing, every kind in one
-batch equals PEFT row by row (generate() and the engine, with fewer slots than adapters), files that change under
-a loaded adapter, copies and moves of a model that holds each kind, loads and unloads from other threads while
-the engine serves.
+careless or hostile user does. Malformed checkpoints, and combinations of settings that PEFT refuses or serves
+otherwise, are refused by name and change nothing. Every kind in one batch equals PEFT row by row (generate() and
+the engine, with fewer slots than adapters), after eviction and re-reads, in copies and moves of the model, and
+while two threads load and unload adapters as the engine serves; a file that changes under a loaded adapter is
+refused when read again.
 """
 
 from __future__ import annotations
