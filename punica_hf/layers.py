@@ -348,7 +348,7 @@ class LoraHook:
         output = self._add_lora(module, args, output, segments)
         if self.vectors is None:  # no adapter with output vectors on this layer: nothing more to do
             return output
-        return _scale_and_shift(output, *self.vectors, segments.token_slots)
+        return scale_and_shift(output, *self.vectors, segments.token_slots)
 
     def _add_lora(
         self, module: nn.Module, args: tuple, output: torch.Tensor, segments: LoraSegments
@@ -445,7 +445,7 @@ class LoraHook:
         return output + delta_tokens.to(device=output.device, dtype=output.dtype).view(output.shape)
 
 
-def _scale_and_shift(
+def scale_and_shift(
     output: torch.Tensor, scale: torch.Tensor | None, shift: torch.Tensor | None, token_slots: torch.Tensor
 ) -> torch.Tensor:
     """``output * scale[slot] + shift[slot]`` per token (tables ``[S + 1, out]``, slot -1 reading the last row)."""

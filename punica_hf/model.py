@@ -163,7 +163,7 @@ class MultiLoraModel(FollowsModuleMoves):
                 loaded[name] = (source, source, {})
             else:
                 loaded[name] = (load_adapter_weights(source, **hub), source, hub)
-            _refuse_alora_on_embeddings(name, loaded[name][0], self.model)
+            _check_alora(name, loaded[name][0], self.model)
         return self._store.add(loaded)
 
     def unload_adapter(self, name: str) -> None:
@@ -466,11 +466,30 @@ def _token_ids(args: tuple, kwargs: dict) -> torch.Tensor | None:
     return None
 
 
-def _refuse_alora_on_embeddings(name: str, weights: AdapterWeights, model: nn.Module) -> None:
-    """ValueError for an aLoRA adapter with LoRA on an embedding layer, which PEFT refuses (its aLoRA masks the
-    positions of linear layers only)."""
-    if weights.config.alora_invocation_tokens is None:
+def _check_alora(name: str, weights: AdapterWeights, model: nn.Module) -> None:
+    """ValueError for an aLoRA adapter whose invocation holds a token id the model's vocabulary lacks (no input
+    could ever hold it: the adapter would silently never apply); with DoRA, which PEFT refuses (it has no such
+    variant); with biases of its own for the base layers (``bias="lora_only"`` / ``"all"``), which PEFT loads into
+    the base model, so they change the positions before the invocation too, which serving runs as the base model;
+    or with LoRA on an embedding layer, which PEFT refuses (its aLoRA masks the positions of linear layers only)."""
+    invocation_tokens = weights.config.alora_invocation_tokens
+    if invocation_tokens is None:
         return
+    refused = {
+        "magnitude": "DoRA is not supported (PEFT refuses it)",
+        "base_bias": "biases of its own for the base layers (bias='lora_only' or 'all') are not supported (PEFT "
+                     "loads them into the base layers: they would change the positions before the invocation too)",
+    }
+    for vector, problem in refused.items():
+        modules = sorted(module for module, factors in weights.modules.items() if getattr(factors, vector) is not None)
+        if modules:
+            raise ValueError(f"adapter {name!r}: aLoRA with {problem}: {modules[:3]}")
+    vocab_size = getattr(getattr(model, "get_input_embeddings", lambda: None)(), "num_embeddings", None)
+    if vocab_size is not None and max(invocation_tokens) >= vocab_size:
+        raise ValueError(
+            f"adapter {name!r}: its alora_invocation_tokens {list(invocation_tokens)} hold token ids beyond the "
+            f"model's vocabulary of {vocab_size} tokens (another tokenizer's ids?)"
+        )
     modules = dict(model.named_modules())
     embeddings = sorted(m for m in weights.modules if isinstance(modules.get(m), nn.Embedding))
     if embeddings:

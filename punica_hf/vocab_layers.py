@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .layers import LoraHook
+from .layers import LoraHook, scale_and_shift
 from .ops import LoraSegments, build_segments
 
 
@@ -171,7 +171,10 @@ class OutputLoraHook(LoraHook):
             )
         x_tokens = x.reshape(-1, self.in_features).to(device=pool.device, dtype=pool.dtype)
         delta = linear_delta(x_tokens, segments.token_slots, pool, *_row_tables(self), self.out_features, self.max_rank)
-        return output + delta.to(device=output.device, dtype=output.dtype).view(output.shape)
+        output = output + delta.to(device=output.device, dtype=output.dtype).view(output.shape)
+        if self.vectors is None:  # no adapter with output vectors (DoRA, LoRA biases) on this layer
+            return output
+        return scale_and_shift(output, *self.vectors, segments.token_slots)
 
     def token_segments(self, device: torch.device) -> LoraSegments | None:
         context = self.context

@@ -260,8 +260,13 @@ def _check_target_parameters(raw: dict[str, Any]) -> None:
         isinstance(targets, list) and all(isinstance(name, str) and "." in name.strip(".") for name in targets),
         "target_parameters", "a list of 'module.parameter' names (e.g. 'experts.gate_up_proj')", targets,
     )
-    if raw.get("lora_dropout"):  # PEFT's ParamWrapper refuses it: dropout cannot be factored out of W + dW
-        raise ValueError("target_parameters with lora_dropout != 0 is refused by PEFT")
+    # PEFT's ParamWrapper refuses these: dropout cannot be factored out of W + dW, and DoRA, lora_B's bias,
+    # fan_in_fan_out and aLoRA are not implemented for wrapped parameters
+    for setting, refused in (("lora_dropout", "lora_dropout != 0"), ("use_dora", "use_dora=True"),
+                             ("lora_bias", "lora_bias=True"), ("fan_in_fan_out", "fan_in_fan_out=True"),
+                             ("alora_invocation_tokens", "aLoRA (alora_invocation_tokens)")):
+        if raw.get(setting):
+            raise ValueError(f"target_parameters with {refused} is refused by PEFT")
 
 
 def _read_with_peft(raw: dict[str, Any]) -> LoraConfig:

@@ -173,6 +173,8 @@ def adapter_weights_from_peft(
     factors: dict[str, dict[str, torch.Tensor]] = {}
     base_copies, biases = {}, {}
     for key, tensor in state_dict.items():
+        if not tensor.is_floating_point():  # PEFT saves floats only: another dtype is a corrupt or hand-made file
+            raise ValueError(f"adapter {source}: tensor {key!r} holds {tensor.dtype}, not floating-point values")
         match = _LORA_KEY.match(key)
         if match is not None:
             factors.setdefault(match["module"], {})[_tensor_kind(match)] = tensor
@@ -214,6 +216,7 @@ def adapter_weights_from_peft(
             raise ValueError(
                 f"adapter {source}: module {name} has rank {lora_a.shape[0]} but its config gives r={rank}"
             )
+        _check_vectors_against_config(name, pair, config, source)
         scaling = config.scaling_for(name)
         vectors = {kind: pair[kind].float() for kind in ("magnitude", "lora_bias", "base_bias") if kind in pair}
         if "lora_bias" in vectors:
@@ -226,6 +229,19 @@ def adapter_weights_from_peft(
             raise ValueError(f"adapter {source}: module {name}: {error}") from None
     return AdapterWeights(modules=modules, config=config, source=source, base_weights=base_copies,
                           other_biases=biases, parameters=parameters)
+
+
+def _check_vectors_against_config(module: str, tensors: dict[str, torch.Tensor], config: LoraAdapterConfig,
+                                  source: str) -> None:
+    """A module's DoRA magnitude and lora_B bias must be there exactly when the config asks for them: PEFT builds
+    its layers from the config, ignores a tensor its layer lacks, and starts one the checkpoint lacks from its own
+    initialisation (a DoRA magnitude from the base weight's norm), so the checkpoint alone would serve other math."""
+    for kind, setting, tensor in (("magnitude", "use_dora", "lora_magnitude_vector"),
+                                  ("lora_bias", "lora_bias", "lora_B bias")):
+        asked = bool(config.raw.get(setting))
+        if asked != (kind in tensors):
+            has = "has no" if asked else "has a"
+            raise ValueError(f"adapter {source}: module {module} {has} {tensor} but its config sets {setting}={asked}")
 
 
 def _tensor_kind(match: re.Match) -> str:

@@ -24,6 +24,8 @@ class ModuleLora:
     ``base_bias``: the adapter's own bias of the base layer (``bias="lora_only"`` / ``"all"``). A model turns them
     into ``output_scale`` / ``output_shift`` (``punica_hf.adapter_vectors``): the layer's output with LoRA
     becomes ``output * output_scale + output_shift``.
+
+    ValueError when a tensor is not floating-point or a vector is not ``[out]``.
     """
 
     lora_a: torch.Tensor
@@ -35,6 +37,10 @@ class ModuleLora:
     output_shift: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
+        for name in FACTOR_NAMES:
+            tensor = getattr(self, name)
+            if tensor is not None and not tensor.is_floating_point():
+                raise ValueError(f"{name} holds {tensor.dtype}, not floating-point values")
         out_features = self.lora_b.shape[0]
         for name in VECTOR_NAMES:
             vector = getattr(self, name)

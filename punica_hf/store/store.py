@@ -68,7 +68,7 @@ class Adapter:
     index: int
     source: Any  # what to read again when its host copy was dropped: a path or Hub id, or the AdapterWeights
     source_kwargs: dict
-    dims: dict[str, tuple[int, int, int]]  # module -> (in, out, rank), to check a re-read against
+    dims: dict[str, tuple]  # module -> what its chunk holds (``_chunk_dims``), to check a re-read against
     layouts: dict[torch.device, ChunkLayout]
     device_bytes: int
     factor_bytes: int  # its factors' bytes on this process's devices (this rank's share under tensor parallelism)
@@ -316,7 +316,7 @@ class AdapterStore:
             index = self._free_index()
             adapter = Adapter(
                 name=name, index=index, source=plan.source, source_kwargs=plan.source_kwargs,
-                dims={m: (f.lora_a.shape[1], f.lora_b.shape[0], f.rank) for m, f in plan.weights.modules.items()},
+                dims=_chunk_dims(plan.weights),
                 layouts=plan.layouts, device_bytes=plan.device_bytes, factor_bytes=plan.factor_bytes,
                 unsplit_bytes=plan.unsplit_bytes, invocation_tokens=plan.weights.config.alora_invocation_tokens,
             )
@@ -614,11 +614,10 @@ class AdapterStore:
             weights = self.module_hooks.select(adapter.name, weights)
             with self.lock:
                 self.counters["disk_loads"] += 1
-            dims = {m: (f.lora_a.shape[1], f.lora_b.shape[0], f.rank) for m, f in weights.modules.items()}
-            if dims != adapter.dims:
+            if _chunk_dims(weights) != adapter.dims:
                 raise ValueError(
-                    f"adapter {adapter.name!r} changed at {source} since it was loaded (other modules or shapes); "
-                    "unload it and load it again"
+                    f"adapter {adapter.name!r} changed at {source} since it was loaded (other modules, shapes or "
+                    "DoRA / bias vectors); unload it and load it again"
                 )
         factors_by_device = {
             device: {name: weights.modules[name] for name in layout.modules} for device, layout in adapter.layouts.items()
@@ -770,6 +769,14 @@ class AdapterStore:
                 factor_bytes=sum(a.factor_bytes for a in self._by_name.values()),
                 factor_bytes_unsplit=sum(a.unsplit_bytes for a in self._by_name.values()),
             )
+
+
+def _chunk_dims(weights: AdapterWeights) -> dict[str, tuple]:
+    """Per module, what its part of a chunk is laid out for: ``(in, out, rank, has output_scale, has output_shift)``."""
+    return {
+        name: (f.lora_a.shape[1], f.lora_b.shape[0], f.rank, f.output_scale is not None, f.output_shift is not None)
+        for name, f in weights.modules.items()
+    }
 
 
 def _factor_bytes(weights: AdapterWeights, targets: dict[str, LinearModule]) -> tuple[int, int]:
