@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 import re
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -23,7 +25,7 @@ ray = pytest.importorskip("ray", reason="needs the ray extra (pip install 'punic
 serve = pytest.importorskip("ray.serve", reason="needs the ray extra (pip install 'punica-hf[ray]')")
 
 from helpers import save_peft_adapter, save_word_level_model  # noqa: E402
-from server_process import free_port  # noqa: E402
+from server_process import child_env, free_port  # noqa: E402
 from test_tp_serve import PROMPTS, _unsplit_answers  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
@@ -193,6 +195,17 @@ def test_followers_die_with_the_thread_that_started_them():
             followers.check()
     finally:
         followers.stop(timeout=0)
+
+
+def test_a_follower_that_fails_to_start_fails_its_replica_at_once():
+    """Rank 0 would wait for a missing rank in the rendezvous for half an hour: the replica fails instead (and Ray
+    Serve starts another)."""
+    script = ("from punica_hf.serving.ray import FollowerRanks\n"
+              "FollowerRanks(2, ['-c', 'raise SystemExit(3)']).join_and(lambda: None)")
+    result = subprocess.run([sys.executable, "-c", script], env=child_env(), capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 1
+    assert "rank 1 of this replica's tensor-parallel group exited (exit code 3)" in result.stderr, result.stderr
 
 
 @pytest.mark.parametrize("options, problem", [

@@ -36,7 +36,7 @@ import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from concurrent.futures import Future, wait
+from concurrent import futures
 from pathlib import Path
 
 import torch
@@ -259,7 +259,7 @@ class FollowerRanks:
     def join_and(self, make_engine: Callable[[], Engine]) -> Engine:
         """Join the group as rank 0, then ``make_engine()``; a ``RuntimeError`` as soon as a follower exits
         meanwhile (rank 0 would wait for it for good)."""
-        outcome: Future = Future()
+        outcome: futures.Future = futures.Future()
 
         def join_and_make() -> None:
             try:
@@ -271,7 +271,7 @@ class FollowerRanks:
                 outcome.set_exception(error)
 
         threading.Thread(target=join_and_make, name="punica-hf-rank-0-start", daemon=True).start()
-        while not wait([outcome], timeout=FOLLOWER_WATCH_SECONDS).done:
+        while not futures.wait([outcome], timeout=FOLLOWER_WATCH_SECONDS).done:
             self.check()
         return outcome.result()
 
