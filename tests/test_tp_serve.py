@@ -125,7 +125,6 @@ def test_serve_split_over_two_ranks_answers_as_the_unsplit_model_and_drains_on_s
 @pytest.mark.parametrize("options, problem", [
     (["--model", "demo"], "--tp splits a transformers model"),
     (["--model", "MODEL", "--device", "cpu"], "--tp places each rank where transformers puts it"),
-    (["--model", "MODEL", "--replicas", "2"], "--tp runs one engine over N ranks; it does not run on Ray"),
 ])
 def test_serve_tp_refusals_before_anything_loads(tmp_path, capsys, monkeypatch, options, problem):
     from punica_hf.cli import main, ranks, serve

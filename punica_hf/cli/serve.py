@@ -34,7 +34,8 @@ def register(command: Callable[..., argparse.ArgumentParser]) -> None:
         "GET /v1/models, GET /health, GET /metrics (Prometheus), and with --allow-runtime-lora vLLM's "
         "POST /v1/load_lora_adapter and /v1/unload_lora_adapter. Needs the serve extra "
         "(pip install 'punica-hf[serve]'). SIGTERM finishes the requests in flight, then exits. With --tp N the "
-        "model is split over N ranks the command starts itself; rank 0 serves HTTP.",
+        "model is split over N ranks the command starts itself; rank 0 serves HTTP (with --replicas, each replica "
+        "is such a group).",
         "  punica-hf serve --model demo\n"
         "  punica-hf serve --model meta-llama/Llama-3.1-8B-Instruct --adapter sql=./sql-lora --adapter "
         "math=org/math-lora \\\n"
@@ -103,7 +104,8 @@ def register(command: Callable[..., argparse.ArgumentParser]) -> None:
     replicas.add_argument(
         "--replicas", type=positive_int, default=None, metavar="N",
         help="serve N copies of the engine behind Ray Serve's HTTP proxy, each request routed to a replica that "
-        "holds its adapter (without it: one engine, no Ray, unless --ray-address)",
+        "holds its adapter; with --tp K each replica is K ranks on one machine (without it: one engine, no Ray, "
+        "unless --ray-address)",
     )
     replicas.add_argument(
         "--ray-address", metavar="ADDR",
@@ -111,7 +113,8 @@ def register(command: Callable[..., argparse.ArgumentParser]) -> None:
     )
     replicas.add_argument(
         "--gpus-per-replica", type=float, default=None, metavar="G",
-        help="GPUs Ray reserves for each replica (default: 1 when this machine has a CUDA GPU, else 0)",
+        help="GPUs Ray reserves for each replica (default: the --tp value, 1 without it, when this machine has a "
+        "CUDA GPU, else 0)",
     )
     limits = parser.add_argument_group("request limits (a request beyond is refused before it reaches the engine)")
     limits.add_argument("--max-request-bytes", type=positive_int, default=4 * 1024 * 1024, metavar="N",
@@ -133,13 +136,17 @@ def on_ray(args: argparse.Namespace) -> bool:
 
 def run(args: argparse.Namespace, console: Console) -> None:
     check_arguments(args)
+    if args.tp > 1 and args.as_tp_rank:  # a rank torchrun started, or (ranks 1..) one a Ray Serve replica started
+        return _run_rank(args, console)
     if on_ray(args):
         return _run_on_ray(args, console)
-    if args.tp > 1 and not args.as_tp_rank:  # this process starts the ranks, which serve
+    if args.tp > 1:  # this process starts the ranks, which serve
         bind_listener(args.host, args.port).close()  # a busy address fails now, not after the ranks have loaded
         return ranks.launch(args.argv, args.tp)
-    if args.tp == 1:
-        return _serve_http(args, console)
+    return _serve_http(args, console)
+
+
+def _run_rank(args: argparse.Namespace, console: Console) -> None:
     try:
         rank = ranks.join(args.tp)
         if rank == 0:
@@ -221,9 +228,11 @@ def check_arguments(args: argparse.Namespace) -> None:
         )
     if args.tp > 1:
         ranks.check_tp_arguments(args)
-        if on_ray(args):
-            raise ValueError("--tp runs one engine over N ranks; it does not run on Ray (leave out --replicas and "
-                             "--ray-address)")
+        if on_ray(args) and args.gpus_per_replica is not None and 0 < args.gpus_per_replica < args.tp:
+            raise ValueError(
+                f"--tp {args.tp} puts each replica's rank i on its i-th GPU: --gpus-per-replica must be at least "
+                f"{args.tp} (or 0, ranks on the CPU)"
+            )
 
 
 def served_adapters(args: argparse.Namespace) -> dict[str, str]:
@@ -281,7 +290,9 @@ def ray_app(options: Mapping[str, object]):
                 argv.append(flag)
             elif item is not False and str(item).lower() != "false":
                 argv += [flag, str(item)]
-    return build_ray_app(parser.parse_args(argv))
+    args = parser.parse_args(argv)
+    args.argv = ["serve", *argv]  # the command line of each replica's ranks 1.. under --tp
+    return build_ray_app(args)
 
 
 def build_ray_app(args: argparse.Namespace):
@@ -291,15 +302,16 @@ def build_ray_app(args: argparse.Namespace):
     except ImportError as error:
         raise ImportError(f"--replicas needs the ray extra: pip install 'punica-hf[ray]' ({error})") from error
     gpus = args.gpus_per_replica
-    if gpus is None:
+    if gpus is None:  # under --tp, one GPU per rank
         import torch
 
-        gpus = 1 if args.device != "cpu" and torch.cuda.is_available() else 0
+        gpus = args.tp if args.device != "cpu" and torch.cuda.is_available() else 0
     return build_app(
         partial(make_engine, args), args.served_model_name or args.model, replicas=args.replicas or 1,
         max_adapters=args.max_adapters, api_key=args.api_key,
         lora_dirs=args.lora_dir if args.allow_runtime_lora else None, limits=request_limits(args),
-        replica_actor_options={"num_gpus": gpus},
+        replica_actor_options={"num_gpus": gpus}, tp=args.tp,
+        follower_args=["-m", "punica_hf", *args.argv, ranks.RANK_OPTION] if args.tp > 1 else (),
     )
 
 

@@ -11,20 +11,36 @@
   replica. It streams the replica's answer back as it comes.
 - ``AdapterCatalog`` (one): the runtime loads and unloads, numbered. A replica that accepts a load or unload
   records it there; every request carries the catalog's number, and a replica behind it catches up (loads or
-  unloads through its own store) before it serves the request: a runtime load reaches every replica, including
+  unloads through its own engine) before it serves the request: a runtime load reaches every replica, including
   one restarted after a failure.
 
 A replica that dies is restarted by Ray Serve. A request it was serving is sent once more, to another replica, if
 nothing of its answer was sent yet; otherwise the answer ends early. If that fails too the client gets a 503.
+
+With ``tp`` > 1 a replica is one tensor-parallel group of ``tp`` ranks on one machine (``FollowerRanks``): rank 0
+in the replica's process, with the engine and the server as above; ranks 1.. in child processes the replica starts,
+which run the steps rank 0 decides. A rank that stops makes the replica unhealthy, and Ray Serve replaces the
+whole group; the children never outlive the replica's process.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from concurrent import futures
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
 from ray import serve
 from ray.exceptions import ActorUnavailableError, RayActorError
 
@@ -37,6 +53,12 @@ ADAPTER_ROUTES = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 # adapter's requests elsewhere because its replica has "too many" in flight).
 MAX_ONGOING_REQUESTS = 1024
 REPLICA_LOST = (RayActorError, ActorUnavailableError)
+# A replica whose engine or one of its ranks has stopped answers nothing but 503s: Ray Serve replaces it after three
+# failed health checks in a row, so check often (the check reads flags, and polls the ranks' processes).
+HEALTH_CHECK_SECONDS = 2.0
+FOLLOWER_WATCH_SECONDS = 0.2  # how often a replica starting its tensor-parallel group checks that its ranks live
+PR_SET_PDEATHSIG = 1  # Linux prctl(2): the signal a process gets when the thread that started it ends
+FOLLOWER_EXIT_SECONDS = 10.0  # how long a stopping replica waits for its ranks to leave before it kills them
 
 
 def build_app(
@@ -49,6 +71,8 @@ def build_app(
     lora_dirs: Sequence[str | Path] | None = None,
     limits: RequestLimits | None = None,
     replica_actor_options: Mapping | None = None,
+    tp: int = 1,
+    follower_args: Sequence[str] = (),
 ) -> serve.Application:
     """The Ray Serve application of ``replicas`` engines behind one OpenAI-compatible HTTP ingress.
 
@@ -57,17 +81,29 @@ def build_app(
     on its device (the model's ``max_adapters``): Ray Serve counts a replica as holding at most that many.
     ``replica_actor_options``: Ray actor options of each replica (``{"num_gpus": 1}`` on GPUs). The other
     arguments are ``create_app``'s.
+
+    ``tp`` > 1: each replica is a tensor-parallel group of ``tp`` ranks (reserve ``tp`` GPUs per replica on GPUs:
+    rank i takes the i-th of the replica's GPUs). ``make_engine`` then runs once the replica's process has joined
+    the group as rank 0, and each rank i > 0 runs ``python FOLLOWER_ARGS...`` in a child process of the replica,
+    with torch.distributed's environment variables (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``,
+    ``LOCAL_RANK``): it joins the group, builds the same engine and follows rank 0's steps until rank 0 shuts down
+    (``punica-hf serve ... --as-tp-rank`` does).
     """
     if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
         raise ValueError(f"replicas must be a positive integer, got {replicas!r}")
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"tp must be a positive integer, got {tp!r}")
+    if tp > 1 and not follower_args:
+        raise ValueError("tp > 1 needs follower_args: the command line of the ranks 1.. of each replica")
     limits = limits or RequestLimits()
     catalog = serve.deployment(AdapterCatalog, ray_actor_options={"num_cpus": 0}).bind()
     replica_class = serve.multiplexed(max_num_models_per_replica=max_adapters)(EngineReplica.hold_adapter)
     replica_class = type("EngineReplica", (EngineReplica,), {"hold_adapter": replica_class})
     replica = serve.deployment(
         replica_class, num_replicas=replicas, max_ongoing_requests=MAX_ONGOING_REQUESTS,
-        ray_actor_options=dict(replica_actor_options or {}),
-    ).bind(make_engine, model_name, catalog, api_key, None if lora_dirs is None else list(lora_dirs), limits)
+        ray_actor_options=dict(replica_actor_options or {}), health_check_period_s=HEALTH_CHECK_SECONDS,
+    ).bind(make_engine, model_name, catalog, api_key, None if lora_dirs is None else list(lora_dirs), limits, tp,
+           list(follower_args))
     router = serve.deployment(
         serve.ingress()(Router), max_ongoing_requests=MAX_ONGOING_REQUESTS, ray_actor_options={"num_cpus": 0},
     )
@@ -101,18 +137,31 @@ class AdapterCatalog:
 
 
 class EngineReplica:
-    """One engine and its server; ``handle_http`` serves one HTTP request, given as a dict, as ASGI messages."""
+    """One engine and its server; ``handle_http`` serves one HTTP request, given as a dict, as ASGI messages.
 
-    def __init__(self, make_engine: Callable[[], Engine], model_name: str, catalog, api_key: str | None,
-                 lora_dirs: list[str] | None, limits: RequestLimits) -> None:
-        self.engine = make_engine()
-        self.catalog = catalog
-        self.app = create_app(self.engine, model_name, api_key=api_key, lora_dirs=lora_dirs, limits=limits,
-                              on_adapters_changed=self._record_in_catalog)
-        self.name = serve.get_replica_context().replica_id.unique_id
-        self.version = 0
-        self.catching_up = asyncio.Lock()
-        self.lifespan = _Lifespan(self.app)
+    Over ``tp`` > 1 ranks, the replica's process is rank 0 and ``followers`` the other ranks' processes."""
+
+    async def __init__(self, make_engine: Callable[[], Engine], model_name: str, catalog, api_key: str | None,
+                       lora_dirs: list[str] | None, limits: RequestLimits, tp: int = 1,
+                       follower_args: Sequence[str] = ()) -> None:
+        # Ray Serve runs the constructor on the thread that runs the replica's event loop, for the replica's whole
+        # life: the followers are started from it (see FollowerRanks).
+        self.followers = FollowerRanks(tp, follower_args) if tp > 1 else None
+        try:
+            self.engine = make_engine() if self.followers is None else self.followers.join_and(make_engine)
+            self.catalog = catalog
+            self.app = create_app(self.engine, model_name, api_key=api_key, lora_dirs=lora_dirs, limits=limits,
+                                  on_adapters_changed=self._record_in_catalog)
+            self.name = serve.get_replica_context().replica_id.unique_id
+            self.version = 0
+            self.catching_up = asyncio.Lock()
+            self.lifespan = _Lifespan(self.app)
+            if self.followers is not None:  # the followers' engines run already: they wait for rank 0's steps
+                await self.lifespan.start()  # (for minutes at most), not for this replica's first request
+        except BaseException:
+            if self.followers is not None:
+                self.followers.stop(timeout=0)
+            raise
 
     async def hold_adapter(self, adapter: str) -> str:
         """Made ``@serve.multiplexed`` by ``build_app``: tells Ray Serve this replica holds ``adapter``. The
@@ -122,22 +171,40 @@ class EngineReplica:
 
     async def handle_http(self, request: dict, catalog_version: int) -> AsyncIterator[dict]:
         await self.lifespan.start()
-        await self._catch_up(catalog_version)
-        adapter = serve.get_multiplexed_model_id()
-        if adapter and adapter in self.engine.model.adapters:
-            await self.hold_adapter(adapter)
-        async for message in _asgi_messages(self.app, request):
+        app = self._lost_rank_answer()
+        if app is None:
+            await self._catch_up(catalog_version)
+            adapter = serve.get_multiplexed_model_id()
+            if adapter and adapter in self.engine.model.adapters:
+                await self.hold_adapter(adapter)
+            app = self.app
+        async for message in _asgi_messages(app, request):
             if message["type"] == "http.response.start":
                 headers = [*message.get("headers", []), (REPLICA_HEADER.encode(), self.name.encode())]
                 message = {**message, "headers": headers}
             yield message
 
+    def _lost_rank_answer(self):
+        """Over ranks, once a follower has exited: the 503 every request gets until Ray Serve has replaced this
+        replica (its engine cannot run a step); None while the followers run."""
+        if self.followers is None:
+            return None
+        try:
+            self.followers.check()
+        except RuntimeError as error:
+            return APIError(503, f"{error}; retry", type="server_error", code="replica_lost").response()
+        return None
+
     async def check_health(self) -> None:
+        if self.followers is not None:
+            self.followers.check()
         if self.lifespan.started and not self.engine.running:
             raise RuntimeError(f"the engine is not running: {self.engine.error}")
 
     async def __del__(self) -> None:  # Ray Serve awaits it when it stops the replica: drain the engine
-        await self.lifespan.stop()
+        await self.lifespan.stop()  # over ranks: rank 0's engine tells the followers to stop once drained
+        if self.followers is not None:
+            await asyncio.to_thread(self.followers.stop, FOLLOWER_EXIT_SECONDS)
 
     async def _catch_up(self, version: int) -> None:
         """Apply the catalog's runtime loads and unloads if this replica has not seen ``version`` yet."""
@@ -147,16 +214,106 @@ class EngineReplica:
             if version <= self.version:
                 return
             latest, loaded, unloaded = await self.catalog.snapshot.remote()
-            model = self.engine.model
-            for name in unloaded & set(model.adapters):
-                await asyncio.to_thread(model.unload_adapter, name)
-            missing = {name: path for name, path in loaded.items() if name not in model.adapters}
+            held = self.engine.model.adapters
+            # Through the engine: over ranks, rank 0's engine has every rank make the change.
+            for name in unloaded & set(held):
+                await asyncio.to_thread(self.engine.unload_adapter, name)
+            missing = {name: path for name, path in loaded.items() if name not in held}
             if missing:
-                await asyncio.to_thread(model.load_adapters, missing)
+                await asyncio.to_thread(self.engine.load_adapters, missing)
             self.version = latest
 
     def _record_in_catalog(self, name: str, path: str | None) -> None:  # called in a worker thread of the app
         self.catalog.record.remote(name, path).result()
+
+
+class FollowerRanks:
+    """The ranks 1.. of a replica's tensor-parallel group: child processes of the replica's process, which is rank 0.
+
+    The children die with the replica's process however it ends: Linux's ``PR_SET_PDEATHSIG`` has the kernel kill
+    a child when the thread that started it ends, here the replica's event-loop thread, which lives as long as the
+    process (Ray's raylet also ends a dead worker's process group, when the raylet itself still runs). They take the replica's GPUs: they inherit the ``CUDA_VISIBLE_DEVICES`` Ray gave the replica, and
+    transformers puts rank i on the i-th (``LOCAL_RANK``).
+    """
+
+    def __init__(self, ranks: int, follower_args: Sequence[str]) -> None:
+        port = _free_port()  # free now; rank 0 listens on it when it joins, right after
+        self.address = f"tcp://127.0.0.1:{port}"
+        self.ranks = ranks
+        # PYTHONPATH: what this process imports from, punica_hf included, wherever Ray put it (a runtime_env's
+        # working_dir is on sys.path, not in the environment).
+        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(ranks),
+               "PYTHONPATH": os.pathsep.join(path for path in sys.path if path)}
+        die_with_parent = _death_signal_on_parent_exit()
+        self.processes: dict[int, subprocess.Popen] = {}
+        try:
+            for rank in range(1, ranks):
+                self.processes[rank] = subprocess.Popen(
+                    [sys.executable, *follower_args], env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                    preexec_fn=die_with_parent,
+                )
+        except BaseException:
+            self.stop(timeout=0)
+            raise
+
+    def join_and(self, make_engine: Callable[[], Engine]) -> Engine:
+        """Join the group as rank 0, then ``make_engine()``; a ``RuntimeError`` as soon as a follower exits
+        meanwhile (rank 0 would wait for it for good)."""
+        outcome: futures.Future = futures.Future()
+
+        def join_and_make() -> None:
+            try:
+                # The followers' backend (punica_hf.cli.ranks.join): NCCL on GPUs, gloo on the CPU.
+                backend = "nccl" if torch.cuda.is_available() else "gloo"
+                dist.init_process_group(backend, init_method=self.address, rank=0, world_size=self.ranks)
+                outcome.set_result(make_engine())
+            except BaseException as error:
+                outcome.set_exception(error)
+
+        threading.Thread(target=join_and_make, name="punica-hf-rank-0-start", daemon=True).start()
+        while not futures.wait([outcome], timeout=FOLLOWER_WATCH_SECONDS).done:
+            self.check()
+        return outcome.result()
+
+    def check(self) -> None:
+        """``RuntimeError`` naming a follower that has exited (the group cannot go on without it)."""
+        for rank, process in self.processes.items():
+            if process.poll() is not None:
+                raise RuntimeError(f"rank {rank} of this replica's tensor-parallel group exited (exit code "
+                                   f"{process.returncode}); Ray Serve replaces the replica")
+
+    def stop(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for the followers to exit (rank 0's engine tells them to stop once it has
+        drained), then kill those left."""
+        deadline = time.monotonic() + timeout
+        for process in self.processes.values():
+            try:
+                process.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+def _death_signal_on_parent_exit() -> Callable[[], None] | None:
+    """A ``preexec_fn`` that has the child killed when the thread starting it ends (Linux ``PR_SET_PDEATHSIG``);
+    None elsewhere. libc is looked up here, before the fork: the child runs no import between fork and exec."""
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    parent = os.getpid()
+
+    def set_death_signal() -> None:
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent:  # the parent died before the signal was set
+            os._exit(1)
+
+    return set_death_signal
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 class Router:
