@@ -31,7 +31,8 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 
 from punica_hf.cli import main, ranks  # noqa: E402
 from punica_hf.cli import serve as serve_command  # noqa: E402
-from punica_hf.serving.ray import REPLICA_HEADER, FollowerRanks  # noqa: E402
+from punica_hf.serving.follower_ranks import FollowerRanks  # noqa: E402
+from punica_hf.serving.ray import REPLICA_HEADER  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch without torch.distributed")
 
@@ -200,7 +201,7 @@ def test_followers_die_with_the_thread_that_started_them():
 def test_a_follower_that_fails_to_start_fails_its_replica_at_once():
     """Rank 0 would wait for a missing rank in the rendezvous for half an hour: the replica fails instead (and Ray
     Serve starts another)."""
-    script = ("from punica_hf.serving.ray import FollowerRanks\n"
+    script = ("from punica_hf.serving.follower_ranks import FollowerRanks\n"
               "FollowerRanks(2, ['-c', 'raise SystemExit(3)']).join_and(lambda: None)")
     result = subprocess.run([sys.executable, "-c", script], env=child_env(), capture_output=True, text=True,
                             timeout=60)
