@@ -67,7 +67,7 @@ if [ -n "${ONLY// /}" ]; then  # every part runs the kernels
 fi
 if wanted tests; then
     # tests/gpu, and the engine's GPU-marked tests beside its CPU ones
-    part tests 300 bash -c "python3 -m pytest -q -p no:cacheprovider tests/gpu tests/test_engine.py tests/test_attention.py \
+    part tests 300 bash -c "python3 -m pytest -q -p no:cacheprovider tests/gpu tests/test_engine.py tests/test_attention.py tests/test_sampling.py \
         tests/test_prefix_cache.py $PYTEST_ARGS > '$OUT/pytest.log' 2>&1"
     [ -f "$OUT/pytest.log" ] && tail -3 "$OUT/pytest.log" | tee -a "$LOG"
 fi

@@ -13,7 +13,7 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopK
 
 from punica_hf.serving import SamplingParams
 from punica_hf.serving.sampling import (
-    PROBABILITIES_NOT_FINITE, SCORES_NOT_FINITE, RowSampler, _draw, _warped_probabilities, sample_rows,
+    PROBABILITIES_NOT_FINITE, SCORES_NOT_FINITE, RowSampler, _draw, _settings_on, _warped_probabilities, sample_rows,
 )
 
 VOCAB = 50
@@ -25,6 +25,11 @@ SETTINGS = [  # (temperature, top_k, top_p)
 
 def sampler(temperature: float, top_k: int, top_p: float, seed: int = 0) -> RowSampler:
     return RowSampler(SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p), seed)
+
+
+def warped(scores: torch.Tensor, samplers: list[RowSampler]) -> torch.Tensor:
+    """The engine's probabilities of every row of ``scores`` (row i with ``samplers[i]``)."""
+    return _warped_probabilities(scores, _settings_on(scores.device, list(range(len(samplers))), samplers))
 
 
 def transformers_probabilities(row: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
@@ -39,13 +44,18 @@ def transformers_probabilities(row: torch.Tensor, temperature: float, top_k: int
     return row.softmax(dim=-1)
 
 
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU")])]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("seed", range(4))
-def test_each_rows_probabilities_are_transformers_warpers_on_that_row_alone(seed):
+def test_each_rows_probabilities_are_transformers_warpers_on_that_row_alone(seed, device):
     generator = torch.Generator().manual_seed(seed)
     scores = torch.randn(len(SETTINGS), VOCAB, generator=generator) * 3
     scores[::2] = scores[::2].round()  # ties at the k-th score and in the top-p cut
     samplers = [sampler(*settings) for settings in SETTINGS]
-    batched = _warped_probabilities(scores, samplers)
+    batched = warped(scores.to(device), samplers).cpu()
     for row, settings in enumerate(SETTINGS):
         expected = transformers_probabilities(scores[row : row + 1], *settings)[0]
         assert torch.equal(batched[row] > 0, expected > 0), settings  # the same tokens kept
@@ -55,18 +65,19 @@ def test_each_rows_probabilities_are_transformers_warpers_on_that_row_alone(seed
 def test_draws_follow_the_probabilities_and_never_pick_an_impossible_token():
     probabilities = torch.tensor([[0.0, 0.1, 0.0, 0.2, 0.3, 0.4, 0.0]] * 4000)
     row_sampler = sampler(1.0, 0, 1.0, seed=3)
-    tokens = _draw(probabilities, [row_sampler.uniform() for _ in range(4000)]).tolist()
+    tokens = _draw(probabilities, torch.tensor([row_sampler.uniform() for _ in range(4000)])).tolist()
     counts = collections.Counter(tokens)
     assert set(counts) == {1, 3, 4, 5}
     for token, probability in ((1, 0.1), (3, 0.2), (4, 0.3), (5, 0.4)):
         assert abs(counts[token] / 4000 - probability) < 0.03, (token, counts)
-    edges = _draw(probabilities[:3], [1.0, 1e-12, 0.1]).tolist()  # the ends of (0, 1], and exactly a boundary
+    edges = _draw(probabilities[:3], torch.tensor([1.0, 1e-12, 0.1])).tolist()  # (0, 1]'s ends; a boundary
     assert edges == [5, 1, 1]
 
 
-def test_a_seeded_row_draws_the_same_tokens_alone_or_in_a_crowd():
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_seeded_row_draws_the_same_tokens_alone_or_in_a_crowd(device):
     generator = torch.Generator().manual_seed(7)
-    steps = [torch.randn(6, VOCAB, generator=generator) for _ in range(10)]
+    steps = [torch.randn(6, VOCAB, generator=generator).to(device) for _ in range(10)]
     alone_sampler = sampler(1.2, 10, 0.9, seed=42)
     alone = [sample_rows(scores[2:3], [alone_sampler]).tokens.item() for scores in steps]
     crowd_samplers = [sampler(0.8, 0, 1.0, seed=1), None, sampler(1.2, 10, 0.9, seed=42), sampler(1.0, 3, 1.0, seed=2),
@@ -104,6 +115,6 @@ def test_a_top_p_cut_that_falls_exactly_on_a_boundary_follows_transformers():
     """Four equally likely tokens and top_p 0.5: the cumulative probabilities hit 1 - top_p exactly; transformers
     removes the tokens up to and including that point (two of them), and so does the engine."""
     scores = torch.zeros(1, 4)
-    batched = _warped_probabilities(scores, [sampler(1.0, 0, 0.5)])
+    batched = warped(scores, [sampler(1.0, 0, 0.5)])
     expected = transformers_probabilities(scores, 1.0, 0, 0.5)
     assert torch.equal(batched, expected) and (batched > 0).sum() == 2

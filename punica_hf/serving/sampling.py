@@ -51,15 +51,16 @@ class SampledStep:
 def sample_rows(scores: torch.Tensor, samplers: Sequence[RowSampler | None]) -> SampledStep:
     """Check a step's float32 scores ``[R, V]`` (row ``i``'s request samples with ``samplers[i]``, or decodes
     greedily: None) and draw the token of each sampling row. A row fails if its scores hold a NaN or infinity, or
-    (sampling) if its warped probabilities do. One wait for the device, for the checks."""
+    (sampling) if its warped probabilities do. One copy to the device (the rows' settings), queued behind the step
+    without waiting for it, and one wait for the device, for the checks."""
     rows = [row for row, sampler in enumerate(samplers) if sampler is not None]
     # amax is NaN if any score is, +inf if any is, -inf if all are: finite for usable scores only
     checks = [torch.isfinite(scores.amax(dim=-1))]
     if rows:
-        chosen = [samplers[row] for row in rows]
-        probabilities = _warped_probabilities(scores[rows], chosen)
+        settings = _settings_on(scores.device, rows, [samplers[row] for row in rows])
+        probabilities = _warped_probabilities(scores.index_select(0, settings.rows), settings)
         checks.append(torch.isfinite(probabilities).all(dim=-1))
-        tokens = _draw(probabilities, [sampler.uniform() for sampler in chosen])
+        tokens = _draw(probabilities, settings.uniforms)
     else:
         tokens = torch.empty(0, dtype=torch.long, device=scores.device)
     finite = torch.cat(checks).tolist()  # the step's one wait for the device
@@ -79,32 +80,56 @@ def sample_rows(scores: torch.Tensor, samplers: Sequence[RowSampler | None]) -> 
     return SampledStep(failures, rows, tokens)
 
 
-def _warped_probabilities(scores: torch.Tensor, samplers: list[RowSampler]) -> torch.Tensor:
+@dataclass
+class _RowSettings:
+    """The sampling rows' settings on the device, each ``[S]``: the rows, temperatures, top-k (0: off), top-p
+    (1: off), and the rows' uniform numbers for this step's draw; and, from the host, the widest top-k of the rows
+    (0: no row limits it) and whether a row limits top-p (the steps that need no sort skip it)."""
+
+    rows: torch.Tensor
+    temperatures: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    uniforms: torch.Tensor
+    widest_top_k: int
+    any_top_p: bool
+
+
+def _settings_on(device: torch.device, rows: list[int], samplers: list[RowSampler]) -> _RowSettings:
+    """The rows' settings in one float32 table (exact for rows and top-k below 2**24), copied to ``device`` from
+    pinned memory without waiting: the copy queues behind the step's forward."""
+    table = torch.tensor([rows, [s.temperature for s in samplers], [s.top_k for s in samplers],
+                          [s.top_p for s in samplers], [s.uniform() for s in samplers]], dtype=torch.float32)
+    if device.type == "cuda":
+        table = table.pin_memory().to(device, non_blocking=True)
+    rows_, temperatures, top_k, top_p, uniforms = table
+    return _RowSettings(rows_.long(), temperatures, top_k.long(), top_p, uniforms,
+                        widest_top_k=max(s.top_k for s in samplers), any_top_p=any(s.top_p < 1 for s in samplers))
+
+
+def _warped_probabilities(scores: torch.Tensor, settings: _RowSettings) -> torch.Tensor:
     """Each row's probabilities ``[S, V]`` after its temperature, top-k and top-p (transformers' warpers' rules)."""
-    device, vocab = scores.device, scores.shape[-1]
-    temperatures = torch.tensor([s.temperature for s in samplers], dtype=scores.dtype, device=device)
-    scores = scores / temperatures[:, None]
-    top_k = [min(s.top_k, vocab) if s.top_k > 0 else 0 for s in samplers]
-    if any(top_k):
-        widest = max(top_k)
-        kth = torch.tensor([k - 1 if k else widest - 1 for k in top_k], device=device)
-        kth_scores = torch.topk(scores, widest, dim=-1).values.gather(1, kth[:, None])
-        limited = torch.tensor([k > 0 for k in top_k], device=device)
-        scores = scores.masked_fill(limited[:, None] & (scores < kth_scores), -torch.inf)
-    top_p = [s.top_p for s in samplers]
-    if any(p < 1 for p in top_p):
+    scores = scores / settings.temperatures[:, None]
+    vocab = scores.shape[-1]
+    if settings.widest_top_k:
+        top_k = settings.top_k.clamp(max=vocab)
+        widest = torch.topk(scores, min(settings.widest_top_k, vocab), dim=-1).values
+        kth_scores = widest.gather(1, (top_k - 1).clamp(min=0)[:, None])
+        scores = scores.masked_fill((top_k > 0)[:, None] & (scores < kth_scores), -torch.inf)
+    if settings.any_top_p:
         ascending, order = torch.sort(scores, dim=-1)
         cumulative = ascending.softmax(dim=-1).cumsum(dim=-1)
-        outside = cumulative <= (1 - torch.tensor(top_p, dtype=scores.dtype, device=device))[:, None]
+        outside = cumulative <= (1 - settings.top_p)[:, None]
         outside[:, -1] = False  # the most likely token always stays
-        outside &= torch.tensor([p < 1 for p in top_p], device=device)[:, None]
+        outside &= (settings.top_p < 1)[:, None]
         scores = scores.masked_fill(outside.scatter(1, order, outside), -torch.inf)
     return scores.softmax(dim=-1)
 
 
-def _draw(probabilities: torch.Tensor, uniforms: list[float]) -> torch.Tensor:
-    """The token of each row ``[S]``: where its cumulative probabilities reach its uniform number times their total."""
+def _draw(probabilities: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """The token of each row ``[S]``: where its cumulative probabilities reach its uniform number (in (0, 1]) times
+    their total."""
     cumulative = probabilities.cumsum(dim=-1)
-    targets = torch.tensor(uniforms, dtype=cumulative.dtype, device=cumulative.device)[:, None] * cumulative[:, -1:]
+    targets = uniforms.to(cumulative.dtype)[:, None] * cumulative[:, -1:]
     tokens = torch.searchsorted(cumulative, targets)[:, 0]
     return tokens.clamp_(max=probabilities.shape[-1] - 1)
