@@ -118,3 +118,10 @@ def test_a_top_p_cut_that_falls_exactly_on_a_boundary_follows_transformers():
     batched = warped(scores, [sampler(1.0, 0, 0.5)])
     expected = transformers_probabilities(scores, 1.0, 0, 0.5)
     assert torch.equal(batched, expected) and (batched > 0).sum() == 2
+
+
+def test_different_seeds_draw_different_streams_negative_ones_included():
+    seeds = (5, -5, 0, 2**63 - 1, -(2**63))
+    streams = {seed: [sampler(1.0, 0, 1.0, seed).uniform() for _ in range(3)] for seed in seeds}
+    assert len({tuple(stream) for stream in streams.values()}) == len(streams)
+    assert [sampler(1.0, 0, 1.0, -5).uniform() for _ in range(3)] == streams[-5]  # and the same seed repeats

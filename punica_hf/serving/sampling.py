@@ -31,7 +31,7 @@ class RowSampler:
         self.temperature = float(params.temperature)
         self.top_k = params.top_k
         self.top_p = float(params.top_p)
-        self._random = random.Random(seed)
+        self._random = random.Random(seed % 2**64)  # Random takes a seed's absolute value: -5 would draw as 5
 
     def uniform(self) -> float:
         """The next number of the request's stream, in (0, 1]: never 0, which would pick a token of probability 0."""
