@@ -625,6 +625,22 @@ def test_a_graph_capture_that_fails_at_warm_up_stops_start(tiny_model, monkeypat
     assert not engine.running and tiny_model.model.config._attn_implementation == before
 
 
+def test_a_compiled_step_that_fails_at_warm_up_says_how_to_run_uncompiled(tiny_model, monkeypatch):
+    """A step compiled with ``compile_steps=True`` that fails at warm-up (a compiler error, say) stops the start
+    with an error that names the compiled step and the setting that runs it uncompiled."""
+    def failing_compile(*args, **kwargs):
+        def compiled(*args, **kwargs):
+            raise RuntimeError("the compiler gave up")
+        return compiled
+
+    monkeypatch.setattr(torch, "compile", failing_compile)
+    engine = Engine(tiny_model, config=EngineConfig(max_running=4, max_batch_tokens=64, compile_steps=True))
+    with pytest.raises(RuntimeError, match=r"warm-up of the compiled step failed: .*the compiler gave up.*"
+                                           r"compile_steps=False\), or --compile-steps off, runs it uncompiled"):
+        engine.start()
+    assert not engine.running
+
+
 def test_submit_from_many_threads(demo_model):
     model, answers = demo_model
     results = {}

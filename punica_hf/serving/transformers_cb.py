@@ -239,6 +239,12 @@ class ContinuousBatchingBackend:
         return len(self._io.captured_keys)
 
     @property
+    def compiles_steps(self) -> bool:
+        """Whether transformers runs each step through ``torch.compile`` (``batching_config(compile_steps=True)``)."""
+        # upstream hook: a public flag for the runner's compiled path
+        return self._runner._compiled_varlen is not None
+
+    @property
     def graphs_on(self) -> bool:
         """Whether steps run padded (replayed from CUDA graphs, or compiled)."""
         return self._runner.pad_inputs
@@ -361,6 +367,9 @@ class ContinuousBatchingBackend:
         finally:
             io.warm_up_adapter_path = False
         if failure is not None:
+            if self.compiles_steps:  # the compiler may be what failed: say how to run without it
+                raise RuntimeError(f"warm-up of the compiled step failed: {failure} (EngineConfig(compile_steps="
+                                   f"False), or --compile-steps off, runs it uncompiled; {self._memory_report()})")
             raise RuntimeError(f"CUDA graph warm-up failed: {failure} ({self._memory_report()})")
 
     def _warm_up_sizes(self, sizes: list[int]) -> str | None:
