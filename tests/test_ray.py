@@ -190,3 +190,51 @@ def test_a_replica_cancels_the_request_of_a_client_that_went_away():
 
     asyncio.run(read_one_event_and_go())
     assert not engine.running
+
+
+def test_an_adapter_change_is_answered_once_the_router_carries_the_new_catalog_version():
+    """The ingress answers a load or unload only once it holds the catalog's version with the change, so a request
+    the client sends as soon as it has the answer makes any replica that has not made the change catch up first.
+    (Answered before that, a listing sent right after an unload could reach the other replica still holding the
+    adapter.) Fakes stand in for the replica and the catalog: no cluster."""
+    from punica_hf.serving.ray import Router
+
+    class Remote:  # what ``handle.method.remote(...)`` gives: here, the call's coroutine or stream
+        def __init__(self, call):
+            self.remote = call
+
+    class Catalog:
+        version = 1
+
+        def __init__(self):
+            async def current_version():
+                return self.version
+            self.current_version = Remote(current_version)
+
+    catalog = Catalog()
+
+    class Replica:
+        def __init__(self):
+            self.handle_http = Remote(self.answer)
+
+        def options(self, **options):
+            return self
+
+        async def answer(self, request, catalog_version):
+            catalog.version += 1  # the replica that makes the change records it, then answers
+            yield {"type": "http.response.start", "status": 200, "headers": []}
+            yield {"type": "http.response.body", "body": b"{}"}
+
+    router = Router(Replica(), catalog, "demo", max_body_bytes=1 << 20)
+    sent = []
+
+    async def receive():
+        return {"type": "http.request", "body": json.dumps({"lora_name": "sort2"}).encode()}
+
+    async def send(message):
+        sent.append((message["type"], router.catalog_version))
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/unload_lora_adapter", "raw_path": b"", "query_string": b"",
+             "headers": [(b"content-type", b"application/json")]}
+    asyncio.run(router._serve(scope, receive, send))
+    assert sent == [("http.response.start", 2), ("http.response.body", 2)]

@@ -241,11 +241,23 @@ class Router:
                                                "http_version", "scheme", "client", "server") if key in scope}
         request["body"] = body
         adapter = self._adapter_of(body)
-        if scope["path"] in ADAPTER_ROUTES or self.catalog_version is None:
+        if scope["path"] not in ADAPTER_ROUTES:
+            if self.catalog_version is None:
+                self.catalog_version = await self.catalog.current_version.remote()
+            await self._forward(request, adapter, scope, receive, send)
+            return
+        # A load or unload: its answer waits until this router carries the catalog's version with the change, so a
+        # request the client sends once it has the answer reaches a replica that has made the change too.
+        self.catalog_version = await self.catalog.current_version.remote()
+        answer = []
+
+        async def keep(message: dict) -> None:
+            answer.append(message)
+
+        if await self._forward(request, adapter, scope, receive, keep) == 200:
             self.catalog_version = await self.catalog.current_version.remote()
-        status = await self._forward(request, adapter, scope, receive, send)
-        if scope["path"] in ADAPTER_ROUTES and status == 200:
-            self.catalog_version = await self.catalog.current_version.remote()
+        for message in answer:
+            await send(message)
 
     async def _forward(self, request: dict, adapter: str, scope, receive, send) -> int | None:
         """Send ``request`` to a replica and its answer to the client; once more if the replica is lost before
