@@ -306,7 +306,24 @@ class MultiLoraModel(FollowsModuleMoves):
         return self.model.state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False):
-        """Load a state dict of the wrapped model (as ``state_dict()`` gives it) into it; adapters stay as they are."""
+        """Load a state dict of the wrapped model (as ``state_dict()`` gives it) into it; adapters stay as they are.
+
+        Refused, with nothing loaded, where it would change the weight or bias of a layer on which a loaded adapter
+        has output vectors (DoRA, LoRA biases): those were computed from the layer's weight and bias at load, and
+        would no longer be PEFT's. Unload such adapters first and load them again after."""
+        changed = {}
+        for module_name, adapters in self._store.output_vector_users().items():
+            module = self.model.get_submodule(module_name)
+            for kind in ("weight", "bias"):
+                current, given = getattr(module, kind, None), state_dict.get(f"{module_name}.{kind}")
+                if _differs(current, given):
+                    changed[f"{module_name}.{kind}"] = adapters
+        if changed:
+            raise ValueError(
+                "this state dict changes base weights that loaded adapters' output vectors (DoRA, LoRA biases) were "
+                f"computed from: {', '.join(f'{key} (adapters {sorted(set(names))})' for key, names in changed.items())}"
+                "; unload those adapters, load the state dict, then load them again"
+            )
         return self.model.load_state_dict(state_dict, strict=strict, assign=assign)
 
     # Names: the wrapped model's, as in state_dict(), so that whatever pairs names with tensors (optimizers' param
@@ -424,6 +441,15 @@ def _keys_of_the_wrapped_model(wrapper: nn.Module, state_dict: dict, prefix: str
     for them under ``model.``, so they are renamed so."""
     for key in [key for key in state_dict if key.startswith(prefix)]:
         state_dict[f"{prefix}model.{key[len(prefix):]}"] = state_dict.pop(key)
+
+
+def _differs(current: Any, given: Any) -> bool:
+    """Whether loading tensor ``given`` into ``current`` would change it (as ``copy_`` does: cast to its dtype)."""
+    if not isinstance(current, torch.Tensor) or not isinstance(given, torch.Tensor):
+        return False  # nothing loaded there, or nothing to compare
+    if given.shape != current.shape:
+        return True
+    return not torch.equal(given.detach().to(current.device, current.dtype), current.detach())
 
 
 def _keeps_cache_on_model(model: nn.Module, kwargs: dict) -> bool:

@@ -223,3 +223,32 @@ def test_dora_on_an_embedding_is_refused_by_name():
 def test_a_vector_that_does_not_fit_its_module_is_refused():
     with pytest.raises(ValueError, match=r"magnitude has shape \[16\], expected \[32\]"):
         ModuleLora(torch.randn(2, 32), torch.randn(32, 2), magnitude=torch.rand(16))
+
+
+def test_a_state_dict_that_changes_weights_under_output_vectors_is_refused(tmp_path):
+    """DoRA's scale and a LoRA bias's shift are computed from the base layer's weight and bias at load: a state dict
+    that changes them would leave those stale (no longer PEFT's), so it is refused, naming the weight and the
+    adapters, and nothing is loaded. The same weights load (a round trip), weights under plain LoRA load, and once
+    the adapter is unloaded the change loads too."""
+    from helpers import assert_state_unchanged, capture_state
+
+    base = make_base("llama")
+    adapters = MODELS["llama"][1]
+    model = MultiLoraModel(copy.deepcopy(base), max_adapters=2, max_rank=8)
+    model.load_adapters({"dora": save_vector_adapter(base, tmp_path / "dora", 1, **adapters["dora_rs"]),
+                         "plain": save_vector_adapter(base, tmp_path / "plain", 0, **adapters["plain"])})
+    state = {key: tensor.clone() for key, tensor in model.state_dict().items()}
+    model.load_state_dict(state)  # unchanged: fine
+    q_proj = "model.layers.0.self_attn.q_proj.weight"
+    changed = {**state, q_proj: state[q_proj] + 0.01}
+    before = capture_state(model, *left_padded_batch([4, 3], seed=2)[:1], ["dora", None])
+    with pytest.raises(ValueError, match=rf"changes base weights .*: {q_proj} \(adapters \['dora'\]\); unload"):
+        model.load_state_dict(changed)
+    assert_state_unchanged(model, before)
+    assert torch.equal(model.state_dict()[q_proj], state[q_proj])
+    no_vectors = "model.layers.0.self_attn.k_proj.weight"  # "plain" targets it, "dora" does not: no vectors there
+    model.load_state_dict({**state, no_vectors: state[no_vectors] * 2})
+    assert torch.equal(model.state_dict()[no_vectors], state[no_vectors] * 2)
+    model.unload_adapter("dora")
+    model.load_state_dict(changed)
+    assert torch.equal(model.state_dict()[q_proj], changed[q_proj])

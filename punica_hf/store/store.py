@@ -228,6 +228,17 @@ class AdapterStore:
         with self.lock:
             return {name: adapter.index for name, adapter in self._by_name.items()}
 
+    def output_vector_users(self) -> dict[str, list[str]]:
+        """Module -> the registered adapters (held ones being unloaded too) with output vectors on it (DoRA, LoRA
+        biases): computed from the module's weight and bias when the adapter was loaded."""
+        with self.lock:
+            users: dict[str, list[str]] = {}
+            for adapter in self._by_index.values():
+                for module_name, (*_, has_scale, has_shift) in adapter.dims.items():
+                    if has_scale or has_shift:
+                        users.setdefault(module_name, []).append(adapter.name)
+            return users
+
     def add(self, adapters: Mapping[str, tuple[AdapterWeights, Any, dict]]) -> dict[str, int]:
         """Register ``{name: (weights, source, source_kwargs)}``, all or none. Returns ``{name: index}``.
 
