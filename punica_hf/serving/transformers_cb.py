@@ -338,7 +338,7 @@ class ContinuousBatchingBackend:
         whose graphs need room for a copy of the cache, but ours reads the cache in place and would attend over
         every slot. Ours captures the largest step first (its memory pool then holds every smaller one), then every
         smaller padded query count, each over one page of cached tokens: the kernel reads the cache in place, so the
-        graphs are keyed by query count alone, and no step captures a graph while requests wait.
+        graphs are keyed by query count (not key count), and no step captures a graph while requests wait.
         Every shape is captured twice: with the LoRA layers' kernels, and without them for steps in which no token
         has an adapter (``_AdapterSlotIOs.step_has_adapter``).
         transformers logs a failed capture and goes on; here each capture is checked: the forward raised nothing
@@ -414,8 +414,9 @@ class _AdapterSlotIOs(ContinuousBatchingIOs):
     On the engine's own attention path it also builds the keys' cache slots (``read_index``) on the device from
     each request's pages: transformers lists every key of every request in Python, a host cost that grows with
     the batch's keys; this costs a list of pages per request and a few kernels. Graphs are keyed by query count
-    alone: the kernel reads each sequence's keys in place through ``cu_seq_lens_k``, and the slot lists are padded
-    to the whole cache (``ONE_KV_PADDING``), so the key counts are no part of its shapes.
+    (and ``step_has_adapter``), not by key count: the kernel reads each sequence's keys in place through
+    ``cu_seq_lens_k``, and the slot lists are padded to the whole cache (``ONE_KV_PADDING``), so the key counts are
+    no part of its shapes.
     """
 
     _slot_of: Callable[[str], tuple[int, int]]  # request id -> (its adapter's slot, the first position it applies to)
