@@ -101,7 +101,7 @@ class _EngineCollector:
             ("batch_requests", stats.last_batch_requests, "Requests in the last step's batch."),
             ("batch_tokens", stats.last_batch_tokens, "Tokens in the last step's batch."),
             ("kv_cache_free_fraction", stats.kv_free_fraction, "Free fraction of the paged KV cache."),
-            ("cuda_graphs", stats.cuda_graphs, "Step shapes captured in CUDA graphs."),
+            ("cuda_graphs", stats.cuda_graphs, "CUDA graphs captured (step shapes, with and without LoRA kernels)."),
         ):
             yield GaugeMetricFamily(f"{PREFIX}_{name}", help_text, value=value)
         if self.engine.attention is not None:
