@@ -185,7 +185,8 @@ class EngineStats:
     ``dropped_and_freed``: requests that ended while transformers still ran them (cancelled, client gone, stop
     string, NaN scores) and were dropped with their KV blocks freed; ``rejected``: submissions refused, the queue
     full; ``cuda_graphs``: CUDA graphs captured so far (at start: each step shape with and without the LoRA
-    kernels, unless a shape was not known in advance); ``prefix_hit_tokens``: prompt tokens whose KV pages were shared from earlier requests of the same adapter."""
+    kernels, unless a shape was not known in advance); ``prefix_hit_tokens``: prompt tokens whose KV pages were
+    shared from earlier requests of the same adapter."""
 
     queued: int
     waiting: int
