@@ -27,6 +27,17 @@ def tiny_llama(seed: int = 0, **config_overrides) -> LlamaForCausalLM:
     return LlamaForCausalLM(LlamaConfig(**{**TINY_LLAMA, **config_overrides})).eval()
 
 
+def left_padded(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(input_ids, attention_mask)`` of token rows of any lengths, each padded on the left with id 0."""
+    width = max(map(len, rows))
+    input_ids = torch.zeros(len(rows), width, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for row, tokens in enumerate(rows):
+        input_ids[row, width - len(tokens) :] = torch.tensor(tokens)
+        attention_mask[row, width - len(tokens) :] = 1
+    return input_ids, attention_mask
+
+
 def save_peft_adapter(
     base: torch.nn.Module,
     path: str | Path,

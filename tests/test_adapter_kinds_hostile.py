@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_state_unchanged, capture_state, tiny_llama
+from helpers import assert_state_unchanged, capture_state, left_padded, tiny_llama
 from peft import PeftModel
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
@@ -66,15 +66,6 @@ def prompts(count: int, seed: int = 0) -> list[list[int]]:
         rows.append(tokens)
     return rows
 
-
-def left_padded(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(map(len, rows))
-    input_ids = torch.zeros(len(rows), width, dtype=torch.long)
-    attention_mask = torch.zeros_like(input_ids)
-    for row, tokens in enumerate(rows):
-        input_ids[row, width - len(tokens):] = torch.tensor(tokens)
-        attention_mask[row, width - len(tokens):] = 1
-    return input_ids, attention_mask
 
 
 def peft_tokens(oracles, adapter: str | None, tokens: list[int], new_tokens: int) -> list[int]:

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import PeftOracleSetup as Setup
-from helpers import assert_state_unchanged, capture_state, save_peft_adapter, tiny_llama
+from helpers import assert_state_unchanged, capture_state, left_padded, save_peft_adapter, tiny_llama
 from peft import PeftModel
 from transformers import GenerationConfig
 
@@ -76,15 +76,6 @@ def prompt(adapter: str | None, places: list, length: int, seed: int) -> list[in
         tokens[start : start + len(invocation)] = invocation
     return tokens
 
-
-def left_padded(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(map(len, prompts))
-    input_ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    attention_mask = torch.zeros_like(input_ids)
-    for row, tokens in enumerate(prompts):
-        input_ids[row, width - len(tokens) :] = torch.tensor(tokens)
-        attention_mask[row, width - len(tokens) :] = 1
-    return input_ids, attention_mask
 
 
 def batch(seed: int = 0) -> tuple[list[str | None], torch.Tensor, torch.Tensor]:
