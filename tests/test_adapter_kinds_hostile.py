@@ -67,7 +67,6 @@ def prompts(count: int, seed: int = 0) -> list[list[int]]:
     return rows
 
 
-
 def peft_tokens(oracles, adapter: str | None, tokens: list[int], new_tokens: int) -> list[int]:
     output = oracles[adapter].generate(torch.tensor([tokens]), max_new_tokens=new_tokens, do_sample=False)
     return output[0, len(tokens):].tolist()

@@ -77,7 +77,6 @@ def prompt(adapter: str | None, places: list, length: int, seed: int) -> list[in
     return tokens
 
 
-
 def batch(seed: int = 0) -> tuple[list[str | None], torch.Tensor, torch.Tensor]:
     prompts = [prompt(adapter, places, length, seed * 100 + row)
                for row, ((adapter, places), length) in enumerate(zip(ROWS, LENGTHS))]
