@@ -199,23 +199,19 @@ def test_an_adapter_change_is_answered_once_the_router_carries_the_new_catalog_v
     adapter.) Fakes stand in for the replica and the catalog: no cluster."""
     from punica_hf.serving.ray import Router
 
-    class Remote:  # what ``handle.method.remote(...)`` gives: here, the call's coroutine or stream
-        def __init__(self, call):
-            self.remote = call
-
     class Catalog:
         version = 1
 
         def __init__(self):
             async def current_version():
                 return self.version
-            self.current_version = Remote(current_version)
+            self.current_version = _Remote(current_version)
 
     catalog = Catalog()
 
     class Replica:
         def __init__(self):
-            self.handle_http = Remote(self.answer)
+            self.handle_http = _Remote(self.answer)
 
         def options(self, **options):
             return self
@@ -238,3 +234,128 @@ def test_an_adapter_change_is_answered_once_the_router_carries_the_new_catalog_v
              "headers": [(b"content-type", b"application/json")]}
     asyncio.run(router._serve(scope, receive, send))
     assert sent == [("http.response.start", 2), ("http.response.body", 2)]
+
+
+class _Remote:  # what ``handle.method.remote(...)`` gives: here, the call's coroutine or stream
+    def __init__(self, call):
+        self.remote = call
+
+
+class _ScriptedReplicas:
+    """Stands in for the replicas' handle: the k-th call answers with ``script[k]``'s messages ("died" raises what
+    a replica whose actor died raises, before any message)."""
+
+    def __init__(self, script: list):
+        self.script = script
+        self.calls = 0
+        self.handle_http = _Remote(self.answer)
+
+    def options(self, **options):
+        return self
+
+    async def answer(self, request, catalog_version):
+        messages = self.script[min(self.calls, len(self.script) - 1)]
+        self.calls += 1
+        if messages == "died":
+            raise ray.exceptions.ActorUnavailableError("the replica died", None)
+        for message in messages:
+            yield message
+
+
+def _answer(status: int, body: bytes, *headers: tuple[bytes, bytes]) -> list[dict]:
+    return [{"type": "http.response.start", "status": status, "headers": list(headers)},
+            {"type": "http.response.body", "body": body}]
+
+
+def _through_router(replicas, monkeypatch, retry_seconds: float) -> list[dict]:
+    """One completion request through a ``Router`` over ``replicas`` (no cluster); the messages the client got."""
+    from punica_hf.serving import ray as ray_serving
+
+    monkeypatch.setattr(ray_serving, "RETRY_SECONDS", retry_seconds)
+    monkeypatch.setattr(ray_serving, "RETRY_PAUSE_SECONDS", 0.01)
+    catalog = type("Catalog", (), {"current_version": _Remote(lambda: asyncio.sleep(0, result=1))})()
+    router = ray_serving.Router(replicas, catalog, "demo", max_body_bytes=1 << 20)
+    sent = []
+
+    async def receive():
+        return {"type": "http.request", "body": json.dumps({"model": "upper", "prompt": "w"}).encode()}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "raw_path": b"", "query_string": b"",
+             "headers": [(b"content-type", b"application/json")]}
+    asyncio.run(router._serve(scope, receive, send))
+    return sent
+
+
+def test_a_request_answered_by_a_replica_that_lost_a_rank_goes_to_another(monkeypatch):
+    """A replica that lost a rank did nothing with the request: the ingress sends it again (as when a replica's
+    actor died before answering), and the client gets only the answer of the replica that served it."""
+    from punica_hf.serving.ray import LOST_REPLICA_HEADER
+
+    lost = _answer(503, b'{"error": {"code": "replica_lost"}}', (LOST_REPLICA_HEADER.encode(), b"1"))
+    served = _answer(200, b'{"ok": true}')
+    replicas = _ScriptedReplicas([lost, "died", lost, served])
+    sent = _through_router(replicas, monkeypatch, retry_seconds=30)
+    assert replicas.calls == 4
+    assert sent == served
+    # an ordinary 503 (the engine's queue is full, say) is the replica's answer: passed on, never sent again
+    busy = _answer(503, b'{"error": {"code": "queue_full"}}')
+    replicas = _ScriptedReplicas([busy, served])
+    assert _through_router(replicas, monkeypatch, retry_seconds=30) == busy and replicas.calls == 1
+
+
+def test_a_request_gets_the_lost_replica_503_once_retries_run_out(monkeypatch):
+    from punica_hf.serving.ray import LOST_REPLICA_HEADER
+
+    lost = _answer(503, b'{"error": {"code": "replica_lost"}}', (LOST_REPLICA_HEADER.encode(), b"1"))
+    replicas = _ScriptedReplicas([lost])
+    started = time.monotonic()
+    assert _through_router(replicas, monkeypatch, retry_seconds=0.2) == lost
+    assert replicas.calls > 1 and time.monotonic() - started < 5
+    replicas = _ScriptedReplicas(["died"])  # every replica's actor gone: the ingress's own 503
+    sent = _through_router(replicas, monkeypatch, retry_seconds=0.2)
+    assert sent[0]["status"] == 503 and b"replica_lost" in sent[1]["body"] and replicas.calls > 1
+
+
+def test_an_answer_cut_by_a_dying_replica_is_not_sent_again(monkeypatch):
+    """Part of the answer is out when the replica dies: sending the request again would repeat tokens, so the
+    answer ends there (the client's connection closes) and no replica is asked again."""
+
+    class Cut(_ScriptedReplicas):
+        async def answer(self, request, catalog_version):
+            self.calls += 1
+            yield {"type": "http.response.start", "status": 200, "headers": []}
+            raise ray.exceptions.ActorUnavailableError("the replica died", None)
+
+    replicas = Cut([])
+    with pytest.raises(ray.exceptions.ActorUnavailableError):
+        _through_router(replicas, monkeypatch, retry_seconds=30)
+    assert replicas.calls == 1
+
+
+def test_a_replica_that_cannot_run_a_step_marks_its_503_for_the_ingress():
+    """What the ingress sends elsewhere: the 503 of a replica whose engine stopped or whose follower rank exited,
+    marked; a replica that can run steps serves the request itself."""
+    from types import SimpleNamespace
+
+    from punica_hf.serving.ray import LOST_REPLICA_HEADER, EngineReplica
+
+    class Followers:
+        def __init__(self, lost):
+            self.lost = lost
+
+        def check(self):
+            if self.lost:
+                raise RuntimeError("tensor-parallel rank 1 exited with -9")
+
+    replica = object.__new__(EngineReplica)
+    for followers, running, code in [(None, False, "engine_not_running"), (Followers(True), True, "replica_lost")]:
+        replica.followers, replica.engine = followers, SimpleNamespace(running=running)
+        answer = replica._lost_answer()
+        assert answer.status_code == 503 and answer.headers[LOST_REPLICA_HEADER] == "1"
+        assert json.loads(answer.body)["error"]["code"] == code
+    for followers in (None, Followers(False)):
+        replica.followers, replica.engine = followers, SimpleNamespace(running=True)
+        assert replica._lost_answer() is None

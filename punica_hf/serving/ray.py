@@ -14,8 +14,10 @@
   unloads through its own engine) before it serves the request: a runtime load reaches every replica, including
   one restarted after a failure.
 
-A replica that dies is restarted by Ray Serve. A request it was serving is sent once more, to another replica, if
-nothing of its answer was sent yet; otherwise the answer ends early. If that fails too the client gets a 503.
+A replica that dies is restarted by Ray Serve. A request it was serving is sent again (to the replica Ray Serve
+picks then) if nothing of its answer was sent yet; otherwise the answer ends early. A replica that cannot run a step (its
+engine stopped, or it lost one of its ranks) answers every request at once with a 503 that says so, and the ingress
+sends such a request again too, until Ray Serve has replaced that replica. After ``RETRY_SECONDS`` of such answers the client gets the 503.
 
 With ``tp`` > 1 a replica is one tensor-parallel group of ``tp`` ranks on one machine (``FollowerRanks``): rank 0
 in the replica's process, with the engine and the server as above; ranks 1.. in child processes the replica starts,
@@ -43,6 +45,12 @@ ADAPTER_ROUTES = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 # adapter's requests elsewhere because its replica has "too many" in flight).
 MAX_ONGOING_REQUESTS = 1024
 REPLICA_LOST = (RayActorError, ActorUnavailableError)
+# Marks the 503 of a replica that cannot run a step: it did nothing with the request.
+LOST_REPLICA_HEADER = "x-punica-replica-lost"
+# How long the ingress keeps sending a request again while replicas are lost (Ray Serve replaces one within three
+# health checks), and its pause between two tries.
+RETRY_SECONDS = 15.0
+RETRY_PAUSE_SECONDS = 0.5
 # A replica whose engine or one of its ranks has stopped answers nothing but 503s: Ray Serve replaces it after three
 # failed health checks in a row, so check often (the check reads flags, and polls the ranks' processes).
 HEALTH_CHECK_SECONDS = 2.0
@@ -159,7 +167,7 @@ class EngineReplica:
 
     async def handle_http(self, request: dict, catalog_version: int) -> AsyncIterator[dict]:
         await self.lifespan.start()
-        app = self._lost_rank_answer()
+        app = self._lost_answer()
         if app is None:
             await self._catch_up(catalog_version)
             adapter = serve.get_multiplexed_model_id()
@@ -172,16 +180,22 @@ class EngineReplica:
                 message = {**message, "headers": headers}
             yield message
 
-    def _lost_rank_answer(self):
-        """Over ranks, once a follower has exited: the 503 every request gets until Ray Serve has replaced this
-        replica (its engine cannot run a step); None while the followers run."""
-        if self.followers is None:
-            return None
+    def _lost_answer(self):
+        """The 503 every request gets, marked for the ingress to send it elsewhere, once this replica cannot run a
+        step: a follower rank has exited, or the engine has stopped (Ray Serve replaces the replica, or is stopping
+        it). None while it can."""
         try:
-            self.followers.check()
+            if self.followers is not None:
+                self.followers.check()
         except RuntimeError as error:
-            return APIError(503, f"{error}; retry", type="server_error", code="replica_lost").response()
-        return None
+            message, code = f"{error}; retry", "replica_lost"
+        else:
+            if self.engine.running:
+                return None
+            message, code = "the engine of this replica is not running; retry", "engine_not_running"
+        response = APIError(503, message, type="server_error", code=code).response()
+        response.headers[LOST_REPLICA_HEADER] = "1"
+        return response
 
     async def check_health(self) -> None:
         if self.followers is not None:
@@ -260,29 +274,50 @@ class Router:
             await send(message)
 
     async def _forward(self, request: dict, adapter: str, scope, receive, send) -> int | None:
-        """Send ``request`` to a replica and its answer to the client; once more if the replica is lost before
-        any of the answer was sent. The answer's status."""
-        status = None
-        for attempt in range(2):
-            answer = self.replica.options(stream=True, multiplexed_model_id=adapter).handle_http.remote(
-                request, self.catalog_version
-            )
-            try:
-                async for message in answer:
-                    if message["type"] == "http.response.start":
-                        status = message["status"]
-                    await send(message)
-                return status
-            except REPLICA_LOST:
-                if status is not None:  # part of the answer is out: end it here (the connection closes)
-                    raise
-            except BaseException:
-                answer.cancel()  # the client went away, or this task was cancelled: stop the replica's work
-                raise
-        error = APIError(503, "the replica serving this request stopped (Ray Serve restarts it); retry",
-                         type="server_error", code="replica_lost")
-        await error.response()(scope, receive, send)
+        """Send ``request`` to a replica and its answer to the client; again while the replica is lost before any of
+        the answer was sent (its actor died, or it answered that it lost a rank), for ``RETRY_SECONDS`` at most.
+        The answer's status."""
+        deadline = asyncio.get_running_loop().time() + RETRY_SECONDS
+        while True:
+            lost_answer = await self._try_replica(request, adapter, send)
+            if isinstance(lost_answer, int):
+                return lost_answer
+            if asyncio.get_running_loop().time() >= deadline:
+                break
+            await asyncio.sleep(RETRY_PAUSE_SECONDS)
+        if lost_answer is None:
+            error = APIError(503, "the replica serving this request stopped (Ray Serve restarts it); retry",
+                             type="server_error", code="replica_lost")
+            await error.response()(scope, receive, send)
+        else:
+            for message in lost_answer:
+                await send(message)
         return 503
+
+    async def _try_replica(self, request: dict, adapter: str, send) -> int | list[dict] | None:
+        """One try: the answer's status once it is sent; or, when the replica was lost before any of it was sent,
+        nothing sent and the replica's lost-rank answer (its messages) or None (its actor died)."""
+        status = None
+        answer = self.replica.options(stream=True, multiplexed_model_id=adapter).handle_http.remote(
+            request, self.catalog_version
+        )
+        try:
+            messages = aiter(answer)
+            start = await anext(messages)
+            if start["status"] == 503 and _has_header(start, LOST_REPLICA_HEADER):
+                return [start, *[message async for message in messages]]
+            status = start["status"]
+            await send(start)
+            async for message in messages:
+                await send(message)
+            return status
+        except REPLICA_LOST:
+            if status is not None:  # part of the answer is out: end it here (the connection closes)
+                raise
+            return None
+        except BaseException:
+            answer.cancel()  # the client went away, or this task was cancelled: stop the replica's work
+            raise
 
     def _adapter_of(self, body: bytes) -> str:
         """The adapter the request names for multiplexing ("" for none: the base model, or no JSON ``model``)."""
@@ -365,6 +400,11 @@ async def _asgi_messages(app, request: dict) -> AsyncIterator[dict]:
                 await asyncio.wait_for(task, timeout=5)
             except asyncio.TimeoutError:
                 pass
+
+
+def _has_header(start: dict, name: str) -> bool:
+    """Whether an ASGI ``http.response.start`` message carries the header ``name`` (lower case)."""
+    return any(bytes(key).lower() == name.encode() for key, _ in start.get("headers", []))
 
 
 async def _read_body(receive) -> bytes:
