@@ -15,9 +15,10 @@
   one restarted after a failure.
 
 A replica that dies is restarted by Ray Serve. A request it was serving is sent again (to the replica Ray Serve
-picks then) if nothing of its answer was sent yet; otherwise the answer ends early. A replica that cannot run a step (its
-engine stopped, or it lost one of its ranks) answers every request at once with a 503 that says so, and the ingress
-sends such a request again too, until Ray Serve has replaced that replica. After ``RETRY_SECONDS`` of such answers the client gets the 503.
+picks then) if nothing of its answer was sent yet; otherwise the answer ends early. A replica that cannot run a
+step (its engine stopped, or it lost one of its ranks) answers every request at once with a 503 that says so, and
+the ingress sends such a request again too, until Ray Serve has replaced that replica. After ``RETRY_SECONDS`` of
+such answers the client gets the 503.
 
 With ``tp`` > 1 a replica is one tensor-parallel group of ``tp`` ranks on one machine (``FollowerRanks``): rank 0
 in the replica's process, with the engine and the server as above; ranks 1.. in child processes the replica starts,
