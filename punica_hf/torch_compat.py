@@ -50,20 +50,3 @@ def process_group_store():
     import torch.distributed as dist
 
     return dist.distributed_c10d._get_default_store()
-
-
-def allow_recompiles(per_function: int, in_all: int) -> None:
-    """Let torch.compile compile one function up to ``per_function`` times, and ``in_all`` times over all functions
-    (process-wide limits, raised, never lowered).
-
-    The engine's compiled steps need it: they break the graph at each layer's attention (left out of compiled code),
-    and Dynamo resumes in a function that every layer shares but guards on that layer's LoRA hooks, so it compiles
-    it once per layer (and per step kind). At torch's default limit (8 per function) the layers after the first few
-    would run uncompiled.
-
-    No public name: torch exports these settings from ``torch._dynamo.config`` only.
-    """
-    import torch._dynamo.config as dynamo_config
-
-    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, per_function)
-    dynamo_config.accumulated_recompile_limit = max(dynamo_config.accumulated_recompile_limit, in_all)

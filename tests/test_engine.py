@@ -4,7 +4,6 @@ Greedy outputs are compared with ``generate()`` of the same prompt and adapter, 
 the model (transformers' continuous batching may switch the model's attention implementation while it runs).
 """
 
-import logging
 import shutil
 import threading
 import time
@@ -328,30 +327,6 @@ def test_compiled_steps_give_the_tokens_of_generate(tiny_model, monkeypatch):
     torch._dynamo.reset()
     assert [list(c.token_ids) for c in completions] == expected
     assert counters["stats"]["unique_graphs"] > 0  # the steps ran through compiled code
-
-
-def test_compiled_steps_compile_every_layer(tmp_path, monkeypatch, caplog):
-    """Compiled steps break the graph at each layer's attention; Dynamo resumes in a function every layer shares but
-    guards on that layer's LoRA hooks, so it compiles it once per layer and step kind. Past torch's default limit
-    of 8 compiles per function, the later layers would run uncompiled: on a 10-layer model no function may reach
-    its limit, and the tokens stay ``generate()``'s."""
-    from opaque_kernels import route_to_opaque_kernels
-
-    base = tiny_llama(num_hidden_layers=10, max_position_embeddings=128)
-    base.generation_config.eos_token_id = None
-    model = MultiLoraModel(base, max_adapters=2)
-    model.load_adapters({"a": save_peft_adapter(base, tmp_path / "a", r=4, target_modules=["q_proj", "k_proj"])})
-    plan = [("a", tiny_prompt(170, 5), 3), (None, tiny_prompt(171, 9), 3)]
-    expected = [reference_tokens(model, prompt, adapter, n) for adapter, prompt, n in plan]
-    route_to_opaque_kernels(model, monkeypatch)
-    torch._dynamo.reset()
-    config = EngineConfig(max_running=2, max_batch_tokens=32, kv_blocks=16, compile_steps=True)
-    with caplog.at_level(logging.WARNING, logger="torch._dynamo"), Engine(model, config=config) as engine:
-        handles = [engine.submit(prompt, adapter, SamplingParams(max_new_tokens=n)) for adapter, prompt, n in plan]
-        completions = [handle.result(timeout=600) for handle in handles]
-    torch._dynamo.reset()
-    assert not [r.getMessage() for r in caplog.records if "recompile_limit" in r.getMessage()]
-    assert [list(c.token_ids) for c in completions] == expected
 
 
 def test_streamed_pieces_add_up_to_the_completion(demo_model):

@@ -65,8 +65,6 @@ from transformers.generation.continuous_batching.cache import PagedAttentionCach
 from transformers.generation.continuous_batching.input_outputs import ContinuousBatchingIOs  # noqa: E402
 from transformers.generation.continuous_batching.model_runner import ModelRunner  # noqa: E402
 
-from ..torch_compat import allow_recompiles  # noqa: E402
-
 # 5.17 looks paged implementations up as "paged|<name>" (it registers "paged|sdpa"); later versions drop the prefix.
 # upstream hook: a public "is this name registered" query on AttentionInterface
 PAGED_PREFIX = "paged|" if "paged|sdpa" in AttentionInterface._global_mapping else ""
@@ -76,9 +74,6 @@ PAGED_PREFIX = "paged|" if "paged|sdpa" in AttentionInterface._global_mapping el
 ATTENTION_NAME = PAGED_PREFIX + "punica_flash"
 SDPA_NAME = PAGED_PREFIX + "sdpa"
 ONE_KV_PADDING = 1 << 40  # a padding interval longer than any cache: every step's slot list padded to the cache
-# Compiled steps: compiles of one resumed function per model layer (step kinds: with and without LoRA, static and
-# dynamic shapes), see torch_compat.allow_recompiles
-RECOMPILES_PER_LAYER = 4
 # What a request's KV pages are shared under besides its tokens: its adapter's key, and the first position the
 # adapter computes (0; an aLoRA's invocation): the pages wholly before it hold the base model's keys and values.
 PrefixKey = tuple[str, int]
@@ -193,9 +188,6 @@ class ContinuousBatchingBackend:
         self._processor = processor
         self._io: _AdapterSlotIOs = processor.inputs_and_outputs
         self._runner: _ScoreKeepingRunner = processor.model_runner
-        if self.compiles_steps:
-            layers = hf_model.config.get_text_config().num_hidden_layers
-            allow_recompiles(RECOMPILES_PER_LAYER * layers, 4 * RECOMPILES_PER_LAYER * layers)
         # CUDA events around each step's forward, for its device time (None: not on CUDA, or the step failed)
         self._step_events = None
         if self._io.device.type == "cuda":
