@@ -21,7 +21,8 @@ def run_two_ranks(worker: Path, root: Path, timeout_s: float, *worker_args: str,
     then). GPUs are hidden unless ``gpus``: the ranks run on the CPU (gloo) wherever the test runs."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                str(worker), str(root), *worker_args]
-    env = {**child_env(), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    # PYTHONFAULTHANDLER: a rank that crashes (SIGSEGV, SIGABRT) prints its Python stack into the log
+    env = {**child_env(), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONFAULTHANDLER": "1"}
     if not gpus:
         env["CUDA_VISIBLE_DEVICES"] = ""
     results = [root / f"rank{rank}.json" for rank in range(2)]
@@ -38,11 +39,23 @@ def run_two_ranks(worker: Path, root: Path, timeout_s: float, *worker_args: str,
             for path in results:
                 path.unlink(missing_ok=True)
             continue
-        pytest.fail(f"torchrun ended with {returncode}:\n{text[-6000:]}")
+        pytest.fail(f"torchrun ended with {returncode}:\n{_crash_stacks(text)}{text[-6000:]}")
     return [json.loads(path.read_text()) for path in results]
 
 
 _TORCH_ABORT = "terminate called without an active exception"
+_CRASH = "Fatal Python error"
+
+
+def _crash_stacks(log: str, each: int = 3000) -> str:
+    """The Python stacks the ranks' fault handler printed when they crashed (they precede the log's tail, which
+    torchrun fills with its own report), or "" when none crashed."""
+    stacks = []
+    start = log.find(_CRASH)
+    while start != -1:
+        stacks.append(log[start:start + each])
+        start = log.find(_CRASH, start + each)
+    return "".join(f"{stack}\n...\n" for stack in stacks)
 
 
 def _run_bounded(command: list[str], env: dict, log: Path, timeout_s: float) -> int:
