@@ -276,7 +276,8 @@ class Router:
 
     async def _forward(self, request: dict, adapter: str, scope, receive, send) -> int | None:
         """Send ``request`` to a replica and its answer to the client; again while the replica is lost before any of
-        the answer was sent (its actor died, or it answered that it lost a rank), for ``RETRY_SECONDS`` at most.
+        the answer was sent (its actor died, or it answered that it cannot run a step), for ``RETRY_SECONDS`` at
+        most.
         The answer's status."""
         deadline = asyncio.get_running_loop().time() + RETRY_SECONDS
         while True:
@@ -297,7 +298,7 @@ class Router:
 
     async def _try_replica(self, request: dict, adapter: str, send) -> int | list[dict] | None:
         """One try: the answer's status once it is sent; or, when the replica was lost before any of it was sent,
-        nothing sent and the replica's lost-rank answer (its messages) or None (its actor died)."""
+        nothing sent and the replica's marked 503 (its messages) or None (its actor died)."""
         status = None
         answer = self.replica.options(stream=True, multiplexed_model_id=adapter).handle_http.remote(
             request, self.catalog_version
