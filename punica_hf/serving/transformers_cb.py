@@ -484,10 +484,8 @@ class _AdapterSlotIOs(ContinuousBatchingIOs):
             for request_pages in pages:
                 flat.extend(request_pages)
                 flat.extend(repeat(0, width - len(request_pages)))
-            if not flat:  # (frombuffer refuses an empty buffer)
-                flat.append(0)
-            page_table = torch.frombuffer(flat, dtype=torch.int64)[: len(pages) * width].view(len(pages), width)
-            page_table = page_table.to(self.device)
+            # every request of the step holds a page at least (its new tokens'): the buffer is never empty
+            page_table = torch.frombuffer(flat, dtype=torch.int64).view(len(pages), width).to(self.device)
             page_starts = page_table[rows, positions // group.tokens_per_page] * group.page_stride
             self.read_index_storage[index, :total] = page_starts + positions % group.tokens_per_page
             self.true_read_sizes[index] = total
