@@ -96,3 +96,14 @@ def test_ranks_whose_adapter_slots_differ_all_stop_saying_so(ranks):
     leader, follower = (seen["differing_adapters"] for seen in ranks)
     for error in (leader["request_error"], leader["engine_error"], follower["engine_error"]):
         assert "rank 1: adapter 'attn' is in slot" in error and "on rank 0" in error, error
+
+
+def test_compiled_steps_give_the_tokens_of_the_uncompiled_split_engine(ranks):
+    """``compile_steps`` under tensor parallelism: each rank compiles its step whole (no graph break, the
+    attention and transformers' all-reduce inside), and rank 0's concurrent requests get the tokens the uncompiled
+    split engine gave, on every rank."""
+    for rank in ranks:
+        compiled = rank["compiled_steps"]
+        assert compiled["graph_breaks"] == 0 and compiled["graphs"] > 0
+        for request_id in CONCURRENT:
+            assert compiled["completions"][request_id] == ranks[0]["completions"][request_id], request_id

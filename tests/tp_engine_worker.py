@@ -8,6 +8,7 @@ unsplit model alone. Each rank writes every completion its engine saw to ``ROOT/
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import time
@@ -44,13 +45,14 @@ SHARED_PROMPT = [(7 * i + 3) % 97 + 1 for i in range(300)]
 PREFIXED = {"p0": (SHARED_PROMPT, "attn", GREEDY), "p1": (SHARED_PROMPT[:280] + [5, 6, 7, 8] * 5, "attn", GREEDY)}
 
 
-def serve(tensor_parallel: bool, adapters=("attn", "mlp")) -> tuple[MultiLoraModel, Engine, dict]:
+def serve(tensor_parallel: bool, adapters=("attn", "mlp"), config: EngineConfig = CONFIG,
+          ) -> tuple[MultiLoraModel, Engine, dict]:
     """The model (split or whole) with its adapters, an engine over it and the completions it will see by id."""
     split = dict(distributed_config=DistributedConfig(tp_plan="auto")) if tensor_parallel else {}
     base = AutoModelForCausalLM.from_pretrained(ROOT / "model", dtype=torch.float32, **split).eval()
     model = MultiLoraModel(base, max_adapters=2, max_rank=16)
     model.load_adapters({name: ROOT / "adapters" / name for name in adapters})
-    engine = Engine(model, config=CONFIG)
+    engine = Engine(model, config=config)
     seen: dict = {}
     engine.add_listener(lambda c: seen.__setitem__(c.request_id, [list(c.token_ids), c.finish_reason]))
     return model, engine, seen
@@ -119,6 +121,27 @@ def differing_adapters(results: dict) -> None:
         held.release()
 
 
+def compiled_steps(results: dict) -> None:
+    """The split model's steps compiled (``compile_steps``), the LoRA ops opaque as the CUDA kernels are to the
+    compiler: rank 0's concurrent requests again, and the graph breaks each rank's compile met."""
+    from torch._dynamo.utils import counters
+
+    from opaque_kernels import OpaqueKernelBackend
+
+    model, engine, seen = serve(tensor_parallel=True, config=dataclasses.replace(CONFIG, compile_steps=True))
+    backend = OpaqueKernelBackend()
+    model._injection.context.backend = lambda device: backend
+    torch._dynamo.reset()
+    counters.clear()
+    with engine:
+        if RANK == 0:
+            for handle in submit_all(engine, CONCURRENT):
+                handle.result(timeout=120)
+    results["completions"] = seen
+    results["graph_breaks"] = sum(counters["graph_break"].values())
+    results["graphs"] = counters["stats"]["unique_graphs"]
+
+
 def main() -> None:
     results: dict = {}
     try:
@@ -148,6 +171,7 @@ def main() -> None:
             results["unsplit"] = whole_seen
         leader_failure(results.setdefault("leader_failure", {}))
         differing_adapters(results.setdefault("differing_adapters", {}))
+        compiled_steps(results.setdefault("compiled_steps", {}))
     except Exception:
         results["error"] = traceback.format_exc()
     finish_rank(ROOT, results)

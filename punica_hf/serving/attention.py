@@ -50,9 +50,6 @@ def choose(hf_model) -> AttentionChoice:
     return AttentionChoice(NAME, "punica_hf paged kernel", "flash-attn is not installed")
 
 
-# Left out of compiled steps (EngineConfig.compile_steps): it writes into the cache through views, which compiled code
-# would turn into copies of the cache, and its work is one kernel anyway.
-@torch.compiler.disable
 def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                             attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                             **kwargs) -> tuple[torch.Tensor, None]:
@@ -70,22 +67,48 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     if cache is None:
         raise ValueError("punica_hf's paged attention needs transformers' paged cache in its arguments: it runs "
                          "inside the serving engine's continuous batching only")
-    group, key_cache, value_cache = layer_cache(cache, module.layer_idx)
-    write_index = kwargs["write_index"][group]
-    read_index = kwargs["read_index"][group]
-    key_cache.index_copy_(0, write_index, key[0].transpose(0, 1))
-    value_cache.index_copy_(0, write_index, value[0].transpose(0, 1))
-    # No cached keys (prefills only): the keys are the new tokens, in the slots just written, cu_k == cu_q.
-    key_slots = read_index if read_index.numel() else write_index
+    layer = layer_cache(cache, module.layer_idx)
     cu_seq_lens_k = kwargs["cu_seq_lens_k"]
     if isinstance(cu_seq_lens_k, dict):  # one entry per layer type
         cu_seq_lens_k = cu_seq_lens_k["full_attention"]
-    output = ops.paged_attention(
-        query[0].transpose(0, 1).contiguous(), key_cache, value_cache, key_slots,
-        kwargs["cu_seq_lens_q"].to(torch.int32), cu_seq_lens_k.to(torch.int32),
+    # Compiled steps (EngineConfig.compile_steps) see the cache write and the kernel as one op that declares what it
+    # writes: no graph break per layer, and the compiler writes the cache in place rather than copying it.
+    attend = write_and_attend if torch.compiler.is_compiling() else _write_and_attend
+    output = attend(
+        query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), layer.keys, layer.key_row,
+        layer.values, layer.value_row, layer.rows, kwargs["write_index"][layer.group],
+        kwargs["read_index"][layer.group], kwargs["cu_seq_lens_q"], cu_seq_lens_k,
         module.scaling if scaling is None else scaling,
     )
     return output.unsqueeze(0), None
+
+
+def _write_and_attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, keys: torch.Tensor, key_row: int,
+                      values: torch.Tensor, value_row: int, rows: int, write_index: torch.Tensor,
+                      read_index: torch.Tensor, cu_seq_lens_q: torch.Tensor, cu_seq_lens_k: torch.Tensor,
+                      scale: float) -> torch.Tensor:
+    """Write the step's keys and values ``[T, Hkv, D]`` into the layer's cache at ``write_index`` ``[T]``, then
+    attend ``query`` ``[T, Hq, D]`` over the keys at ``read_index``: ``[T, Hq, D]``. The layer's cache is rows
+    ``key_row`` to ``key_row + rows`` of ``keys`` ``[N, Hkv, D]``, and the same of ``values`` (``LayerCache``;
+    ``keys`` and ``values`` may be one tensor)."""
+    key_cache = keys[key_row:key_row + rows]
+    value_cache = values[value_row:value_row + rows]
+    key_cache.index_copy_(0, write_index, key)
+    value_cache.index_copy_(0, write_index, value)
+    # No cached keys (prefills only): the keys are the new tokens, in the slots just written, cu_k == cu_q.
+    key_slots = read_index if read_index.numel() else write_index
+    return ops.paged_attention(query.contiguous(), key_cache, value_cache, key_slots, cu_seq_lens_q.to(torch.int32),
+                               cu_seq_lens_k.to(torch.int32), scale)
+
+
+write_and_attend = torch.library.custom_op(
+    "punica_hf_serving::write_and_attend", _write_and_attend, mutates_args=("keys", "values"))
+
+
+@write_and_attend.register_fake
+def _write_and_attend_fake(query, key, value, keys, key_row, values, value_row, rows, write_index, read_index,
+                           cu_seq_lens_q, cu_seq_lens_k, scale):
+    return torch.empty_like(query, memory_format=torch.contiguous_format)
 
 
 def _sliding_windows(hf_model) -> list[int]:

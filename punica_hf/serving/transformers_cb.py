@@ -34,6 +34,7 @@ from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 from itertools import repeat
+from typing import NamedTuple
 
 import torch
 import transformers
@@ -103,18 +104,57 @@ def restore_attention(saved: list[tuple[object, str | None]]) -> None:
         config._attn_implementation = implementation
 
 
-def layer_cache(cache, layer_idx: int) -> tuple[int, torch.Tensor, torch.Tensor]:
-    """(attention group, keys ``[N, Hkv, D]``, values ``[N, Hkv, D]``) of one layer of the paged cache, indexed by
-    the slots of the group's ``read_index`` / ``write_index``: views of the cache itself, no copy.
+class LayerCache(NamedTuple):
+    """Where one layer's keys and values lie in the paged cache: rows ``key_row`` to ``key_row + rows`` of ``keys``
+    ``[N, Hkv, D]`` are the layer's keys, indexed by the slots of its attention group's ``read_index`` /
+    ``write_index``; the same for the values. From transformers 5.18 every layer's keys and values are shifted
+    along one tensor, so ``keys`` and ``values`` are that one tensor for every layer: a compiled step then takes the
+    whole cache as one input, which it can write in place, rather than two views of it per layer."""
+
+    group: int
+    keys: torch.Tensor
+    key_row: int
+    values: torch.Tensor
+    value_row: int
+    rows: int
+
+
+def layer_cache(cache, layer_idx: int) -> LayerCache:
+    """Where layer ``layer_idx``'s keys and values lie in the engine's paged cache (``_EngineCache``)."""
+    return cache.layer_caches[layer_idx]
+
+
+def _layer_caches(cache: PagedAttentionCache) -> dict[int, LayerCache]:
+    """Every layer's ``LayerCache``, found from the views transformers' own ``update`` writes and reads.
     upstream hook: the attention function handed its layer's key and value caches"""
     if hasattr(cache, "layer_to_allocator"):  # 5.18 on: one allocator per attention type, its views per layer
-        allocator = cache.layer_to_allocator[layer_idx]
-        keys, values = allocator._kv_token_views[layer_idx]  # what transformers' own update writes and reads
-        # views shifted along one tensor, the values' by a page: every slot of the layer lies in both
-        slots = min(keys.shape[0], values.shape[0])
-        return allocator.index, keys[:slots], values[:slots]
-    group, index_in_group = cache.layer_index_to_group_indices[layer_idx]
-    return group, cache.key_cache[index_in_group], cache.value_cache[index_in_group]
+        views = {layer: (allocator.index, *allocator._kv_token_views[layer])
+                 for layer, allocator in cache.layer_to_allocator.items()}
+    else:  # 5.17: two tensors per layer
+        views = {layer: (group, cache.key_cache[index], cache.value_cache[index])
+                 for layer, (group, index) in cache.layer_index_to_group_indices.items()}
+    # The tensor each view is rows of: of the views on one storage, the one that starts first.
+    whole: dict[int, torch.Tensor] = {}
+    for _, keys, values in views.values():
+        for view in (keys, values):
+            first = whole.setdefault(view.untyped_storage().data_ptr(), view)
+            if view.storage_offset() < first.storage_offset():
+                whole[view.untyped_storage().data_ptr()] = view
+
+    def located(view: torch.Tensor, rows: int) -> tuple[torch.Tensor, int]:
+        base = whole[view.untyped_storage().data_ptr()]
+        row, rest = divmod(view.storage_offset() - base.storage_offset(), base.stride(0))
+        if rest or view.stride() != base.stride() or row + rows > base.shape[0]:
+            raise RuntimeError(f"transformers {transformers.__version__}'s paged cache is laid out in a way this "
+                               f"engine does not know: {tuple(view.shape)} at {view.storage_offset()} in "
+                               f"{tuple(base.shape)} at {base.storage_offset()}")
+        return base, row
+
+    layers = {}
+    for layer, (group, keys, values) in views.items():
+        rows = min(keys.shape[0], values.shape[0])  # 5.18 on: the values' view is shifted a page further
+        layers[layer] = LayerCache(group, *located(keys, rows), *located(values, rows), rows)
+    return layers
 
 
 def batching_config(device: torch.device, *, max_running: int | None, max_batch_tokens: int | None,
@@ -125,7 +165,7 @@ def batching_config(device: torch.device, *, max_running: int | None, max_batch_
     the graphs' shapes. ``prefix_sharing``: requests share the pages of a common prompt prefix (transformers turns
     it off for models with sliding-window layers); only with the backend's ``prefix_key_of``. ``compile_steps``:
     transformers compiles the step function it captures in graphs (dynamic shapes: one compile serves every padded
-    query count; graph breaks allowed, at the attention function and the PyTorch LoRA ops)."""
+    query count; graph breaks allowed: the PyTorch LoRA ops of the CPU reference make some)."""
     cb_config = ContinuousBatchingConfig(
         max_requests_per_batch=max_running,
         max_batch_tokens=max_batch_tokens,
@@ -531,6 +571,7 @@ class _EngineCache(PagedAttentionCache):
     """
 
     _reads_in_place: bool
+    layer_caches: dict[int, LayerCache]  # with the engine's attention: where each layer's keys and values lie
     _prefix_key_of: Callable[[str], PrefixKey | None]
     prefix_hit_tokens: int  # prompt tokens served from shared pages so far
 
@@ -544,6 +585,7 @@ class _EngineCache(PagedAttentionCache):
         cache._reads_in_place = own_attention and hasattr(cache, "layer_to_allocator")  # 5.17 reads in place as is
         cache._prefix_key_of = prefix_key_of
         cache.prefix_hit_tokens = 0
+        cache.layer_caches = _layer_caches(cache) if own_attention else {}
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         step = args[0] if args else kwargs.get("kwargs")  # 5.24 on: the attention call's kwargs, updated in place
