@@ -770,3 +770,18 @@ def assert_greedy_up_to_rounding(model, plan, completions) -> None:
         chosen = scores.gather(1, torch.tensor(tokens, device="cuda")[:, None])[:, 0]
         margin = scores.max(dim=1).values - chosen
         assert (margin <= 0.05 * scores.std(dim=1)).all(), (adapter, len(prompt), margin.tolist())
+
+
+def test_a_layer_whose_cache_the_engines_attention_cannot_read_fails_its_step_saying_so(tiny_model):
+    """A paged cache layer with no plain keys and values (transformers 5.25's latent caches, say) is not read
+    through a table that lacks it: the step fails, naming the layer and what to serve the model with instead,
+    and the engine stays up for the next request."""
+    with Engine(tiny_model, config=EngineConfig(max_running=2, max_batch_tokens=64)) as engine:
+        layer_caches = engine._backend._processor.cache.layer_caches
+        held = layer_caches.pop(1)
+        failed = engine.submit(tiny_prompt(5, 4), "a", SamplingParams(max_new_tokens=2)).result(timeout=60)
+        layer_caches[1] = held
+        served = engine.submit(tiny_prompt(5, 4), "a", SamplingParams(max_new_tokens=2)).result(timeout=60)
+    assert failed.finish_reason == "error"
+    assert "layer 1's paged cache holds no plain keys and values" in failed.error and "flash-attn" in failed.error
+    assert served.finish_reason == "length" and len(served.token_ids) == 2

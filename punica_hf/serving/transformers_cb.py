@@ -121,7 +121,12 @@ class LayerCache(NamedTuple):
 
 def layer_cache(cache, layer_idx: int) -> LayerCache:
     """Where layer ``layer_idx``'s keys and values lie in the engine's paged cache (``_EngineCache``)."""
-    return cache.layer_caches[layer_idx]
+    located = cache.layer_caches.get(layer_idx)
+    if located is None:
+        raise ValueError(f"layer {layer_idx}'s paged cache holds no plain keys and values the engine's attention "
+                         f"can read (transformers {transformers.__version__}); serve this model with flash-attn or "
+                         f"transformers' paged sdpa")
+    return located
 
 
 def _layer_caches(cache: PagedAttentionCache) -> dict[int, LayerCache]:
@@ -129,7 +134,8 @@ def _layer_caches(cache: PagedAttentionCache) -> dict[int, LayerCache]:
     upstream hook: the attention function handed its layer's key and value caches"""
     if hasattr(cache, "layer_to_allocator"):  # 5.18 on: one allocator per attention type, its views per layer
         views = {layer: (allocator.index, *allocator._kv_token_views[layer])
-                 for layer, allocator in cache.layer_to_allocator.items()}
+                 for layer, allocator in cache.layer_to_allocator.items()
+                 if layer in getattr(allocator, "_kv_token_views", ())}  # 5.25's latent caches hold none
     else:  # 5.17: two tensors per layer
         views = {layer: (group, cache.key_cache[index], cache.value_cache[index])
                  for layer, (group, index) in cache.layer_index_to_group_indices.items()}
