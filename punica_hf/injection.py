@@ -16,7 +16,7 @@ LoRA on MoE experts (PEFT ``target_parameters``) takes the same road: each exper
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import replace
 
 import torch
@@ -35,10 +35,10 @@ from .vocab_layers import EmbeddingLoraHook, OutputLoraHook
 class LoraInjection:
     """The LoRA hooks of one model, by module name, and the projection groups they share.
 
-    ``layout_version`` is bumped whenever a hook is installed or removed, or ``attach`` finds new tables of output
-    vectors (DoRA, LoRA biases) that hooks apply: CUDA graphs captured before then run other ops and must be
-    captured again. (A device pool is only ever made for modules that get their
-    first hook in the same call, so this also counts new pools.)
+    ``layout_version`` is bumped whenever a hook is installed or removed, or hooks start or stop applying tables of
+    output vectors (DoRA, LoRA biases; ``use_vectors``): CUDA graphs captured before then run other ops and must be
+    captured again. (A device pool is only ever made for modules that get their first hook in the same call, so
+    this also counts new pools.)
     """
 
     def __init__(self, model: nn.Module, context: LoraContext, max_rank: int) -> None:
@@ -50,7 +50,6 @@ class LoraInjection:
         self.experts_hooks: dict[str, ExpertsLoraHook] = {}  # experts module name -> its hook
         self.groups: dict[str, ProjectionGroup] | None = None  # module name -> its group, made with the first hook
         self.layout_version = 0
-        self._vector_tables = 0  # output-vector tables seen by attach (they are never removed)
         self.splits: dict[str, LinearSplit] = find_splits(model)  # layers split by tensor parallelism
         self.tp_wrappers: dict[str, object] = {}  # split layer -> the tensor-parallel forward its hook's wrapper replaced
 
@@ -262,14 +261,25 @@ class LoraInjection:
         except BaseException:
             self.detach(hooked)
             raise
-        vector_tables = sum(device_tables.vector_table_count for device_tables in tables.values())
-        if hooked or vector_tables != self._vector_tables:
-            for hook in self.hooks.values():  # hooks installed before their layer's vector tables were made
-                if isinstance(hook, LoraHook):  # (an experts module's hook has no output vectors)
-                    hook.vectors = hook.tables.vectors.get(hook.row)
+        if hooked:
             self.layout_version += 1
-            self._vector_tables = vector_tables
         return hooked
+
+    def use_vectors(self, module_names: Collection[str]) -> None:
+        """Point the hooks of ``module_names`` (the layers a registered adapter has output vectors on) at their
+        layer's tables of vectors, and every other hook at none: a layer whose last such adapter is gone runs no
+        extra op. The tables themselves stay (a graph captured earlier may still read them) and serve the next
+        adapter with vectors there."""
+        changed = False
+        for module_name, hook in self.hooks.items():
+            if isinstance(hook, ExpertsLoraHook):  # no output vectors on experts
+                continue
+            vectors = hook.tables.vectors.get(hook.row) if module_name in module_names else None
+            if vectors is not hook.vectors:
+                hook.vectors = vectors
+                changed = True
+        if changed:
+            self.layout_version += 1
 
     def _experts_hook(self, entry: str, modules: dict[str, nn.Module], tables, rows) -> ExpertsLoraHook:
         """The hook of ``entry``'s experts module, installed by the first of its entries."""

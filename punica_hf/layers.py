@@ -307,9 +307,10 @@ class LoraHook:
         self.context = context
         self.max_rank = max_rank
         self.group = group
-        # [scale, shift] tables of this row (``DeviceTables.vectors``), set once an adapter with output vectors on
-        # this layer is loaded; None (plain LoRA) costs a compiled forward one guard, not a dict lookup
-        self.vectors = tables.vectors.get(row)
+        # [scale, shift] tables of this row (``DeviceTables.vectors``) while a registered adapter has output vectors
+        # on this layer (``LoraInjection.use_vectors``); None (plain LoRA) costs a compiled forward one guard, not a
+        # dict lookup
+        self.vectors: list[torch.Tensor | None] | None = None
         if group is not None:
             self.member = row - group.first_row
             self.column_start = group.column_starts[self.member]  # this module's columns of the group's updates

@@ -23,7 +23,7 @@ from vector_adapters import (
     save_vector_adapter,
 )
 
-from punica_hf import MultiLoraModel
+from punica_hf import MultiLoraModel, layers
 from punica_hf.formats import AdapterWeights, LoraAdapterConfig, ModuleLora, convert_adapter, load_adapter_weights
 from punica_hf.layers import LoraHook
 from punica_hf.serving import Engine, EngineConfig, SamplingParams
@@ -154,6 +154,74 @@ def test_plain_lora_makes_no_vector_tables_and_a_dora_adapter_asks_for_new_graph
     assert model.layout_version != layout  # hooks already there now apply vectors: captured graphs are stale
     with_vectors = {name for name, hook in model._injection.hooks.items() if hook.row in hook.tables.vectors}
     assert with_vectors == {f"model.layers.{i}.self_attn.{p}" for i in range(2) for p in ("q_proj", "v_proj")}
+
+
+def count_vector_ops(monkeypatch) -> list[int]:
+    """A one-element list counting the hooks' scale-and-shift ops from now on."""
+    calls = [0]
+    original = layers.scale_and_shift
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(layers, "scale_and_shift", counted)
+    return calls
+
+
+def test_layers_whose_last_vector_adapter_is_gone_run_no_vector_op(tmp_path, monkeypatch):
+    """Unloading the last DoRA adapter of a layer takes its scale-and-shift op out of the forward (a server that
+    once served one does not pay for it for good), and asks for new graphs; an adapter unloaded while held keeps
+    its op until released; a DoRA adapter loaded again applies its vectors as PEFT does."""
+    base = make_base("llama")
+    adapters = MODELS["llama"][1]
+    paths = {"plain": save_vector_adapter(base, tmp_path / "plain", 0, **adapters["plain"]),
+             "dora": save_vector_adapter(base, tmp_path / "dora", 1, **adapters["dora_rs"])}
+    oracles = peft_oracles(base, paths)
+    batch = left_padded_batch([5, 3, 4], seed=7)
+    model = MultiLoraModel(copy.deepcopy(base), max_adapters=2, max_rank=8)
+    model.load_adapters(paths)
+    calls = count_vector_ops(monkeypatch)
+    assert_rows_match(model, oracles, ["plain", None, "dora"], *batch)
+    assert calls[0] > 0
+    held = model.acquire(["dora"])
+    layout = model.layout_version
+    model.unload_adapter("dora")
+    calls[0] = 0
+    assert_rows_match(model, oracles, ["plain", None], *left_padded_batch([5, 3], seed=8))
+    assert calls[0] > 0 and model.layout_version == layout  # held: still applied
+    held.release()
+    assert model.layout_version != layout  # graphs captured with the ops are stale
+    calls[0] = 0
+    assert_rows_match(model, oracles, ["plain", None, "plain"], *batch)
+    assert calls[0] == 0
+    model.load_adapters({"dora": paths["dora"]})
+    assert_rows_match(model, oracles, ["dora", "plain", None], *batch)
+    assert calls[0] > 0
+
+
+def test_a_failed_load_of_a_vector_adapter_leaves_no_vector_op(tmp_path, monkeypatch):
+    """A DoRA load that fails after its vector tables were made (here, interrupted while its host copy is built)
+    changes nothing: the forward runs no scale-and-shift op and the plain adapter's rows equal PEFT's."""
+    base = make_base("llama")
+    adapters = MODELS["llama"][1]
+    paths = {"plain": save_vector_adapter(base, tmp_path / "plain", 0, **adapters["plain"]),
+             "dora": save_vector_adapter(base, tmp_path / "dora", 1, **adapters["dora_rs"])}
+    oracles = peft_oracles(base, {"plain": paths["plain"]})
+    model = MultiLoraModel(copy.deepcopy(base), max_adapters=2, max_rank=8)
+    model.load_adapters({"plain": paths["plain"]})
+    layout = model.layout_version
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(type(model._store), "_host_chunks", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        model.load_adapters({"dora": paths["dora"]})
+    monkeypatch.undo()
+    calls = count_vector_ops(monkeypatch)
+    assert_rows_match(model, oracles, ["plain", None], *left_padded_batch([5, 3], seed=9))
+    assert calls[0] == 0 and model.layout_version == layout and set(model.adapters) == {"plain"}
 
 
 def test_bias_all_that_changes_a_bias_outside_its_modules_is_refused(tmp_path):

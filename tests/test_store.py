@@ -269,6 +269,7 @@ class PlainModuleHooks:
     def __init__(self, linear: dict[str, LinearModule]) -> None:
         self.linear = linear
         self.hooked: dict[str, tuple] = {}  # module name -> (the tables its hook reads, its row)
+        self.with_vectors: set[str] = set()  # the modules whose hooks apply output vectors
 
     def linear_modules(self) -> dict[str, LinearModule]:
         return dict(self.linear)
@@ -289,6 +290,9 @@ class PlainModuleHooks:
     def detach(self, module_names) -> None:
         for name in module_names:
             self.hooked.pop(name, None)
+
+    def use_vectors(self, module_names) -> None:
+        self.with_vectors = set(module_names)
 
 
 def test_the_store_manages_adapter_memory_from_plain_module_data(base, paths):

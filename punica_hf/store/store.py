@@ -28,7 +28,7 @@ import threading
 import time
 import weakref
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -107,6 +107,9 @@ class ModuleHooks(Protocol):
 
     def detach(self, module_names: Iterable[str]) -> None:
         """Remove the hooks of these modules."""
+
+    def use_vectors(self, module_names: Collection[str]) -> None:
+        """Apply output vectors (DoRA, LoRA biases) on exactly these modules' hooks."""
 
 
 @dataclass
@@ -239,6 +242,11 @@ class AdapterStore:
                         users.setdefault(module_name, []).append(adapter.name)
             return users
 
+    def _use_vectors(self) -> None:
+        """Hooks apply output vectors where a registered adapter has them, and nowhere else (after a load, a failed
+        load and a drop)."""
+        self.module_hooks.use_vectors(set(self.output_vector_users()))
+
     def add(self, adapters: Mapping[str, tuple[AdapterWeights, Any, dict]]) -> dict[str, int]:
         """Register ``{name: (weights, source, source_kwargs)}``, all or none. Returns ``{name: index}``.
 
@@ -272,7 +280,9 @@ class AdapterStore:
                 self.check_wrapped()  # unwrap() may have run meanwhile
                 for name in adapters:  # another thread may have taken a name meanwhile
                     self._check_new_name(name)
-                return self._register(planned, host_copies, undo)
+                assigned = self._register(planned, host_copies, undo)
+                self._use_vectors()
+                return assigned
         except BaseException:  # any failure or interrupt: undo every change of this call
             with self.lock:
                 for copy in host_copies.values():
@@ -320,6 +330,7 @@ class AdapterStore:
         for device in undo.pools:
             if device not in used_devices:
                 del self.pools[device]
+        self._use_vectors()
 
     def _register(self, planned: dict[str, AdapterPlan], host_copies: dict, undo: "_Undo") -> dict[str, int]:
         assigned = {}
@@ -359,6 +370,7 @@ class AdapterStore:
         self.host.drop(adapter.index)
         adapter.prefetched = None
         del self._by_index[adapter.index]
+        self._use_vectors()
 
     # ------------------------------------------------------------------------------------------ residency
     def lookup(self, adapter: str | int | None) -> Adapter | None:
