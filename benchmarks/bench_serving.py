@@ -15,7 +15,9 @@ adapters made in memory (random factors on q, k, v, o, gate, up, down). Systems,
 
 The engine's step time is recorded at every step; decode steps (one new token per request) are reported by batch
 size, next to the compiled static-cache ``generate()`` step (``--compiled-batches``, prompt of the median length,
-the first adapter system's adapters cycled over the rows), timed by ``bench_generate.StepTimer``.
+the first adapter system's adapters cycled over the rows), timed by ``bench_generate.StepTimer``. The base
+engine's decode step nearest 128 requests is set against its bytes floor (``floors``: the weights and the step's
+KV cache read once, at the copy bandwidth measured at start): ``targets.base_decode_step_vs_bytes_floor``.
 
 Each engine system is run with every request arriving at once (saturation), then with Poisson arrivals at
 fractions of the saturation rate of the first adapter system. Throughput = generated tokens / (last finish - first
@@ -32,7 +34,8 @@ tokens served from cached prefixes and the adapter store's loads and evictions:
   requests of the default mix; against the base engine.
 - ``--long-prompts``: RAG-like prompts (median 1,500 tokens, sigma 0.5, 256-3,500; the default outputs), 64
   requests at once, at most 64 running; 32 adapters against the base engine. ``engine_steps.<system>.mixed.full``:
-  the mixed steps that packed at least 95 % of a step's token budget (2,048 on a GPU).
+  the mixed steps that packed at least 95 % of a step's token budget (2,048 on a GPU); the base model's against
+  their FLOP floor (``targets.base_full_mixed_step_vs_flop_floor``).
 - ``--small-model``: a Llama-3.2-1B-shaped model (16 layers, hidden 2,048), 96 requests of the default mix, at most
   64 running; 8 adapters against the base engine. What a step costs besides its GPU work weighs the most here:
   ``engine_steps`` give each kind of step's GPU time (``median_device_ms``) next to its time.
@@ -58,6 +61,7 @@ import statistics
 import time
 from pathlib import Path
 
+import floors
 import torch
 import transformers
 from bench_generate import MODES, StepTimer
@@ -133,7 +137,8 @@ def decode_steps_by_batch(steps: list[StepRecord]) -> dict[int, dict]:
             by_batch.setdefault(step.requests, []).append(step)
     return {batch: {"steps": len(records), "median_ms": 1e3 * statistics.median(r.seconds for r in records),
                     "median_prepare_ms": 1e3 * statistics.median(r.prepare_seconds for r in records),
-                    "median_device_ms": median_device_ms(records)}
+                    "median_device_ms": median_device_ms(records),
+                    "median_key_tokens": statistics.median(r.key_tokens for r in records)}
             for batch, records in sorted(by_batch.items()) if len(records) >= 3}
 
 
@@ -307,6 +312,7 @@ def run_uniform(args: argparse.Namespace) -> None:
     setup_start = time.perf_counter()
     model, adapter_sets, config = build_model(args)
     step_timer = StepTimer(model.model) if not tiny else None  # before anything compiles (its docstring says why)
+    bandwidth = floors.copy_bandwidth(model.device)  # before the engine sizes its KV cache from free memory
     requests = make_requests(args.requests, config.vocab_size, TINY if tiny else FULL, args.seed)
     static_requests = requests[:args.static_requests]
     first_set = adapter_sets[min(adapter_sets)]
@@ -400,6 +406,12 @@ def run_uniform(args: argparse.Namespace) -> None:
     if transformers_cb:
         targets["adapters_vs_transformers_cb_base"] = (results[first_name]["saturation"]["tokens_per_second"]
                                                        / transformers_cb["tokens_per_second"])
+    base_steps = decode_steps_by_batch(step_records["engine, base model"])
+    if bandwidth is not None and base_steps:
+        batch = min(base_steps, key=lambda b: abs(b - FLOOR_BATCH))
+        targets["base_decode_step_vs_bytes_floor"] = {"batch": batch, **floors.against_floor(
+            base_steps[batch], floors.decode_bytes_floor(model.model, base_steps[batch]["median_key_tokens"],
+                                                         bandwidth))}
     engine_steps = decode_steps_by_batch(step_records[first_name])
     for batch, compiled in compiled_steps.items():
         nearest = min(engine_steps, key=lambda b: abs(b - batch), default=None)
@@ -412,6 +424,8 @@ def run_uniform(args: argparse.Namespace) -> None:
     finish(args, report, targets)
 
 
+# Issue 38's target 2: the base engine's decode step at this batch (the nearest measured) against its bytes floor.
+FLOOR_BATCH = 128
 # Issue 38's targets: adapters' throughput over the base engine's, at saturation, in the same run.
 ADAPTERS_VS_BASE_TARGET = {"mixed-ranks": 0.93, "long-prompts": 0.95, "small-model": 0.95}
 SMALL_MODEL_BASE_TARGET = 15_000  # tokens/s of the base engine on --small-model, at least
@@ -497,6 +511,10 @@ def run_workload(args: argparse.Namespace) -> None:
                    "ttft_p50_at_saturation_seconds": {name: r["saturation"]["ttft_p50"] for name, r in results.items()},
                    "full_mixed_step_ms": {name: step_summary(records, step_budget)["mixed"].get("full", {}).get(
                        "median_ms") for name, records in step_records.items()}}
+        if args.workload == "long-prompts" and not args.tiny:
+            full = step_summary(step_records[systems[1].name], step_budget)["mixed"].get("full", {})
+            floor = floors.prefill_flop_floor(model.model, full.get("median_tokens", 0), torch.cuda.get_device_name())
+            targets["base_full_mixed_step_vs_flop_floor"] = floors.against_floor(full, floor)
         if args.workload == "small-model":
             targets["base_tokens_per_second"] = second["saturation"]["tokens_per_second"]
             targets["base_tokens_per_second_target"] = SMALL_MODEL_BASE_TARGET

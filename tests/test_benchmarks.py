@@ -289,3 +289,30 @@ def test_serving_output_check_names_each_request_that_differs_and_where():
     assert not check["equal"] and check["mismatched"] == 2 and check["requests_compared"] == 3
     assert check["first_mismatches"] == [{"run": 0, "request": 1, "first_differing_token": 2},
                                          {"run": 1, "request": 0, "first_differing_token": 0}]
+
+
+def test_step_floors_count_the_bytes_and_flops_of_the_models_shapes():
+    """``floors``: the decode floor reads every parameter once (the input embedding table too, and the stricter
+    floor without it; a tied table counted once) plus each key token's keys and values over every layer; the
+    prefill floor multiplies every parameter but the input embedding, twice per token."""
+    import floors
+
+    untied = tiny_llama(num_hidden_layers=2, hidden_size=64, num_key_value_heads=2, head_dim=16,
+                        tie_word_embeddings=False)
+    vocab, hidden = untied.config.vocab_size, 64
+    params = sum(p.numel() for p in untied.parameters())
+    assert floors.parameter_bytes(untied) == (4 * params, 4 * vocab * hidden)
+    assert floors.kv_bytes_per_token(untied) == 2 * 2 * 2 * 16 * 4  # K and V x layers x kv heads x head x fp32
+    floor = floors.decode_bytes_floor(untied, key_tokens=1000, bandwidth=1e12)
+    assert floor["floor_ms"] == pytest.approx(1e3 * (4 * params + 1000 * 512) / 1e12)
+    assert floor["floor_ms_without_input_embeddings"] == pytest.approx(
+        1e3 * (4 * params - 4 * vocab * hidden + 1000 * 512) / 1e12)
+    prefill = floors.prefill_flop_floor(untied, tokens=2048, device_name="NVIDIA H200")
+    assert prefill["floor_ms"] == pytest.approx(1e3 * 2 * (params - vocab * hidden) * 2048 / 989e12)
+    assert floors.prefill_flop_floor(untied, tokens=2048, device_name="cpu") is None
+    tied = tiny_llama(num_hidden_layers=2, hidden_size=64, tie_word_embeddings=True)
+    assert floors.parameter_bytes(tied) == (4 * sum(p.numel() for p in tied.parameters()), 0)
+    step = {"median_ms": 6.0, "median_device_ms": 3.0}
+    assert floors.against_floor(step, {"floor_ms": 2.0})["ratio"] == 3.0
+    assert floors.against_floor(step, {"floor_ms": 2.0})["device_ratio"] == 1.5
+    assert floors.against_floor(step, None) is None

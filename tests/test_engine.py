@@ -785,3 +785,18 @@ def test_a_layer_whose_cache_the_engines_attention_cannot_read_fails_its_step_sa
     assert failed.finish_reason == "error"
     assert "layer 1's paged cache holds no plain keys and values" in failed.error and "flash-attn" in failed.error
     assert served.finish_reason == "length" and len(served.token_ids) == 2
+
+
+def test_each_step_record_counts_the_key_tokens_its_attention_read(tiny_model):
+    """``StepRecord.key_tokens``: every request's cached and new tokens at that step (the KV share of its bytes).
+    A request of a 6-token prompt and 4 new tokens reads 6 keys at its prefill, then 7, 8 and 9; one of 3 and 4
+    reads 3, 4, 5, 6: however the two share steps, the steps' key tokens add up to 48."""
+    steps = []
+    with Engine(tiny_model, config=EngineConfig(max_running=4, max_batch_tokens=64)) as engine:
+        engine.add_step_listener(steps.append)
+        handles = [engine.submit(tiny_prompt(seed, length), "a", SamplingParams(max_new_tokens=4, ignore_eos=True))
+                   for seed, length in ((11, 6), (12, 3))]
+        for handle in handles:
+            handle.result(timeout=60)
+    assert sum(step.key_tokens for step in steps) == (6 + 7 + 8 + 9) + (3 + 4 + 5 + 6)
+    assert all(step.key_tokens >= step.tokens > 0 for step in steps)

@@ -100,7 +100,7 @@ class Engine(TensorParallelLoop):
         self._ids = itertools.count()
         self._counters = Counter()
         self._finished = Counter()
-        self._last_batch = (0, 0)
+        self._last_batch = (0, 0, 0)  # the last step's requests, packed tokens and key tokens
         self._listeners: list[Callable[[Completion], None]] = []
         self._step_listeners: list[Callable[[StepRecord], None]] = []
         self.attention: attention.AttentionChoice | None = None  # the attention path, chosen by start()
@@ -180,9 +180,9 @@ class Engine(TensorParallelLoop):
 
     def _tell_step_listeners(self, started: float, prepared: float) -> None:
         if self._step_listeners:
-            requests, tokens = self._last_batch
+            requests, tokens, key_tokens = self._last_batch
             record = StepRecord(requests, tokens, time.perf_counter() - started, prepared - started,
-                                self._backend.step_device_seconds())
+                                self._backend.step_device_seconds(), key_tokens)
             for listener in self._step_listeners:
                 listener(record)
 

@@ -312,10 +312,11 @@ class ContinuousBatchingBackend:
         return self._processor.prepare_next_batch()
 
     @property
-    def batch_shape(self) -> tuple[int, int]:
-        """(requests, packed tokens) of the prepared batch."""
+    def batch_shape(self) -> tuple[int, int, int]:
+        """(requests, packed tokens, key tokens: every request's cached and new tokens, which its attention reads)
+        of the prepared batch."""
         batch = self._io.requests_in_batch
-        return len(batch), sum(s.query_length for s in batch)
+        return len(batch), sum(s.query_length for s in batch), self._io.step_key_tokens
 
     def forward(self) -> None:
         """Queue the prepared batch's forward (and greedy tokens) on the device."""
@@ -476,6 +477,7 @@ class _AdapterSlotIOs(ContinuousBatchingIOs):
     _page_groups: list[_PageGroup] | None  # one per attention group; None: transformers builds the key slots
     captured_keys: set[tuple[int, ...]]  # the step shapes whose graphs are stored
     graphs_stored: int  # graphs stored so far (a capture that failed stores none)
+    step_key_tokens: int  # the prepared step's requests' cached and new tokens
 
     @classmethod
     def adopt(cls, io: ContinuousBatchingIOs, slot_of: Callable[[str], tuple[int, int]], own_attention: bool) -> None:
@@ -486,6 +488,7 @@ class _AdapterSlotIOs(ContinuousBatchingIOs):
         io._token_slots = torch.full((1, io.cache.max_batch_tokens), -1, dtype=torch.int32, device=io.device)
         io._page_groups = _page_groups(io.cache) if own_attention else None
         io.step_has_adapter = io.warm_up_adapter_path = False
+        io.step_key_tokens = 0
         io.captured_keys = set()
         io.graphs_stored = 0
 
@@ -494,6 +497,7 @@ class _AdapterSlotIOs(ContinuousBatchingIOs):
                               num_q_tokens: int, max_kv_read: int, use_padding: bool) -> None:
         past_lengths = [s.state.position_offset for s in requests_in_batch]  # before they advance
         key_lengths = [past + s.query_length for past, s in zip(past_lengths, requests_in_batch)]
+        self.step_key_tokens = sum(key_lengths)
         own_key_slots = self._page_groups is not None and max_kv_read > 0 and not use_decode_fast_path
         super().prepare_batch_tensors(requests_in_batch, logits_processors, use_decode_fast_path, num_q_tokens,
                                       0 if own_key_slots else max_kv_read, use_padding)  # 0: it lists no keys

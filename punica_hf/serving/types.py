@@ -211,11 +211,13 @@ class StepRecord:
     requests' handles while the next step runs), and ``prepare_seconds`` of those spent before the forward
     (admission, scheduling, building the batch's tensors on the host). ``device_seconds`` (CUDA only, else None):
     the GPU's time from the forward's first kernel to its greedy tokens; the rest of ``seconds`` is the host's work
-    the GPU waited for."""
+    the GPU waited for. ``key_tokens``: the tokens whose keys and values the step's attention read, every request's
+    cached and new ones (the KV cache's share of the step's bytes)."""
 
     requests: int
     tokens: int
     seconds: float
     prepare_seconds: float
     device_seconds: float | None = None
+    key_tokens: int = 0
 
