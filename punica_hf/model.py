@@ -297,6 +297,11 @@ class MultiLoraModel(FollowsModuleMoves):
     def _slot_tensor(self, lease: AdapterLease, shape: tuple[int, ...]) -> torch.Tensor:
         return torch.tensor(lease.slots, dtype=torch.int32).reshape(shape).to(self.model.device)
 
+    def before_module_moves(self, fn) -> None:
+        """A ``.half()`` (or ``.to(dtype)``) into a dtype that cannot hold a loaded adapter's values is refused
+        before anything moves."""
+        self._store.check_cast(fn)
+
     def after_module_moved(self, fn) -> None:
         """``.to()`` / ``.cuda()`` / ``.half()`` moved the model: the adapter pools follow it."""
         self._store.apply(fn)

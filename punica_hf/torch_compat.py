@@ -25,16 +25,21 @@ class FollowsModuleMoves(nn.Module):
     """A module whose own tensors that are not parameters or buffers follow ``.to()`` / ``.cuda()`` / ``.half()``.
 
     Subclasses implement ``after_module_moved(fn)``: it gets the function torch applied to every parameter and
-    buffer of the module tree, after the tree moved, and applies it to the tensors they keep elsewhere.
+    buffer of the module tree, after the tree moved, and applies it to the tensors they keep elsewhere; and may
+    implement ``before_module_moves(fn)``, which can refuse the move (raise) before anything changed.
 
     No public hook: every such move goes through ``nn.Module._apply`` (torch's register-hooks run per parameter,
     without the function), so it is overridden here.
     """
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
+        self.before_module_moves(fn)
         super()._apply(fn, recurse)
         self.after_module_moved(fn)
         return self
+
+    def before_module_moves(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        pass
 
     def after_module_moved(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         raise NotImplementedError

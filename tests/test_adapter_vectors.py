@@ -142,6 +142,39 @@ def test_a_scale_beyond_the_layers_dtype_is_refused(tmp_path):
     assert not model._injection.hooks
 
 
+def test_a_cast_into_a_dtype_that_cannot_hold_an_adapter_is_refused_before_anything_moves(tmp_path):
+    """A float32 model with a DoRA adapter whose scale float16 cannot hold: ``.half()`` is refused, naming the
+    adapter, whether the adapter sits on the device or only on the host, and the model stays float32 with its
+    outputs; an adapter kept only as its source (dropped from the host tier) is checked when it is read again, at
+    its use."""
+    base = make_base("llama")
+    adapters = MODELS["llama"][1]
+    path = save_vector_adapter(base, tmp_path / "dora", 0, r=2, use_dora=True, target_modules=["q_proj"])
+    weights = load_adapter_weights(path)
+    q_proj = "model.layers.0.self_attn.q_proj"
+    huge = dataclasses.replace(weights, modules={
+        **weights.modules, q_proj: dataclasses.replace(weights.modules[q_proj], magnitude=torch.full((32,), 1e9))})
+    plain = save_vector_adapter(base, tmp_path / "plain", 1, **adapters["plain"])
+    batch = left_padded_batch([5, 3], seed=10)
+    for resident in (["huge", "plain"], ["plain"]):  # one slot: "huge" loaded first, then evicted to the host
+        model = MultiLoraModel(copy.deepcopy(base), max_adapters=len(resident), max_rank=8)
+        model.load_adapters({"huge": huge, "plain": plain})
+        with torch.no_grad():
+            before = model(input_ids=batch[0], attention_mask=batch[1], adapter_ids=["plain", None]).logits
+        with pytest.raises(ValueError, match=r"cannot cast the model's adapters to torch.float16: adapter 'huge' has "
+                                             r"values of magnitude up to .*; unload it first"):
+            model.half()
+        assert all(p.dtype == torch.float32 for p in model.parameters())
+        with torch.no_grad():
+            after = model(input_ids=batch[0], attention_mask=batch[1], adapter_ids=["plain", None]).logits
+        assert torch.equal(before, after)
+    # the last model: "plain" in its one slot, "huge" on the host; dropped there, it is kept only as its source
+    model._store.host.drop(model.adapters["huge"])
+    model.half()
+    with torch.no_grad(), pytest.raises(ValueError, match=f"adapter 'huge': module {q_proj} has values of magnitude"):
+        model(input_ids=batch[0], attention_mask=batch[1], adapter_ids=["huge", None])
+
+
 def test_plain_lora_makes_no_vector_tables_and_a_dora_adapter_asks_for_new_graphs(tmp_path):
     base = make_base("llama")
     adapters = MODELS["llama"][1]

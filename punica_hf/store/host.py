@@ -133,6 +133,10 @@ class HostTier:
             self._copies.move_to_end(index)
         return copy
 
+    def peek(self, index: int) -> HostCopy | None:
+        """The copy kept for ``index``, its place in the eviction order unchanged."""
+        return self._copies.get(index)
+
     def put(self, index: int, copy: HostCopy) -> bool:
         """Keep ``copy`` for ``index`` if it sits in the tier; False (not kept) for one made outside it."""
         if not copy.extents:

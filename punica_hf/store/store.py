@@ -645,6 +645,12 @@ class AdapterStore:
         factors_by_device = {
             device: {name: weights.modules[name] for name in layout.modules} for device, layout in adapter.layouts.items()
         }
+        for device, factors in factors_by_device.items():  # the pool's dtype may have changed since the load
+            for module_name, module in factors.items():
+                for factor_name in ("lora_a", "lora_b", "output_scale", "output_shift"):
+                    if getattr(module, factor_name) is not None:
+                        _check_in_range(adapter.name, module_name, factor_name, getattr(module, factor_name),
+                                        self.pools[device].dtype)
         return self._host_chunks(adapter.layouts, factors_by_device)
 
     def _host_chunks(self, layouts, factors_by_device) -> HostCopy:
@@ -766,6 +772,39 @@ class AdapterStore:
                     adapter.prefetched.chunks = {moved[d]: c for d, c in adapter.prefetched.chunks.items()}
             self.host.rekey(moved)
 
+    def check_cast(self, fn) -> None:
+        """Refuse ``fn`` (a ``.to()`` / ``.half()``, before it moves anything) where the dtype it casts a device pool
+        to cannot hold a registered adapter's values there or in its host copy: cast, they would turn into inf. An
+        adapter read again from its source later is checked when it is read."""
+        with self.lock:
+            for device, pool in self.pools.items():
+                dtype = fn(pool.tables.pool[:0]).dtype
+                if not dtype.is_floating_point or torch.finfo(dtype).max >= torch.finfo(pool.dtype).max:
+                    continue
+                for adapter in self._by_index.values():
+                    for chunk in self._chunks_of(adapter, device):
+                        peak = _peak(chunk)
+                        if peak > torch.finfo(dtype).max:
+                            raise ValueError(
+                                f"cannot cast the model's adapters to {dtype}: adapter {adapter.name!r} has values of "
+                                f"magnitude up to {peak:.3g}, beyond its range (at most {torch.finfo(dtype).max:.5g}); "
+                                f"unload it first"
+                            )
+
+    def _chunks_of(self, adapter: Adapter, device: torch.device) -> list[torch.Tensor]:
+        """``adapter``'s chunks for ``device``'s pool: the one in the pool (copied in), on the host, prefetched."""
+        chunks = []
+        if device in adapter.chunk_starts:
+            done = adapter.copies_done.get(device)
+            if done is not None:
+                done.synchronize()
+            start = adapter.chunk_starts[device]
+            chunks.append(self.pools[device].tables.pool[start : start + adapter.layouts[device].size])
+        for copy in (self.host.peek(adapter.index), adapter.prefetched):
+            if copy is not None and device in copy.chunks:
+                chunks.append(copy.chunks[device])
+        return chunks
+
     def unwrap(self) -> None:
         """The model gave its hooks up for good: from now on the store refuses every call that would use adapters."""
         with self.lock:
@@ -821,13 +860,20 @@ def _check_in_range(adapter: str, module: str, factor_name: str, factor: torch.T
     largest = torch.finfo(dtype).max
     if factor.numel() == 0 or torch.finfo(factor.dtype).max <= largest:  # every finite value fits
         return
-    low, high = torch.aminmax(factor)  # one pass, no temporary (abs() would make one)
-    peak = max(-low.item(), high.item())
+    peak = _peak(factor)
     if peak > largest:
         raise ValueError(
             f"adapter {adapter!r}: module {module} has values of magnitude up to {peak:.3g} in its {factor_name}, "
             f"beyond the range of {dtype}, the dtype its LoRA runs in (at most {largest:.5g})"
         )
+
+
+def _peak(values: torch.Tensor) -> float:
+    """The largest magnitude in ``values`` (0 when empty), in one pass without a temporary (abs() would make one)."""
+    if values.numel() == 0:
+        return 0.0
+    low, high = torch.aminmax(values)
+    return max(-low.item(), high.item())
 
 
 def check_wait(name: str, seconds: Any) -> float:
