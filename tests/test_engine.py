@@ -730,10 +730,15 @@ def test_the_paged_attention_kernel_serves_what_generate_gives(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_compiled_steps_are_captured_at_start_and_serve_the_greedy_tokens(tmp_path):
-    """``compile_steps=True`` on the GPU: every step shape is compiled and captured at start (no capture while
-    requests run), and each token the engine picks is the greedy choice of the model's own forward, up to bf16
-    rounding (the compiled code fuses and rounds differently)."""
+    """``compile_steps=True`` on the GPU: every step shape is compiled, whole (the CUDA kernels and the paged
+    attention inside, no graph break), and captured at start (no capture while requests run), and each token the
+    engine picks is the greedy choice of the model's own forward, up to bf16 rounding (the compiled code fuses and
+    rounds differently)."""
+    from torch._dynamo.utils import counters
+
     model = bf16_model_on_the_paged_kernel(tmp_path, seed=4)
+    torch._dynamo.reset()
+    counters.clear()
     plan = [(adapter, tiny_prompt(160 + i, 2 + 29 * i), 10 + 3 * i) for i, adapter in enumerate(["a", None, "b"] * 3)]
     config = EngineConfig(max_running=8, max_batch_tokens=256, kv_blocks=64, compile_steps=True)
     with Engine(model, config=config) as engine:
@@ -742,6 +747,7 @@ def test_compiled_steps_are_captured_at_start_and_serve_the_greedy_tokens(tmp_pa
         handles = [engine.submit(prompt, adapter, SamplingParams(max_new_tokens=n)) for adapter, prompt, n in plan]
         completions = [handle.result(timeout=300) for handle in handles]
         assert engine.stats().cuda_graphs == captured
+    assert dict(counters["graph_break"]) == {} and 0 < counters["stats"]["unique_graphs"] <= 2
     assert_greedy_up_to_rounding(model, plan, completions)
 
 
