@@ -315,12 +315,19 @@ class MultiLoraModel(FollowsModuleMoves):
 
         Refused, with nothing loaded, where it would change the weight or bias of a layer on which a loaded adapter
         has output vectors (DoRA, LoRA biases): those were computed from the layer's weight and bias at load, and
-        would no longer be PEFT's. Unload such adapters first and load them again after."""
+        would no longer be PEFT's. Unload such adapters first and load them again after. (The same holds for a
+        parent module's ``load_state_dict``.)"""
+        self._refuse_changes_under_vectors(state_dict, prefix="")
+        return self.model.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def _refuse_changes_under_vectors(self, state_dict: Mapping[str, Any], prefix: str) -> None:
+        """ValueError where ``state_dict`` (the wrapped model's keys after ``prefix``) changes a weight or bias that
+        a loaded adapter's output vectors were computed from."""
         changed = {}
         for module_name, adapters in self._store.output_vector_users().items():
             module = self.model.get_submodule(module_name)
             for kind in ("weight", "bias"):
-                current, given = getattr(module, kind, None), state_dict.get(f"{module_name}.{kind}")
+                current, given = getattr(module, kind, None), state_dict.get(f"{prefix}{module_name}.{kind}")
                 if _differs(current, given):
                     changed[f"{module_name}.{kind}"] = adapters
         if changed:
@@ -329,7 +336,6 @@ class MultiLoraModel(FollowsModuleMoves):
                 f"computed from: {', '.join(f'{key} (adapters {sorted(set(names))})' for key, names in changed.items())}"
                 "; unload those adapters, load the state dict, then load them again"
             )
-        return self.model.load_state_dict(state_dict, strict=strict, assign=assign)
 
     # Names: the wrapped model's, as in state_dict(), so that whatever pairs names with tensors (optimizers' param
     # groups by name, checkpoint and sharding tools, accelerate) sees one set of keys. The wrapper holds no
@@ -443,7 +449,9 @@ class AdapterForward:
 def _keys_of_the_wrapped_model(wrapper: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
     """A load_state_dict pre-hook for a wrapper inside another module: the parent's state dict holds the wrapper's
     entries under the wrapped model's keys, as ``state_dict()`` gives them; the wrapper's submodule ``model`` looks
-    for them under ``model.``, so they are renamed so."""
+    for them under ``model.``, so they are renamed so. Weights under loaded adapters' output vectors are refused
+    first, as the wrapper's own ``load_state_dict`` refuses them (nothing of the wrapped model loaded)."""
+    wrapper._refuse_changes_under_vectors(state_dict, prefix)
     for key in [key for key in state_dict if key.startswith(prefix)]:
         state_dict[f"{prefix}model.{key[len(prefix):]}"] = state_dict.pop(key)
 

@@ -350,6 +350,11 @@ def test_a_state_dict_that_changes_weights_under_output_vectors_is_refused(tmp_p
     no_vectors = "model.layers.0.self_attn.k_proj.weight"  # "plain" targets it, "dora" does not: no vectors there
     model.load_state_dict({**state, no_vectors: state[no_vectors] * 2})
     assert torch.equal(model.state_dict()[no_vectors], state[no_vectors] * 2)
+    outer = torch.nn.ModuleDict({"lm": model})  # a parent module's load reaches the same check
+    with pytest.raises(ValueError, match=rf"changes base weights .*: {q_proj} \(adapters \['dora'\]\); unload"):
+        outer.load_state_dict({f"lm.{key}": tensor for key, tensor in changed.items()})
+    assert torch.equal(model.state_dict()[q_proj], state[q_proj])
+    outer.load_state_dict({f"lm.{key}": tensor for key, tensor in state.items()})  # its round trip loads
     model.unload_adapter("dora")
     model.load_state_dict(changed)
     assert torch.equal(model.state_dict()[q_proj], changed[q_proj])
