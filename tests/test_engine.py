@@ -806,3 +806,40 @@ def test_each_step_record_counts_the_key_tokens_its_attention_read(tiny_model):
             handle.result(timeout=60)
     assert sum(step.key_tokens for step in steps) == (6 + 7 + 8 + 9) + (3 + 4 + 5 + 6)
     assert all(step.key_tokens >= step.tokens > 0 for step in steps)
+
+
+def test_compiled_steps_follow_adapters_loaded_and_unloaded_while_serving(tiny_adapters, tmp_path, monkeypatch):
+    """A compiled engine (``compile_steps``, the LoRA ops opaque as the CUDA kernels are) serving while an adapter
+    on modules no loaded adapter targeted (new hooks), with DoRA vectors, is loaded, then unloaded: each request
+    gets ``generate()``'s tokens, before, with and after it (the compiled step recompiles for the new hooks and for
+    the vectors that come and go, with no graph break)."""
+    from opaque_kernels import route_to_opaque_kernels
+    from torch._dynamo.utils import counters
+
+    model = MultiLoraModel(tiny_base(), max_adapters=4)
+    model.load_adapters(tiny_adapters)
+    wide = save_peft_adapter(tiny_base(), tmp_path / "wide", seed=7, r=4, lora_alpha=8, use_dora=True,
+                             target_modules=["k_proj", "o_proj", "gate_proj", "up_proj"])
+    phases = [[("a", tiny_prompt(300, 7)), (None, tiny_prompt(301, 5))],
+              [("wide", tiny_prompt(302, 6)), ("a", tiny_prompt(303, 4)), (None, tiny_prompt(304, 9))],
+              [("b", tiny_prompt(305, 8)), (None, tiny_prompt(306, 3))]]
+    model.load_adapters({"wide": wide})  # generate() gives the expected tokens (it cannot run beside the engine)
+    expected = [[reference_tokens(model, prompt, adapter, 5) for adapter, prompt in plan] for plan in phases]
+    assert expected[1][0] != reference_tokens(model, phases[1][0][1], None, 5)  # "wide" changes its request
+    model.unload_adapter("wide")
+    route_to_opaque_kernels(model, monkeypatch)
+    torch._dynamo.reset()
+    counters.clear()
+    config = EngineConfig(max_running=4, max_batch_tokens=64, compile_steps=True)
+    got = []
+    with Engine(model, config=config) as engine:
+        for phase, plan in enumerate(phases):
+            if phase == 1:
+                engine.load_adapters({"wide": wide})
+            if phase == 2:
+                engine.unload_adapter("wide")
+            handles = [engine.submit(prompt, adapter, SamplingParams(max_new_tokens=5)) for adapter, prompt in plan]
+            got.append([list(handle.result(timeout=300).token_ids) for handle in handles])
+    torch._dynamo.reset()
+    assert got == expected
+    assert dict(counters["graph_break"]) == {}
