@@ -311,8 +311,9 @@ def test_compiled_steps_give_the_tokens_of_generate(tiny_model, monkeypatch):
     under CUDA graphs; dynamic, so one compile serves every size) with the LoRA ops as opaque calls, as the CUDA
     kernels are to torch.compile: adapter and base requests, mixed and alone, give ``generate()``'s tokens, through
     the compiled function. Every layer's attention (the cache write and the read, one op declaring what it writes)
-    is in the graph: no graph break, so the whole forward is one graph per path (with and without adapters), and
-    the cache it writes in place is the one the next step reads."""
+    is in the graph: no graph break, so the whole forward is one graph per path (with and without adapters) for
+    every step size up to 256 tokens (above, the LoRA calls of grouped projections split: one more), and the cache
+    it writes in place is the one the next step reads."""
     from opaque_kernels import route_to_opaque_kernels
     from torch._dynamo.utils import counters
 
@@ -321,7 +322,7 @@ def test_compiled_steps_give_the_tokens_of_generate(tiny_model, monkeypatch):
     route_to_opaque_kernels(tiny_model, monkeypatch)
     torch._dynamo.reset()
     counters.clear()
-    config = EngineConfig(max_running=4, max_batch_tokens=64, compile_steps=True)
+    config = EngineConfig(max_running=4, max_batch_tokens=192, compile_steps=True)
     with Engine(tiny_model, config=config) as engine:
         assert engine._backend.graphs_on  # compiled steps run padded
         handles = [engine.submit(prompt, adapter, SamplingParams(max_new_tokens=n)) for adapter, prompt, n in plan]

@@ -469,7 +469,7 @@ class _AdapterSlotIOs(ContinuousBatchingIOs):
     """
 
     _slot_of: Callable[[str], tuple[int, int]]  # request id -> (its adapter's slot, the first position it applies to)
-    _token_slots: torch.Tensor  # [1, max_batch_tokens] int32 on the model's device; -1 = base model / padding
+    _token_slots: torch.Tensor  # [max_batch_tokens] int32 on the model's device; -1 = base model / padding
     # Whether a token of the prepared step has an adapter. A step with none runs the base model alone (no LoRA
     # kernels, which would only find no adapter token), from graphs of its own: the flag is part of the graph key.
     step_has_adapter: bool
@@ -485,7 +485,7 @@ class _AdapterSlotIOs(ContinuousBatchingIOs):
             raise TypeError(f"expected transformers' synchronous ContinuousBatchingIOs, got {type(io).__name__}")
         io.__class__ = cls  # upstream hook: the IO class as an argument of the batch processor
         io._slot_of = slot_of
-        io._token_slots = torch.full((1, io.cache.max_batch_tokens), -1, dtype=torch.int32, device=io.device)
+        io._token_slots = torch.full((io.cache.max_batch_tokens,), -1, dtype=torch.int32, device=io.device)
         io._page_groups = _page_groups(io.cache) if own_attention else None
         io.step_has_adapter = io.warm_up_adapter_path = False
         io.step_key_tokens = 0
@@ -513,8 +513,8 @@ class _AdapterSlotIOs(ContinuousBatchingIOs):
             has_adapter = has_adapter or (slot >= 0 and before < future_state.query_length)
         self.step_has_adapter = has_adapter
         if has_adapter:  # else the forward reads no slot
-            self._token_slots[0, : len(slots)] = torch.tensor(slots, dtype=torch.int32, device=self.device)
-            self._token_slots[0, len(slots) : max(self.num_q_tokens, len(slots))] = -1  # padding up to a graph's size
+            self._token_slots[: len(slots)] = torch.tensor(slots, dtype=torch.int32, device=self.device)
+            self._token_slots[len(slots) : max(self.num_q_tokens, len(slots))] = -1  # padding up to a graph's size
         if self.compute_stream is not None:  # the step runs there: after the inputs written on this stream
             self.compute_stream.wait_stream(torch.cuda.current_stream(self.device))
 
@@ -554,7 +554,9 @@ class _AdapterSlotIOs(ContinuousBatchingIOs):
     def get_model_kwargs(self, *args, **kwargs):
         model_kwargs = super().get_model_kwargs(*args, **kwargs)
         if self.step_has_adapter:  # without adapter_ids the wrapped model runs the base model alone
-            model_kwargs["adapter_ids"] = self._token_slots[:, : model_kwargs["input_ids"].shape[1]]
+            # [1, T] with strides (T, 1) whatever T: a compiled step meets the same strides at every size
+            tokens = model_kwargs["input_ids"].shape[1]
+            model_kwargs["adapter_ids"] = self._token_slots[:tokens].view(1, tokens)
         return model_kwargs
 
 
