@@ -179,7 +179,9 @@ def _serve_http(args: argparse.Namespace, console: Console) -> None:
     except ImportError as error:
         raise ImportError(f"punica-hf serve needs the serve extra: pip install 'punica-hf[serve]' ({error})") from error
 
-    with console.status(f"loading {args.model} and {len(adapters)} adapter(s) on {resolve_device(args.device)}"):
+    compiling = " (and compiling its steps: minutes)" if args.compile_steps == "on" else ""
+    with console.status(f"loading {args.model} and {len(adapters)} adapter(s) on {resolve_device(args.device)}"
+                        + compiling):
         engine = make_engine(args)
     app = create_app(
         engine, name, api_key=args.api_key, lora_dirs=args.lora_dir if args.allow_runtime_lora else None,
