@@ -14,6 +14,7 @@ import torch
 
 from helpers import save_peft_adapter, tiny_llama
 from two_ranks import check_engines_ran, run_two_ranks
+from vector_adapters import save_vector_adapter
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch without torch.distributed")
 
@@ -30,6 +31,7 @@ def ranks(tmp_path_factory) -> list[dict]:
     save_peft_adapter(base, adapters / "attn", r=4, target_modules=["q_proj", "v_proj", "o_proj"], seed=1)
     save_peft_adapter(base, adapters / "mlp", r=8, target_modules=["gate_proj", "down_proj"], seed=2)
     save_peft_adapter(base, adapters / "other", r=4, target_modules=["k_proj", "up_proj"], seed=3)
+    save_vector_adapter(base, adapters / "dora", 5, r=4, use_dora=True, target_modules=["q_proj", "v_proj"])
     broken = save_peft_adapter(base, adapters / "broken", r=4, target_modules=["q_proj"], seed=4)
     (broken / "adapter_model.safetensors").write_bytes(b"not a safetensors file")
     ranks = run_two_ranks(WORKER, root, RUN_TIMEOUT_S)
@@ -81,3 +83,15 @@ def test_an_unload_during_a_request_lets_it_finish_as_without_tp(ranks):
     assert (reason, error, len(tokens)) == ("length", None, 40)
     assert tokens == leader["unsplit"]["u0"][0] == follower["completions"]["u0"][0]
     assert leader["submit_after_unload"].startswith("KeyError")
+
+
+def test_a_dora_adapter_unloaded_at_runtime_leaves_no_vector_op_on_any_rank(ranks):
+    """DoRA on column-split layers, loaded and unloaded through the running engine: its requests get the unsplit
+    model's tokens, and once it is unloaded no rank's layers apply output vectors (requests after it still equal
+    the unsplit model's)."""
+    leader = ranks[0]
+    for request_id in ("d0", "d1", "d2"):
+        assert leader["completions"][request_id][:2] == leader["unsplit"][request_id][:2], request_id
+    assert leader["completions"]["d0"][0] != leader["completions"]["d1"][0]  # DoRA changes its request
+    assert leader["vector_hooks_with_dora"] == 4  # q and v of both layers
+    assert [seen["vector_hooks_at_end"] for seen in ranks] == [0, 0]

@@ -36,6 +36,8 @@ WITH_LOADED = {  # request id: prompt, adapter, settings; "mlp" loaded at runtim
 LONG = SamplingParams(max_new_tokens=40, ignore_eos=True)
 UNLOADED_WHILE_RUNNING = {"u0": ([7, 3, 9, 12], "mlp", LONG)}
 AFTER_FAILED_LOADS = {"f0": ([9, 8, 7, 6], "flaky", GREEDY), "f1": ([9, 8, 7, 6], "attn", GREEDY)}
+WITH_DORA = {"d0": ([4, 40, 14, 41], "dora", GREEDY), "d1": ([4, 40, 14, 41], "attn", GREEDY)}
+AFTER_DORA = {"d2": ([6, 60, 16, 61], "attn", GREEDY)}
 
 
 def serve(tensor_parallel: bool) -> tuple[MultiLoraModel, Engine, dict]:
@@ -83,7 +85,20 @@ def lead(model: MultiLoraModel, engine: Engine, results: dict) -> None:
     engine.load_adapters({"flaky": ADAPTERS / "other"})
     for handle in submit_all(engine, AFTER_FAILED_LOADS):
         handle.result(timeout=120)
+    # DoRA on column-split layers (q, v): its layers apply output vectors on every rank until it is unloaded
+    engine.load_adapters({"dora": ADAPTERS / "dora"})
+    for handle in submit_all(engine, WITH_DORA):
+        handle.result(timeout=120)
+    results["vector_hooks_with_dora"] = vector_hooks(model)
+    engine.unload_adapter("dora")
+    for handle in submit_all(engine, AFTER_DORA):
+        handle.result(timeout=120)
     engine.shutdown(drain=True, timeout=120)
+
+
+def vector_hooks(model: MultiLoraModel) -> int:
+    """This rank's LoRA hooks that apply output vectors (DoRA, LoRA biases)."""
+    return sum(getattr(hook, "vectors", None) is not None for hook in model._injection.hooks.values())
 
 
 def fail_flaky_loads_here(model: MultiLoraModel) -> None:
@@ -112,12 +127,14 @@ def main() -> None:
             engine.shutdown(timeout=240)
         results["engine_error"] = None if engine.error is None else repr(engine.error)
         results["adapters_at_end"] = model.adapters
+        results["vector_hooks_at_end"] = vector_hooks(model)
         results["completions"] = seen
         if RANK == 0:
             whole_model, whole, whole_seen = serve(tensor_parallel=False)
-            whole_model.load_adapters({"mlp": ADAPTERS / "mlp", "flaky": ADAPTERS / "other"})
+            whole_model.load_adapters({"mlp": ADAPTERS / "mlp", "flaky": ADAPTERS / "other", "dora": ADAPTERS / "dora"})
             with whole:
-                for handle in submit_all(whole, WITH_LOADED | UNLOADED_WHILE_RUNNING | AFTER_FAILED_LOADS):
+                everything = WITH_LOADED | UNLOADED_WHILE_RUNNING | AFTER_FAILED_LOADS | WITH_DORA | AFTER_DORA
+                for handle in submit_all(whole, everything):
                     handle.result(timeout=120)
             results["unsplit"] = whole_seen
     except Exception:
