@@ -158,11 +158,10 @@ class DeviceTables:
     def vector_table_count(self) -> int:
         return sum(table is not None for row_tables in self.vectors.values() for table in row_tables)
 
-    def add_vectors(self, row: int, out_features: int, scale: bool, shift: bool) -> bool:
-        """Make row ``row``'s scale and / or shift tables if it has none yet (every slot the identity); whether any
-        was made (the hooks then run more ops: CUDA graphs must be captured again)."""
+    def add_vectors(self, row: int, out_features: int, scale: bool, shift: bool) -> None:
+        """Make row ``row``'s scale and / or shift tables if it has none yet (every slot the identity). Hooks apply
+        them once pointed at them (``LoraInjection.use_vectors``)."""
         row_tables = self.vectors.setdefault(row, [None, None])
-        made = False
         for index, (wanted, identity) in enumerate(((scale, 1), (shift, 0))):
             if wanted and row_tables[index] is None:
                 shape = (self.num_slots + 1, out_features)
@@ -170,8 +169,6 @@ class DeviceTables:
                 if table.is_cuda:
                     mark_static_address(table)
                 row_tables[index] = table
-                made = True
-        return made
 
     def row(self, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(a_offsets [S], b_offsets [S], ranks [S])`` of hook-row ``index``: views, updated in place."""

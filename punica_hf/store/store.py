@@ -647,10 +647,7 @@ class AdapterStore:
         }
         for device, factors in factors_by_device.items():  # the pool's dtype may have changed since the load
             for module_name, module in factors.items():
-                for factor_name in ("lora_a", "lora_b", "output_scale", "output_shift"):
-                    if getattr(module, factor_name) is not None:
-                        _check_in_range(adapter.name, module_name, factor_name, getattr(module, factor_name),
-                                        self.pools[device].dtype)
+                _check_in_range(adapter.name, module_name, module, self.pools[device].dtype)
         return self._host_chunks(adapter.layouts, factors_by_device)
 
     def _host_chunks(self, layouts, factors_by_device) -> HostCopy:
@@ -708,9 +705,7 @@ class AdapterStore:
                 raise ValueError(
                     f"adapter {name!r}: module {module_name} has rank {factors.rank} > max_rank={self.max_rank}"
                 )
-            for factor_name in ("lora_a", "lora_b", "output_scale", "output_shift"):
-                if getattr(factors, factor_name) is not None:
-                    _check_in_range(name, module_name, factor_name, getattr(factors, factor_name), target.dtype)
+            _check_in_range(name, module_name, factors, target.dtype)
 
     def _check_sizes(self, name: str, layouts: dict[torch.device, ChunkLayout], device_bytes: int) -> None:
         for device, layout in layouts.items():
@@ -854,18 +849,20 @@ def _factor_bytes(weights: AdapterWeights, targets: dict[str, LinearModule]) -> 
     return held, unsplit
 
 
-def _check_in_range(adapter: str, module: str, factor_name: str, factor: torch.Tensor, dtype: torch.dtype) -> None:
-    """Refuse a factor with values that ``dtype``, the one its LoRA runs in, cannot hold: copied into the pool they
-    would turn into inf (float16 holds at most 65504)."""
+def _check_in_range(adapter: str, module: str, factors: ModuleLora, dtype: torch.dtype) -> None:
+    """Refuse a module's factors or output vectors with values that ``dtype``, the one its LoRA runs in, cannot
+    hold: copied into the pool they would turn into inf (float16 holds at most 65504)."""
     largest = torch.finfo(dtype).max
-    if factor.numel() == 0 or torch.finfo(factor.dtype).max <= largest:  # every finite value fits
-        return
-    peak = _peak(factor)
-    if peak > largest:
-        raise ValueError(
-            f"adapter {adapter!r}: module {module} has values of magnitude up to {peak:.3g} in its {factor_name}, "
-            f"beyond the range of {dtype}, the dtype its LoRA runs in (at most {largest:.5g})"
-        )
+    for factor_name in ("lora_a", "lora_b", "output_scale", "output_shift"):
+        factor = getattr(factors, factor_name)
+        if factor is None or factor.numel() == 0 or torch.finfo(factor.dtype).max <= largest:  # every value fits
+            continue
+        peak = _peak(factor)
+        if peak > largest:
+            raise ValueError(
+                f"adapter {adapter!r}: module {module} has values of magnitude up to {peak:.3g} in its {factor_name}, "
+                f"beyond the range of {dtype}, the dtype its LoRA runs in (at most {largest:.5g})"
+            )
 
 
 def _peak(values: torch.Tensor) -> float:
