@@ -184,8 +184,8 @@ class MultiLoraModel(FollowsModuleMoves):
         themselves).
 
         Waits up to ``timeout`` seconds (default ``capacity_wait_s``) for device room that other leases hold;
-        ``block=False`` never waits: it raises ``AdapterCapacityError`` at once, and ``AdapterNotReady`` while an
-        adapter is still being read (its read has started).
+        ``block=False`` never waits: it raises ``AdapterCapacityError`` at once, ``AdapterNotReady`` while an
+        adapter is still being read (its read has started), and ``AdapterReadError`` once when that read failed.
         """
         return self._store.acquire(adapters, block=block, timeout=timeout)
 

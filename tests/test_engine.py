@@ -4,6 +4,7 @@ Greedy outputs are compared with ``generate()`` of the same prompt and adapter, 
 the model (transformers' continuous batching may switch the model's attention implementation while it runs).
 """
 
+import re
 import shutil
 import threading
 import time
@@ -530,6 +531,29 @@ def test_requests_queued_for_an_unloaded_adapter_fail_naming_it_alone(tiny_adapt
     failed = results[2]
     assert (failed.finish_reason, failed.error_code) == ("error", ADAPTER_NOT_FOUND)
     assert failed.error == "the adapter 'b' was unloaded before the request started"
+
+
+def test_a_request_whose_adapter_cannot_be_read_fails_saying_why_and_the_next_reads_it_again(tiny_adapters, tmp_path):
+    """An adapter off the device and the host whose source is gone for a moment: its request fails naming the
+    read's error (it used to wait in the queue for good), the others are served, and once the source is back a new
+    request for the adapter is served."""
+    folders = {name: shutil.copytree(path, tmp_path / name) for name, path in tiny_adapters.items()}
+    model = MultiLoraModel(tiny_base(), max_adapters=1)
+    model.load_adapters(folders)
+    plan = [("c", tiny_prompt(95, 5), 6), (None, tiny_prompt(96, 5), 6)]
+    expected = [reference_tokens(model, prompt, adapter, n) for adapter, prompt, n in plan]  # leaves "c" resident
+    model._store.host.drop(model.adapters["b"])  # "b": on neither tier, read again from its folder at its next use
+    away = shutil.move(folders["b"], tmp_path / "away")
+    with Engine(model, config=EngineConfig(max_running=4)) as engine:
+        failed = engine.submit(tiny_prompt(97, 5), "b", SamplingParams(max_new_tokens=6)).result(timeout=60)
+        served = [engine.submit(prompt, adapter, SamplingParams(max_new_tokens=n)) for adapter, prompt, n in plan]
+        assert [list(handle.result(timeout=60).token_ids) for handle in served] == expected
+        shutil.move(away, folders["b"])
+        again = engine.submit(tiny_prompt(97, 5), "b", SamplingParams(max_new_tokens=6)).result(timeout=60)
+    assert (failed.finish_reason, failed.error_code) == ("error", GENERATION_FAILED)
+    assert re.fullmatch(r"adapter 'b' could not be read from .*/b: (FileNotFoundError|OSError|ValueError): .+",
+                        failed.error), failed.error
+    assert list(again.token_ids) == reference_tokens(model, tiny_prompt(97, 5), "b", 6)
 
 
 def test_the_queue_is_bounded(tiny_model):

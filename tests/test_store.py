@@ -16,7 +16,7 @@ from peft import PeftModel
 
 from punica_hf import AdapterWeights, MultiLoraModel, load_adapter_weights
 from punica_hf.base_layers import LinearModule
-from punica_hf.store import AdapterCapacityError, AdapterNotReady, AdapterStore
+from punica_hf.store import AdapterCapacityError, AdapterNotReady, AdapterReadError, AdapterStore
 from punica_hf.store import host as host_module
 
 IDS = torch.tensor([[5, 17, 42, 8, 99, 3], [1, 2, 3, 4, 5, 6], [60, 61, 62, 63, 64, 65]])
@@ -168,6 +168,37 @@ def test_block_false_reads_in_the_background(base, paths, peft_logits):
             time.sleep(0.01)
     lease.release()
     check_rows(model, ["r8", None, "r8"], peft_logits)
+
+
+def _acquire_when_read(model, names, deadline_s=10.0):
+    """``acquire(block=False)`` until the background read is over: its lease, or the error it raised."""
+    deadline = time.monotonic() + deadline_s
+    while True:
+        try:
+            return model.acquire(names, block=False)
+        except AdapterNotReady:
+            assert time.monotonic() < deadline, "the background read never ended"
+            time.sleep(0.01)
+
+
+def test_a_failed_background_read_is_said_once_and_read_again(base, paths, peft_logits, tmp_path):
+    """A source missing for a moment (a redeploy, a network file system) fails the background read: the next
+    non-blocking acquire says why (once), and the one after reads the source again (it used to stay "being read"
+    for good, and an engine's requests for the adapter waited forever)."""
+    moved = shutil.copytree(paths["r8"], tmp_path / "r8")
+    model = wrap(base, max_adapters=2)
+    model.load_adapters({"r2": paths["r2"], "r4": paths["r4"], "r8": moved})  # r8 finds no free slot
+    model._store.host.drop(model.adapters["r8"])
+    away = shutil.move(moved, tmp_path / "away")
+    with pytest.raises(AdapterNotReady):
+        model.acquire(["r8"], block=False)
+    with pytest.raises(AdapterReadError, match=r"'r8' could not be read from .*r8"):
+        _acquire_when_read(model, ["r8"])
+    shutil.move(away, moved)  # back
+    with pytest.raises(AdapterNotReady):
+        model.acquire(["r8"], block=False)  # a new read
+    _acquire_when_read(model, ["r8"]).release()
+    check_rows(model, ["r8", "r2", None], peft_logits)
 
 
 def test_prefetch_brings_an_adapter_on_the_device(base, paths):

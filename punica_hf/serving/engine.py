@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from ..store import AdapterCapacityError, AdapterNotReady
+from ..store import AdapterCapacityError, AdapterNotReady, AdapterReadError
 from . import attention, tp_control, transformers_cb
 from .handles import RequestHandle
 from .request_state import RequestState, eos_token_ids
@@ -442,6 +442,8 @@ class Engine(TensorParallelLoop):
                     if isinstance(error, KeyError):  # unloaded after submission: name it alone, not those loaded
                         message = f"the adapter {adapter!r} was unloaded before the request started"
                         code = ADAPTER_NOT_FOUND
+                    elif isinstance(error, AdapterReadError):  # it names the adapter and its source
+                        message, code = str(error), GENERATION_FAILED
                     else:
                         message, code = f"adapter {adapter!r}: {error}", GENERATION_FAILED
                     self._complete(request, "error", error=message, error_code=code)

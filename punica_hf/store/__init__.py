@@ -11,12 +11,14 @@ from .store import (
     AdapterLease,
     AdapterNotReady,
     AdapterPlan,
+    AdapterReadError,
     AdapterStore,
     ModuleHooks,
     check_wait,
 )
 
 __all__ = [
-    "AdapterStore", "AdapterLease", "AdapterPlan", "AdapterCapacityError", "AdapterNotReady", "ModuleHooks",
+    "AdapterStore", "AdapterLease", "AdapterPlan", "AdapterCapacityError", "AdapterNotReady", "AdapterReadError",
+    "ModuleHooks",
     "CAPACITY_WAIT_S", "check_wait",
 ]

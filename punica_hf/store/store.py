@@ -60,6 +60,11 @@ class AdapterNotReady(RuntimeError):
     """``acquire(block=False)``: an adapter is still being read; its load has started, ask again later."""
 
 
+class AdapterReadError(RuntimeError):
+    """``acquire(block=False)``: the background read of an adapter's source failed (said once: the next
+    ``acquire`` reads it again)."""
+
+
 @dataclass(eq=False)
 class Adapter:
     """One registered adapter and where it is."""
@@ -79,12 +84,13 @@ class Adapter:
     chunk_starts: dict[torch.device, int] = field(default_factory=dict)
     copies_done: dict[torch.device, torch.cuda.Event] = field(default_factory=dict)
     reading: Future | None = None  # a background read of the source in flight
+    read_failure: BaseException | None = None  # why the last background read failed, for the next acquire to say
     prefetched: HostCopy | None = None  # a read's result the host tier could not keep, for its next use
     registration: int = field(default_factory=_REGISTRATIONS.__next__)  # this load of these weights, in the process
     invocation_tokens: tuple[int, ...] | None = None  # aLoRA: the tokens whose last occurrence starts the adapter
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "reading": None, "copies_done": {}}
+        return {**self.__dict__, "reading": None, "read_failure": None, "copies_done": {}}
 
 
 class ModuleHooks(Protocol):
@@ -441,6 +447,12 @@ class AdapterStore:
             if adapter.slot is not None:
                 continue
             if not block and adapter.index not in self.host and adapter.prefetched is None:
+                failure, adapter.read_failure = adapter.read_failure, None
+                if failure is not None:  # said once; the next acquire reads the source again
+                    raise AdapterReadError(
+                        f"adapter {adapter.name!r} could not be read from {adapter.source}: "
+                        f"{type(failure).__name__}: {failure}"
+                    ) from failure
                 self._read_in_background(adapter)
                 raise AdapterNotReady(f"adapter {adapter.name!r} is being read from {adapter.source}")
             self._place(adapter, protected)
@@ -625,6 +637,7 @@ class AdapterStore:
 
     def _keep_copy(self, adapter: Adapter, copy: HostCopy) -> None:
         """Keep a fresh host copy in the tier, or (outside the budget) for the adapter's next use only."""
+        adapter.read_failure = None  # read since: an earlier failure no longer says anything
         if not self.host.put(adapter.index, copy):
             adapter.prefetched = copy
 
@@ -671,7 +684,12 @@ class AdapterStore:
             self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="punica_hf-reader")
 
         def read() -> None:
-            copy = self._read_source(adapter)
+            try:
+                copy = self._read_source(adapter)
+            except BaseException as error:  # the next acquire says why, and may read again
+                with self.lock:
+                    adapter.reading, adapter.read_failure = None, error
+                raise
             with self.changing():
                 adapter.reading = None
                 if adapter.unloaded:
