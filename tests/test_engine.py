@@ -556,6 +556,82 @@ def test_a_request_whose_adapter_cannot_be_read_fails_saying_why_and_the_next_re
     assert list(again.token_ids) == reference_tokens(model, tiny_prompt(97, 5), "b", 6)
 
 
+class HeldTokenizer(DemoTokenizer):
+    """Tokenizes once the test lets it: a submit() held halfway, as a long prompt holds it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.entered, self.go_on = threading.Event(), threading.Event()
+
+    def encode(self, text: str) -> list[int]:
+        self.entered.set()
+        assert self.go_on.wait(30)
+        return super().encode(text)
+
+
+@pytest.mark.parametrize("stop", ["shutdown", "engine error"])
+def test_a_request_submitted_while_the_engine_stops_is_refused_or_completed(demo_model, stop):
+    """submit() checked that the engine runs, tokenized, then queued: an engine that stopped in between (shut down,
+    or its thread failed) left the request queued with nobody to run it, and its result() waited for good."""
+    model, _ = demo_model
+    tokenizer = HeldTokenizer()
+    engine = Engine(model, tokenizer, EngineConfig(max_running=2)).start()
+    outcome = {}
+
+    def submit() -> None:
+        try:
+            outcome["handle"] = engine.submit("punica=", params=SamplingParams(max_new_tokens=3))
+        except EngineClosedError as error:
+            outcome["refused"] = error
+
+    client = threading.Thread(target=submit)
+    client.start()
+    assert tokenizer.entered.wait(30)
+    if stop == "shutdown":
+        engine.shutdown(drain=True, timeout=30)
+    else:
+        def fail(record):
+            raise RuntimeError("a listener broke")  # the engine thread stops on it
+
+        engine.add_step_listener(fail)
+        first = engine.submit([1, 2, 3], params=SamplingParams(max_new_tokens=3)).result(timeout=30)
+        assert first.finish_reason == "error" and not engine.running
+    tokenizer.go_on.set()
+    client.join(30)
+    if "refused" in outcome:
+        assert "the engine stopped while the request was being checked" in str(outcome["refused"])
+    else:  # accepted: it must end
+        assert outcome["handle"].result(timeout=30).finish_reason in ("length", "stop", "error")
+    engine.shutdown(timeout=30)
+
+
+def test_a_cancel_that_comes_as_the_request_ends_does_not_stop_a_later_request_of_the_same_id(tiny_model):
+    """A client cancels while its request's last token is on its way, sees the request end, and submits again under
+    the same id before the engine's next pass: the stale cancel used to stay behind and cancel the new request."""
+    engine = Engine(tiny_model, config=EngineConfig(max_running=2))
+    on_output, retried = engine._on_output, {}
+
+    def cancelled_as_it_ends(request_id: str, generated: list[int], finished: bool) -> None:
+        if not (finished and request_id == "job-1" and not retried):
+            return on_output(request_id, generated, finished)
+        engine._requests[request_id].handle.cancel()  # the client's cancel, racing the last token
+        on_output(request_id, generated, finished)  # the request ends ...
+        retried["handle"] = engine.submit(  # ... and the client, told so, retries at once
+            tiny_prompt(98, 4), None, SamplingParams(max_new_tokens=3), request_id="job-1")
+
+    engine._on_output = cancelled_as_it_ends
+    with engine:
+        beside = engine.submit(tiny_prompt(99, 4), None, SamplingParams(max_new_tokens=12))  # steps go on
+        first = engine.submit(tiny_prompt(98, 4), None, SamplingParams(max_new_tokens=3), request_id="job-1")
+        assert first.result(timeout=30).finish_reason == "length"
+        assert beside.result(timeout=30).finish_reason == "length"
+        deadline = time.monotonic() + 30
+        while "handle" not in retried:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert retried["handle"].result(timeout=30).finish_reason == "length"
+
+
 def test_the_queue_is_bounded(tiny_model):
     config = EngineConfig(max_running=1, max_queue=2)
     with Engine(tiny_model, config=config) as engine:
@@ -601,6 +677,16 @@ def test_bad_requests_are_refused_by_name(demo_model, tiny_model):
         with pytest.raises(ValueError, match=r"integers in \[0, 259\)"):
             engine.submit([1, 300])
         assert engine.stats().queued == 0
+    class AddedTokens(DemoTokenizer):  # a token added to the tokenizer past the model's embedding rows
+        def encode(self, text: str) -> list[int]:
+            return [300 if character == "~" else token for character, token in zip(text, super().encode(text))]
+
+    with Engine(model, AddedTokens()) as engine:
+        with pytest.raises(ValueError, match=r"tokenizer turned the prompt into token ids outside .* \[0, 259\), "
+                                             r"got \[300\]"):
+            engine.submit("lora~=")  # it used to be queued, and fail its step with every request beside it
+        assert engine.stats().queued == 0
+        assert engine.submit("lora=", "upper", SamplingParams(max_new_tokens=4)).result(timeout=30).finish_reason
     with Engine(tiny_model) as engine:
         with pytest.raises(ValueError, match="needs a tokenizer"):
             engine.submit("text")

@@ -105,6 +105,20 @@ def test_rows_with_scores_or_probabilities_that_are_not_finite_fail_alone():
     assert sampled.tokens[1].item() in top_4
 
 
+@pytest.mark.parametrize("top_k", [2**24 - 1, 2**24, 2**31, 2**63 - 1, 2**63, 10**30])
+def test_a_top_k_past_any_vocabulary_keeps_every_token_and_fails_no_row(top_k):
+    """A client's top_k of 2**63 used to wrap to a negative index in the step's settings and fail every row of the
+    step, its neighbours' included."""
+    scores = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(1))
+    scores[2] = scores[0]  # row 2: row 0's scores with top-k off
+    samplers = [sampler(0.8, top_k, 1.0, seed=5), None, sampler(0.8, 0, 1.0, seed=5)]
+    probabilities = warped(scores[[0, 2]], [samplers[0], samplers[2]])
+    torch.testing.assert_close(probabilities[0], probabilities[1], rtol=0, atol=0)
+    sampled = sample_rows(scores, samplers)
+    assert sampled.failures == [] and sampled.rows == [0, 2]
+    assert sampled.tokens[0] == sampled.tokens[1]  # the same seed, the same probabilities: the same draw
+
+
 def test_a_step_without_sampling_rows_only_checks_the_scores():
     scores = torch.randn(3, VOCAB)
     scores[2, 0] = float("-inf")  # one -inf score is fine: the row's best is finite

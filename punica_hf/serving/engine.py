@@ -227,7 +227,10 @@ class Engine(TensorParallelLoop):
                              f"got {type(request_id).__name__} {str(request_id)[:40]!r}")
         if self._control is not None and not params.greedy and params.seed is None:
             params = dataclasses.replace(params, seed=random.randrange(2**63))  # sent to every rank with the request
-        with self._lock:
+        with self._lock:  # the engine thread decides to end, or fails its requests, under this lock too
+            if not self.running:  # it stopped while this request was checked (tokenizing may take a while)
+                raise EngineClosedError("the engine stopped while the request was being checked"
+                                        + (f": {self._error}" if self._error else ""))
             if len(self._queue) + self._waiting_count() >= self.config.max_queue:
                 self._counters["rejected"] += 1
                 raise QueueFullError(f"the engine's queue is full ({self.config.max_queue} requests waiting)")
@@ -301,13 +304,14 @@ class Engine(TensorParallelLoop):
             if self.tokenizer is None:
                 raise ValueError("a text prompt needs a tokenizer: give the engine one, or submit token ids")
             prompt_ids = list(self.tokenizer.encode(prompt))
+            problem = "the tokenizer turned the prompt into token ids outside the model's vocabulary"
         else:
             prompt_ids = list(prompt)
-            bad = [
-                t for t in prompt_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size
-            ]
-            if bad:
-                raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size}), got {bad[:5]}")
+            problem = "prompt token ids must be integers in"
+        # A token the embedding has no row for would fail the whole step, the other requests' rows with it.
+        bad = [t for t in prompt_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"{problem} [0, {self.vocab_size}), got {bad[:5]}")
         if not prompt_ids:
             raise ValueError("the prompt is empty")
         return prompt_ids
@@ -360,7 +364,8 @@ class Engine(TensorParallelLoop):
             logger.exception("the engine thread stopped")
             if self._control is not None:
                 error = self._tensor_parallel_failure(error)
-            self._error = error
+            with self._lock:  # submit() refuses from now on: every request it accepted is failed below
+                self._error = error
             self._backend.deliver_outputs()
             self._fail_unfinished(f"the engine stopped: {error}", release=True)
             if self._control is not None:
@@ -387,10 +392,16 @@ class Engine(TensorParallelLoop):
             cancelled = self._send_cancellations()
             if self._run_pass(started, cancelled):
                 continue
-            if self._stop and not self._requests:
+            if self._finished_stopping():
                 return
             self._wake.wait(IDLE_POLL_SECONDS if self._queue else None)
             self._wake.clear()
+
+    def _finished_stopping(self) -> bool:
+        """Whether the engine is shutting down with no request left. Under the lock that ``submit()`` accepts
+        under, so no request it accepts is left behind (shutdown stops accepting before it sets ``_stop``)."""
+        with self._lock:
+            return self._stop and not self._requests
 
     def _run_pass(self, started: float, cancelled: list[RequestState]) -> bool:
         """Drop the cancelled requests, then run a step if one is scheduled; returns whether one ran."""
@@ -578,6 +589,7 @@ class Engine(TensorParallelLoop):
         """Forget a request transformers no longer runs, and give its adapter lease back."""
         with self._lock:
             self._requests.pop(request.request_id, None)
+            self._cancels.discard(request.request_id)  # a cancel that came too late must not stop a later namesake
         if request.lease is not None:
             request.lease.release()
             request.lease = None

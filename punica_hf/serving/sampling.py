@@ -22,6 +22,9 @@ from .types import SamplingParams
 
 SCORES_NOT_FINITE = "the model's scores for it are NaN or infinite"
 PROBABILITIES_NOT_FINITE = "its sampling settings turn the scores into NaN or infinite probabilities"
+# A top-k at least the vocabulary keeps every token, so larger ones are cut to this: the settings table is float32,
+# exact up to 2**24, and a top-k past it (a client's 2**63) would wrap to a negative index and fail the whole step.
+TOP_K_CAP = 2**24
 
 
 class RowSampler:
@@ -29,7 +32,7 @@ class RowSampler:
 
     def __init__(self, params: SamplingParams, seed: int) -> None:
         self.temperature = float(params.temperature)
-        self.top_k = params.top_k
+        self.top_k = min(params.top_k, TOP_K_CAP)
         self.top_p = float(params.top_p)
         self._random = random.Random(seed % 2**64)  # Random takes a seed's absolute value: -5 would draw as 5
 

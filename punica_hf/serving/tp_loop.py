@@ -56,7 +56,7 @@ class TensorParallelLoop:
                     ),
                     cancellations=tuple(r.request_id for r in cancelled),
                     adapter_changes=tuple(change for change, _ in changes),
-                    stop=self._stop and not self._requests,
+                    stop=self._finished_stopping(),
                 ))
             else:
                 record = control.share()
@@ -164,8 +164,9 @@ class TensorParallelLoop:
         while self._thread.is_alive():
             report = control.failure_report()
             if report is not None and not control.reported:
-                self._error = tp_control.RankFailed(report)
-                self._accepting = False
+                with self._lock:  # submit() refuses from now on: every request it accepted is failed below
+                    self._error = tp_control.RankFailed(report)
+                    self._accepting = False
                 logger.error("the engine stopped: %s", report)
                 self._fail_unfinished(f"the engine stopped: {report}", release=False)
                 self._fail_adapter_changes(f"the engine stopped: {report}", close=False)
