@@ -408,6 +408,24 @@ def test_text_stream_ends_at_the_stop_string_complete_first():
     assert stream.stopped and stream.text == "a"
 
 
+@pytest.mark.parametrize("text_bytes", [
+    "ok\ufffd".encode(),  # a real U+FFFD at the end
+    "ok".encode() + "\u4e2d".encode()[:2],  # a character the token limit cut short
+    "\u4e2d\ufffd".encode(),
+])
+@pytest.mark.parametrize("stop", [(), ("k\ufffd",), ("zz",)])
+def test_the_whole_text_is_the_decoded_tokens_even_when_they_end_in_a_replacement_character(text_bytes, stop):
+    """The last tokens' text, held back while it ended in U+FFFD (maybe a character cut between tokens), used to
+    be dropped when the request ended there: the text fell short of decode(token_ids)."""
+    tokenizer = DemoTokenizer()
+    ids = list(text_bytes)  # the demo tokenizer's ids are the bytes
+    stream = TextStream(tokenizer.decode, stop=stop)
+    streamed = "".join(stream.add([token]) for token in ids) + stream.finish()
+    whole = tokenizer.decode(ids)
+    expected = whole.split(stop[0])[0] if stop and stop[0] in whole else whole
+    assert streamed == stream.text == expected
+
+
 def test_seeded_sampling_is_repeatable_whatever_runs_beside_it(tiny_model):
     prompt = tiny_prompt(10, 6)
     sampled = SamplingParams(max_new_tokens=24, temperature=1.5, seed=1234)

@@ -1,6 +1,7 @@
 """Request bodies and headers a ``punica-hf serve --model demo`` process must refuse or take exactly: OpenAI's types
 strictly (with the field named in ``param``), the Authorization scheme in any case, adapter names by the rules of a
-Hub repo id, paths with a NUL byte; and concurrent load/unload/complete churn answered without a 500.
+Hub repo id, paths with a NUL byte; and concurrent load/unload/complete churn answered without a 500. API keys of
+any characters, and load errors that show the client's path only, are checked on the app in this process.
 """
 
 import random
@@ -10,9 +11,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+from fastapi.testclient import TestClient
 from server_process import start_demo_server
 
-from punica_hf import demo
+from punica_hf import MultiLoraModel, demo
+from punica_hf.serving import DemoTokenizer, Engine, EngineConfig
+from punica_hf.serving.app import create_app
 
 API_KEY = "requests-test-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -163,3 +167,34 @@ def test_load_unload_complete_churn_never_answers_500(server, lora_dir):
     assert "Traceback" not in server.log_text()
     for name in CHURN_NAMES:
         post(server, "unload_lora_adapter", {"lora_name": name})
+
+
+def in_process_client(**app_options) -> TestClient:
+    """The demo model's app in this process (``create_app`` options as given), for what needs no server process."""
+    engine = Engine(MultiLoraModel(demo.load_base_model(), max_adapters=2), DemoTokenizer(), EngineConfig(max_running=2))
+    return TestClient(create_app(engine, "demo", **app_options))
+
+
+def test_a_failed_runtime_load_names_the_clients_path_not_the_real_one(tmp_path):
+    """Through a --lora-dir that is a symlink, the loader's error named the resolved path: the server's own file
+    system layout, which no response shows."""
+    real = tmp_path / "private" / "adapters"
+    (real / "broken").mkdir(parents=True)
+    (tmp_path / "public").symlink_to(real, target_is_directory=True)
+    with in_process_client(lora_dirs=[tmp_path / "public"]) as client:
+        path = str(tmp_path / "public" / "broken")
+        response = client.post("/v1/load_lora_adapter", json={"lora_name": "broken", "lora_path": path})
+    assert response.status_code == 400
+    message = response.json()["error"]["message"]
+    assert path in message and "private" not in message, message
+
+
+@pytest.mark.parametrize("key", ["clé-ünïcode", "ключ", "plain-ascii"])
+def test_an_api_key_of_any_characters_matches_its_utf8_bytes(key):
+    """A client sends the key's UTF-8 bytes (curl, httpx); they used to be compared after a latin-1 round trip that
+    no non-ASCII key survived, so such a key let nobody in."""
+    with in_process_client(api_key=key) as client:
+        header = b"Bearer " + key.encode()
+        assert client.get("/v1/models", headers=[(b"authorization", header)]).status_code == 200
+        assert client.get("/v1/models", headers=[(b"authorization", header + b"x")]).status_code == 401
+        assert client.get("/v1/models").status_code == 401

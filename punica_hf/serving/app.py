@@ -166,7 +166,8 @@ def create_app(
         if api_key is None:
             return
         scheme, _, credentials = request.headers.get("authorization", "").partition(" ")
-        key_matches = secrets.compare_digest(credentials.strip(" ").encode(), api_key.encode())
+        # Header values arrive as their bytes read as latin-1: those bytes are the key's UTF-8 bytes (curl's)
+        key_matches = secrets.compare_digest(credentials.strip(" ").encode("latin-1"), api_key.encode())
         if not (scheme.lower() == "bearer" and key_matches):  # auth schemes are case-insensitive (RFC 7235)
             raise APIError(401, "missing or wrong API key (send 'Authorization: Bearer <key>')", code="invalid_api_key")
 
@@ -306,8 +307,9 @@ class _Server:
             raise APIError(400, f"lora_path '{path}' does not exist", param="lora_path")
         try:
             self.engine.load_adapters({name: str(resolved)})
-        except (ValueError, KeyError, OSError) as error:
-            raise APIError(400, f"could not load '{path}': {error}", param="lora_path") from error
+        except (ValueError, KeyError, OSError) as error:  # named by the client's path: the real one is the operator's
+            message = str(error).replace(str(resolved), path)
+            raise APIError(400, f"could not load '{path}': {message}", param="lora_path") from error
         self._tell_others(name, str(resolved), undo=lambda: self.engine.unload_adapter(name))
 
     def unload_adapter(self, name: str) -> None:

@@ -192,9 +192,20 @@ class TextStream:
         if self.stopped or not token_ids:
             return ""
         self._tokens.extend(token_ids)
+        return self._take_new_text(last=False)
+
+    def finish(self) -> str:
+        """The rest of the text: call once the request has ended. The last tokens' text is taken even where it
+        ends in U+FFFD (a real one, or a character cut short by the token limit, as ``decode`` gives it), then the
+        text held back."""
+        tail = "" if self.stopped else self._take_new_text(last=True)
+        return tail + self._hand_out(self._held, held="")
+
+    def _take_new_text(self, last: bool) -> str:
+        """Decode the tokens since the last piece; return what can be handed out now (the rest is held)."""
         seen = self._decode(self._tokens[self._prefix_offset : self._read_offset])
         current = self._decode(self._tokens[self._prefix_offset :])
-        if len(current) <= len(seen) or current.endswith(REPLACEMENT_CHARACTER):
+        if len(current) <= len(seen) or (current.endswith(REPLACEMENT_CHARACTER) and not last):
             return ""
         new_text = current[len(seen) :]
         self._prefix_offset, self._read_offset = self._read_offset, len(self._tokens)
@@ -206,10 +217,6 @@ class TextStream:
         # a stop string's beginning at the end of the text is at most the held text and the new text: it fits
         partial_stop = max((matcher.matched for matcher in self._stop_matchers), default=0)
         return self._hand_out(pending[: len(pending) - partial_stop], held=pending[len(pending) - partial_stop :])
-
-    def finish(self) -> str:
-        """The text held back so far: call once the request has ended."""
-        return self._hand_out(self._held, held="")
 
     def _stop_start(self, new_text: str, held_length: int) -> int | None:
         """Feed ``new_text`` to the stop matchers: where the first complete stop string starts in the held text
