@@ -171,7 +171,8 @@ def test_load_unload_complete_churn_never_answers_500(server, lora_dir):
 
 def in_process_client(**app_options) -> TestClient:
     """The demo model's app in this process (``create_app`` options as given), for what needs no server process."""
-    engine = Engine(MultiLoraModel(demo.load_base_model(), max_adapters=2), DemoTokenizer(), EngineConfig(max_running=2))
+    model = MultiLoraModel(demo.load_base_model(), max_adapters=2)
+    engine = Engine(model, DemoTokenizer(), EngineConfig(max_running=2))
     return TestClient(create_app(engine, "demo", **app_options))
 
 
