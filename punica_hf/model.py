@@ -150,7 +150,10 @@ class MultiLoraModel(FollowsModuleMoves):
         """Register adapters by name from local PEFT folders, converted files or Hub repo ids; all or none.
 
         Returns ``{name: index}`` for the adapters of this call. ``revision``, ``subfolder``, ``token`` and
-        ``cache_dir`` apply to every source (``subfolder`` to local folders too).
+        ``cache_dir`` apply to every source (``subfolder`` to local folders too). A source is read again when its
+        adapter's host copy was dropped (past ``host_pool_bytes``): ``AdapterWeights`` are kept by reference, not
+        copied, so leave their tensors unchanged while the adapter is loaded (a re-read that finds other shapes, or
+        NaN or Inf values, is refused by name).
         """
         if not isinstance(sources, Mapping):
             raise ValueError("load_adapters takes a mapping {name: path or Hub repo id}")
@@ -193,7 +196,9 @@ class MultiLoraModel(FollowsModuleMoves):
         """Remove every LoRA hook and the ``adapter_ids`` forward; returns the base model, exactly as it was.
 
         From then on this wrapper only passes calls without ``adapter_ids`` through: every call that would use
-        adapters (``adapter_ids``, ``load_adapters``, ``acquire``, ...) raises ``RuntimeError``."""
+        adapters (``adapter_ids``, ``load_adapters``, ``acquire``, ...) raises ``RuntimeError``. Refused with a
+        ``RuntimeError`` (nothing changes) while a running call holds adapters (a lease: a ``generate()`` in
+        another thread, an engine's requests)."""
         with self._store.lock:
             self._store.unwrap()
             self._injection.detach_all()

@@ -166,6 +166,85 @@ def test_an_interrupted_load_changes_nothing(served, paths, monkeypatch, interru
     assert served.load_adapters({"c": paths["c"]}) == {"c": 2}
 
 
+@pytest.mark.parametrize("interrupt", [KeyboardInterrupt, RuntimeError])
+def test_a_load_interrupted_while_placing_its_adapters_changes_nothing(served, paths, monkeypatch, interrupt):
+    """A failure once the call's first adapter is registered and on the device (a CUDA error, an interrupt) used to
+    leave both adapters registered with their host copies' memory given back under them: a later load reused it, and
+    the first adapter, read back from the host, ran the later one's factors."""
+    ids, counted = batch(3, 2), ("registered", "resident", "host_bytes_used", "gpu_bytes_used")
+    with torch.no_grad():
+        c_logits = served(ids, adapter_ids=["c", "c", "c"]).logits
+    served.unload_adapter("c")
+    stats = {key: served.adapter_stats[key] for key in counted}
+    adapters = served.adapters
+    with torch.no_grad():
+        logits = served(ids, adapter_ids=["a", "b", None]).logits
+    real_place, calls = pool_module.DevicePool.place, []
+
+    def failing_place(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:  # the second adapter of the call: the first one is registered and placed
+            raise interrupt("interrupted while placing")
+        return real_place(self, *args, **kwargs)
+
+    monkeypatch.setattr(pool_module.DevicePool, "place", failing_place)
+    with pytest.raises(interrupt):
+        served.load_adapters({"c": paths["c"], "d": paths["a"]})
+    monkeypatch.setattr(pool_module.DevicePool, "place", real_place)
+    assert served.adapters == adapters and {key: served.adapter_stats[key] for key in counted} == stats
+    with torch.no_grad():
+        assert torch.equal(served(ids, adapter_ids=["a", "b", None]).logits, logits)
+    assert served.load_adapters({"c": paths["c"], "e": paths["b"]}) == {"c": 2, "e": 3}
+    with torch.no_grad():
+        served(ids, adapter_ids=["e", "a", "b"])  # uses the host memory the failed call had
+        assert torch.equal(served(ids, adapter_ids=["c", "c", "c"]).logits, c_logits)
+
+
+def test_a_failed_load_leaves_the_hooks_another_running_load_planned_on(base, paths, monkeypatch):
+    """Three loads at once: A and C both load "x" (A first), B loads "y" on A's modules. C registers "x", so A fails:
+    its undo used to remove the hooks it had made though B, still building its copies, had planned on them, and "y"
+    then served the base model's outputs."""
+    served = MultiLoraModel(copy.deepcopy(base), max_adapters=4, max_rank=8)  # no hook yet
+    reference = MultiLoraModel(copy.deepcopy(base), max_adapters=2, max_rank=8)
+    reference.load_adapters({"y": paths["a"]})
+    ids = batch(2, 4)
+    with torch.no_grad():
+        expected = reference(ids, adapter_ids=["y", None]).logits
+    real_chunks = type(served._store)._host_chunks
+    arrived = {name: threading.Event() for name in "ACB"}
+    go_on = {name: threading.Event() for name in "ACB"}
+
+    def held_chunks(self, *args, **kwargs):
+        name = threading.current_thread().name
+        if name in arrived:  # planned: wait for the test's word before building the copies
+            arrived[name].set()
+            assert go_on[name].wait(30)
+        return real_chunks(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(served._store), "_host_chunks", held_chunks)
+    results = {}
+
+    def load(name, sources):
+        try:
+            results[name] = served.load_adapters(sources)
+        except ValueError as error:
+            results[name] = error
+
+    threads = {name: threading.Thread(target=load, name=name, args=(name, sources)) for name, sources in
+               (("A", {"x": paths["a"]}), ("C", {"x": paths["b"]}), ("B", {"y": paths["a"]}))}
+    for name in "ACB":  # planned in this order
+        threads[name].start()
+        assert arrived[name].wait(30)
+    for name in "CAB":  # C registers "x"; A fails; then B registers
+        go_on[name].set()
+        threads[name].join(30)
+    assert isinstance(results["A"], ValueError) and "already loaded" in str(results["A"])
+    assert set(results["C"]) == {"x"} and set(results["B"]) == {"y"}
+    with torch.no_grad():
+        got = served(ids, adapter_ids=["y", None]).logits
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+
+
 # ------------------------------------------------------------------------------------------------ copies and saves
 def test_deepcopy_is_an_independent_working_model(served):
     ids, mix = batch(3, 2), ["a", "c", None]
@@ -223,6 +302,27 @@ def test_unwrap_returns_the_untouched_base(served, base):
         torch.testing.assert_close(model(ids).logits, base(ids).logits, rtol=0, atol=0)
     assert torch.equal(model.generate(ids, **GREEDY), base.generate(ids, **GREEDY))
     MultiLoraModel(model)  # can be wrapped again
+
+
+def test_unwrap_is_refused_while_a_running_call_holds_adapters(served, base):
+    """unwrap() in the middle of a generate() with adapters used to take the hooks away under it: its remaining steps
+    ran the base model (the restored forward swallowed adapter_ids). Now it is refused, and works once the call ends."""
+    ids = batch(2, 8)
+    expected = served.generate(ids, adapter_ids=["a", "c"], **GREEDY)
+    refused = []
+
+    def unwrap_midway():
+        try:
+            served.unwrap()
+        except RuntimeError as error:
+            refused.append(error)
+
+    out = served.generate(ids, adapter_ids=["a", "c"], streamer=_CallbackStreamer(unwrap_midway), **GREEDY)
+    assert torch.equal(out, expected)
+    assert len(refused) == 1 and "running calls hold the adapters ['a', 'c']" in str(refused[0])
+    model = served.unwrap()  # nothing holds an adapter now
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, base(ids).logits, rtol=0, atol=0)
 
 
 # ------------------------------------------------------------------------------------------------ generate modes

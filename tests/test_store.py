@@ -152,6 +152,23 @@ def test_a_source_changed_on_disk_is_refused_when_read_again(base, paths, tmp_pa
     check_rows(model, ["r2", None, "r2"], peft_logits)  # still serving
 
 
+def test_in_memory_weights_changed_after_their_load_are_refused_when_read_again(base, paths, peft_logits):
+    """AdapterWeights are kept by reference and read again once their host copy is dropped: tensors a caller reused
+    for other values (NaN here) used to go onto the device unchecked."""
+    weights = load_adapter_weights(paths["r8"])
+    model = wrap(base, max_adapters=2)
+    model.load_adapters({"r8": weights, "r2": paths["r2"]})
+    check_rows(model, ["r8", "r2", None], peft_logits)
+    model.load_adapters({"r4": paths["r4"]})
+    check_rows(model, ["r4", "r2", None], peft_logits)  # r8 leaves the device
+    model._store.host.drop(model.adapters["r8"])  # and the host
+    next(iter(weights.modules.values())).lora_a.fill_(float("nan"))  # the caller reuses its tensors
+    with pytest.raises(ValueError, match=r"adapter 'r8' changed in the AdapterWeights of .* since it was loaded: "
+                                         r".*NaN or Inf values.*keep them unchanged"):
+        model(IDS, adapter_ids=["r8", None, None])
+    check_rows(model, ["r4", "r2", None], peft_logits)  # still serving
+
+
 def test_block_false_reads_in_the_background(base, paths, peft_logits):
     model = wrap(base, max_adapters=2)
     model.load_adapters({"r2": paths["r2"], "r4": paths["r4"], "r8": paths["r8"]})

@@ -21,6 +21,7 @@ original.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import math
 import numbers
@@ -132,12 +133,16 @@ class AdapterPlan:
     unsplit_bytes: int
 
 
-@dataclass
+@dataclass(eq=False)
 class _Undo:
-    """What one registration call made and must take away again if it fails."""
+    """What one registration call made and must take away again if it fails, and what it uses while it runs:
+    another call's failure leaves those in place (``AdapterStore._loads_in_flight``)."""
 
-    hooks: list[str] = field(default_factory=list)
-    pools: list[torch.device] = field(default_factory=list)
+    hooks: list[str] = field(default_factory=list)  # hooks it made
+    pools: list[torch.device] = field(default_factory=list)  # pools it made
+    registered: list[Adapter] = field(default_factory=list)  # adapters it registered so far
+    modules: set[str] = field(default_factory=set)  # modules its adapters' hooks are on
+    devices: set[torch.device] = field(default_factory=set)  # devices of the pools its adapters go to
 
 
 class AdapterLease:
@@ -196,6 +201,9 @@ class AdapterStore:
         self._resident: OrderedDict[int, Adapter] = OrderedDict()  # least recently used first
         self._free_slots = list(range(max_adapters))
         self._reader: ThreadPoolExecutor | None = None
+        # load_adapters calls past their planning, not yet registered or undone: the hooks and pools they made or
+        # found stay while they run, whatever another call's failure takes away
+        self._loads_in_flight: list[_Undo] = []
         self.counters = dict(hits=0, host_loads=0, disk_loads=0, evictions=0, bytes_to_gpu=0)
 
     @contextlib.contextmanager
@@ -213,7 +221,8 @@ class AdapterStore:
                 if pool.copy_stream is not None:
                     pool.copy_stream.synchronize()
             state = dict(self.__dict__)
-        for unpicklable in ("lock", "cache_generate_lock", "room_freed", "_collected_leases", "_reader"):
+        for unpicklable in ("lock", "cache_generate_lock", "room_freed", "_collected_leases", "_reader",
+                            "_loads_in_flight"):  # the copy has no call of this process running on it
             del state[unpicklable]
         return state
 
@@ -224,6 +233,7 @@ class AdapterStore:
         self.room_freed = threading.Condition(self.lock)
         self._collected_leases = deque()
         self._reader = None
+        self._loads_in_flight = []
         # The original's leases do not hold the copy's adapters: what they held is free here, and what was unloaded
         # under them is gone.
         for adapter in list(self._by_index.values()):
@@ -272,6 +282,7 @@ class AdapterStore:
             for name, (weights, _, _) in adapters.items():
                 self._check_fits(name, weights, targets)
             undo = _Undo()
+            self._loads_in_flight.append(undo)
             try:
                 planned = self._plan(adapters, targets, undo)
             except BaseException:
@@ -288,10 +299,14 @@ class AdapterStore:
                     self._check_new_name(name)
                 assigned = self._register(planned, host_copies, undo)
                 self._use_vectors()
+                self._loads_in_flight.remove(undo)
                 return assigned
         except BaseException:  # any failure or interrupt: undo every change of this call
             with self.lock:
-                for copy in host_copies.values():
+                for adapter in undo.registered:  # registered before the failure: gone again, copies and all
+                    del self._by_name[adapter.name]
+                    self._drop(adapter)
+                for copy in host_copies.values():  # (one dropped with its adapter gives nothing back twice)
                     self.host.release(copy)
                 self._undo(undo)
             raise
@@ -323,15 +338,22 @@ class AdapterStore:
                             scale=module.output_scale is not None, shift=module.output_shift is not None,
                         )
         targeted = sorted({m for plan in planned.values() for m in plan.weights.modules})
+        undo.modules.update(targeted)
+        undo.devices.update(device for plan in planned.values() for device in plan.layouts)
         if targeted:
             tables = {device: pool.tables for device, pool in self.pools.items()}
             undo.hooks = self.module_hooks.attach(targeted, tables, rows)
         return planned
 
     def _undo(self, undo: "_Undo") -> None:
-        """Remove the hooks and pools a failed call made, unless an adapter registered since uses them."""
+        """Remove the hooks and pools a failed call made, unless a registered adapter or another call still
+        loading uses them."""
+        self._loads_in_flight.remove(undo)
         used_modules = {m for a in self._by_index.values() for layout in a.layouts.values() for m in layout.modules}
         used_devices = {d for a in self._by_index.values() for d in a.layouts}
+        for other in self._loads_in_flight:
+            used_modules |= other.modules
+            used_devices |= other.devices
         self.module_hooks.detach([m for m in undo.hooks if m not in used_modules])
         for device in undo.pools:
             if device not in used_devices:
@@ -349,6 +371,7 @@ class AdapterStore:
                 unsplit_bytes=plan.unsplit_bytes, invocation_tokens=plan.weights.config.alora_invocation_tokens,
             )
             self._by_name[name] = self._by_index[index] = adapter
+            undo.registered.append(adapter)
             self._keep_copy(adapter, host_copies[name])
             assigned[name] = index
         for name in assigned:  # onto the device right away where there is room without evicting anything
@@ -559,6 +582,7 @@ class AdapterStore:
         if not self._free_slots and not (evict and self._evict_one(protected)):
             raise self._capacity_error(adapter, "no free slot")
         starts: dict[torch.device, int] = {}
+        slot = None
         try:
             for device, layout in adapter.layouts.items():
                 pool = self.pools[device]
@@ -569,17 +593,22 @@ class AdapterStore:
                     start = pool.allocator.allocate(layout.size)
                 starts[device] = start
             host_copy = self._host_copy(adapter)  # only once there is room: a copy kept for one use stays unused
-        except BaseException:
+            slot = self._free_slots.pop(0)
+            host_copy.in_flight = [done for done in host_copy.in_flight if not done.query()]
+            for device, layout in adapter.layouts.items():
+                done = self.pools[device].place(slot, layout, starts[device], host_copy.chunks[device])
+                if done is not None:
+                    adapter.copies_done[device] = done
+                    host_copy.in_flight.append(done)
+        except BaseException:  # the room and the slot go back (a half-written chunk is no one's)
             for device, start in starts.items():
                 self.pools[device].allocator.free(start, adapter.layouts[device].size)
+            if slot is not None:
+                self._free_slots.append(slot)
+                self._free_slots.sort()
+            adapter.copies_done = {}
             raise
-        slot = self._free_slots.pop(0)
-        host_copy.in_flight = [done for done in host_copy.in_flight if not done.query()]
         for device, layout in adapter.layouts.items():
-            done = self.pools[device].place(slot, layout, starts[device], host_copy.chunks[device])
-            if done is not None:
-                adapter.copies_done[device] = done
-                host_copy.in_flight.append(done)
             self.counters["bytes_to_gpu"] += layout.size * self.pools[device].element_size
         adapter.slot, adapter.chunk_starts = slot, starts
         self._resident[adapter.index] = adapter
@@ -643,18 +672,24 @@ class AdapterStore:
 
     def _read_source(self, adapter: Adapter) -> HostCopy:
         source = adapter.source
-        if isinstance(source, AdapterWeights):
-            weights = self.module_hooks.select(adapter.name, source)  # the model's share (tensor parallelism)
+        if isinstance(source, AdapterWeights):  # the caller's tensors, by reference: checked as at their load
+            where = f"in the AdapterWeights of {source.source}"
+            try:
+                weights = dataclasses.replace(source)  # its checks run again (NaN or Inf values)
+            except ValueError as error:
+                raise ValueError(f"adapter {adapter.name!r} changed {where} since it was loaded: {error}; keep "
+                                 "them unchanged while it is loaded, or unload it and load it again") from error
         else:
+            where = f"at {source}"
             weights = load_adapter_weights(source, **adapter.source_kwargs)
-            weights = self.module_hooks.select(adapter.name, weights)
             with self.lock:
                 self.counters["disk_loads"] += 1
-            if _chunk_dims(weights) != adapter.dims:
-                raise ValueError(
-                    f"adapter {adapter.name!r} changed at {source} since it was loaded (other modules, shapes or "
-                    "DoRA / bias vectors); unload it and load it again"
-                )
+        weights = self.module_hooks.select(adapter.name, weights)  # the model's share (tensor parallelism)
+        if _chunk_dims(weights) != adapter.dims:
+            raise ValueError(
+                f"adapter {adapter.name!r} changed {where} since it was loaded (other modules, shapes or "
+                "DoRA / bias vectors); unload it and load it again"
+            )
         factors_by_device = {
             device: {name: weights.modules[name] for name in layout.modules} for device, layout in adapter.layouts.items()
         }
@@ -819,8 +854,17 @@ class AdapterStore:
         return chunks
 
     def unwrap(self) -> None:
-        """The model gave its hooks up for good: from now on the store refuses every call that would use adapters."""
+        """The model gives its hooks up for good: from now on the store refuses every call that would use adapters.
+        Refused (nothing changes) while a call holds adapters: its later steps would run without them."""
         with self.lock:
+            self._release_collected_leases()
+            held = sorted({adapter.name for adapter in self._by_index.values() if adapter.users > 0})
+            if held:
+                raise RuntimeError(
+                    f"unwrap() while running calls hold the adapters {held} (a generate() or forward(), or an "
+                    "engine's requests): the rest of their steps would run without them; let them finish, or shut "
+                    "the engine down, first (nothing was changed)"
+                )
             self.unwrapped = True
 
     def check_wrapped(self) -> None:
