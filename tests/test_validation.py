@@ -30,6 +30,7 @@ from punica_hf.formats import DTYPES, AdapterWeights, LoraAdapterConfig, ModuleL
 INPUT_IDS = torch.tensor([[5, 17, 42, 8, 99, 3], [1, 2, 3, 4, 5, 6]])
 TARGETS = ["q_proj", "v_proj"]
 NAN, INF = float("nan"), float("inf")
+V_PROJ = "model.layers.1.self_attn.v_proj"
 
 # id: (changes to a good adapter_config.json, the error's text)
 MALFORMED_CONFIGS = {
@@ -57,6 +58,10 @@ MALFORMED_CONFIGS = {
     "zero-rank-in-pattern": ({"rank_pattern": {"q_proj": 0}}, "rank_pattern['q_proj'] must be a positive integer"),
     "null-rank-in-pattern": ({"rank_pattern": {"q_proj": None}}, "rank_pattern['q_proj'] must be a positive integer"),
     "list-alpha-pattern": ({"alpha_pattern": [16]}, "alpha_pattern must be a JSON object {pattern: value}, got [16]"),
+    "bad-regex-target-modules": ({"target_modules": "(q_proj"}, "target_modules '(q_proj' is not a valid regular "
+                                 "expression"),
+    "bad-regex-exclude-modules": ({"exclude_modules": "v_proj["}, "exclude_modules 'v_proj[' is not a valid regular "
+                                  "expression"),
     "bad-regex-alpha-pattern": (
         {"alpha_pattern": {"*": 16}}, "alpha_pattern key '*' is not a valid regular expression"
     ),
@@ -248,8 +253,43 @@ def test_the_configs_peft_writes_still_load(adapters):
     assert one_layer.peft_config.layers_to_transform == 1
 
 
+# ------------------------------------------------------------------------------------------ malformed files
+def test_a_config_that_is_not_utf8_is_refused_naming_it(served, adapters, tmp_path):
+    bad = broken_copy(adapters, tmp_path / "latin")
+    (bad / "adapter_config.json").write_bytes(b"\xff\xfe{}")
+    assert_refused_and_nothing_changed(served, adapters, bad, f"adapter config {bad / 'adapter_config.json'} is "
+                                                              "not valid JSON text (UTF-8)")
+
+
+def _pickled_copy(adapters, folder: Path, change) -> Path:
+    """The template adapter with its weights saved as a pickle (adapter_model.bin), after ``change(tensors)``."""
+    shutil.copytree(adapters["template"], folder)
+    tensors = load_file(folder / "adapter_model.safetensors")
+    (folder / "adapter_model.safetensors").unlink()
+    torch.save(change(tensors), folder / "adapter_model.bin")
+    return folder
+
+
+WEIGHT_FILE_CASES = {  # id: (what is done to the tensors, the error's text)
+    "a key that is not a name": (lambda t: {**t, 1: torch.zeros(2)}, "are not a flat dict of tensors by name"),
+    "a sparse tensor": (lambda t: {k: v.to_sparse() if k.endswith(f"{V_PROJ}.lora_A.weight") else v
+                                   for k, v in t.items()}, "is torch.sparse_coo, not a dense tensor"),
+    "a factor with and without the prefix": (
+        lambda t: {**t, f"{V_PROJ}.lora_A.weight": t[f"base_model.model.{V_PROJ}.lora_A.weight"] * 100},
+        f"holds the same tensor twice: 'base_model.model.{V_PROJ}.lora_A.weight' and '{V_PROJ}.lora_A.weight'",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", WEIGHT_FILE_CASES)
+def test_a_malformed_weights_file_is_refused_by_name(served, adapters, tmp_path, case):
+    """Each used to escape as another exception with no file named (TypeError, RuntimeError), or (the same factor
+    under two keys) to load whichever came last, where PEFT may take the other."""
+    change, problem = WEIGHT_FILE_CASES[case]
+    assert_refused_and_nothing_changed(served, adapters, _pickled_copy(adapters, tmp_path / "bad", change), problem)
+
+
 # --------------------------------------------------------------------------------------- non-finite factors
-V_PROJ = "model.layers.1.self_attn.v_proj"
 NON_FINITE_FACTORS = {  # id: (PEFT key, value, the factor the error names)
     "nan-in-lora-A": (f"base_model.model.{V_PROJ}.lora_A.weight", NAN, "lora_a"),
     "inf-in-lora-A": (f"base_model.model.{V_PROJ}.lora_A.weight", INF, "lora_a"),

@@ -124,8 +124,8 @@ class LoraAdapterConfig:
     def from_file(cls, path: str | Path) -> "LoraAdapterConfig":
         try:
             raw = json.loads(Path(path).read_text(encoding="utf-8"))
-        except json.JSONDecodeError as error:
-            raise ValueError(f"adapter config {path} is not valid JSON: {error}") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise ValueError(f"adapter config {path} is not valid JSON text (UTF-8): {error}") from None
         try:
             return cls.from_dict(raw)
         except ValueError as error:
@@ -204,6 +204,12 @@ def _check_selection_settings(raw: dict[str, Any]) -> None:
     for key, (expected, is_valid) in _SELECTION_SETTINGS.items():
         value = raw.get(key)
         _require(value is None or is_valid(value), key, expected, value)
+    for key in ("target_modules", "exclude_modules"):  # a string is a regular expression, matched as is
+        if isinstance(raw.get(key), str):
+            try:
+                re.compile(raw[key])
+            except re.error as error:
+                raise ValueError(f"{key} {raw[key]!r} is not a valid regular expression: {error}") from None
 
 
 def _unless_null(raw: dict[str, Any], key: str, default: Any) -> Any:

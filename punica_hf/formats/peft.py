@@ -157,8 +157,13 @@ def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
         raise ValueError(f"could not read adapter weights {path}: {error}") from error
     except Exception as error:  # pickle errors, refused globals under weights_only
         raise ValueError(f"could not read adapter weights {path}: {type(error).__name__}: {error}") from error
-    if not isinstance(state_dict, dict) or not all(isinstance(v, torch.Tensor) for v in state_dict.values()):
-        raise ValueError(f"adapter weights {path} are not a flat dict of tensors")
+    if not isinstance(state_dict, dict) or not all(
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state_dict.items()
+    ):
+        raise ValueError(f"adapter weights {path} are not a flat dict of tensors by name")
+    for key, tensor in state_dict.items():
+        if tensor.layout != torch.strided:  # PEFT saves dense tensors; a sparse one would fail later, unnamed
+            raise ValueError(f"adapter weights {path}: tensor {key!r} is {tensor.layout}, not a dense tensor")
     return state_dict
 
 
@@ -172,12 +177,17 @@ def adapter_weights_from_peft(
             raise ValueError(f"{feature} is not supported by punica_hf yet (found tensor {key!r} in {source})")
     factors: dict[str, dict[str, torch.Tensor]] = {}
     base_copies, biases = {}, {}
+    factor_keys: dict[tuple[str, str], str] = {}  # (module, kind) -> the key it was read from
     for key, tensor in state_dict.items():
         if not tensor.is_floating_point():  # PEFT saves floats only: another dtype is a corrupt or hand-made file
             raise ValueError(f"adapter {source}: tensor {key!r} holds {tensor.dtype}, not floating-point values")
         match = _LORA_KEY.match(key)
         if match is not None:
-            factors.setdefault(match["module"], {})[_tensor_kind(match)] = tensor
+            module, kind = match["module"], _tensor_kind(match)
+            first = factor_keys.setdefault((module, kind), key)
+            if first != key:  # with and without the "base_model.model." prefix: which one PEFT takes is unsure
+                raise ValueError(f"adapter {source} holds the same tensor twice: {first!r} and {key!r}")
+            factors.setdefault(module, {})[kind] = tensor
         elif key.endswith(_BASE_COPY_SUFFIX):
             base_copies[key.removeprefix("base_model.model.").removesuffix(_BASE_COPY_SUFFIX)] = tensor
         elif (bias_match := _OTHER_BIAS_KEY.match(key)) is not None:
