@@ -218,6 +218,25 @@ def test_a_failed_background_read_is_said_once_and_read_again(base, paths, peft_
     check_rows(model, ["r8", "r2", None], peft_logits)
 
 
+def test_a_failed_prefetch_is_logged_and_the_next_use_reads_again(base, paths, peft_logits, tmp_path, caplog):
+    """A prefetch is a hint nobody waits for: its failure is logged, and not handed to a later request."""
+    moved = shutil.copytree(paths["r8"], tmp_path / "r8")
+    model = wrap(base, max_adapters=2)
+    model.load_adapters({"r2": paths["r2"], "r4": paths["r4"], "r8": moved})
+    model._store.host.drop(model.adapters["r8"])
+    away = shutil.move(moved, tmp_path / "away")
+    model.prefetch(["r8"])
+    deadline = time.monotonic() + 10
+    while "prefetching adapter 'r8' failed" not in caplog.text:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    shutil.move(away, moved)
+    with pytest.raises(AdapterNotReady):
+        model.acquire(["r8"], block=False)
+    _acquire_when_read(model, ["r8"]).release()
+    check_rows(model, ["r8", "r2", None], peft_logits)
+
+
 def test_prefetch_brings_an_adapter_on_the_device(base, paths):
     model = wrap(base, max_adapters=3)
     model.load_adapters(paths)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
+import logging
 import math
 import numbers
 import threading
@@ -50,6 +51,7 @@ CAPACITY_WAIT_S = 60.0  # default time a call waits for the device room that oth
 # A waiting call looks again this often for leases the garbage collector ended: a finalizer cannot wake it (it may
 # run inside a store method of the waiter's own lock-holding thread, where it must not touch the store).
 _COLLECTED_LEASE_POLL_S = 0.05
+logger = logging.getLogger(__name__)
 _REGISTRATIONS = itertools.count()  # never reused: an adapter loaded again under its name is a new registration
 
 
@@ -721,9 +723,11 @@ class AdapterStore:
         def read() -> None:
             try:
                 copy = self._read_source(adapter)
-            except BaseException as error:  # the next acquire says why, and may read again
+            except BaseException as error:  # the acquire that asked for it says why at its next try
+                if place:  # a prefetch is a hint: nobody waits for it, and the next use reads again
+                    logger.warning("prefetching adapter %r failed: %s: %s", adapter.name, type(error).__name__, error)
                 with self.lock:
-                    adapter.reading, adapter.read_failure = None, error
+                    adapter.reading, adapter.read_failure = None, None if place else error
                 raise
             with self.changing():
                 adapter.reading = None
