@@ -102,6 +102,12 @@ class MultiLoraModel(FollowsModuleMoves):
         """Registered adapters, ``{name: index}``; the index is what ``adapter_ids`` tensors hold."""
         return self._store.indices
 
+    def adapter_registration(self, name: str) -> int:
+        """Which load of the adapter ``name`` is registered now: a number no other load in this process gets (a
+        lease's ``registrations`` say the same of what it holds), so a caller that waited can tell that the adapter
+        was unloaded and another loaded under its name meanwhile. ``KeyError`` for a name not registered."""
+        return self._store.registration(name)
+
     @property
     def max_adapters(self) -> int:
         return self._store.max_adapters

@@ -650,6 +650,29 @@ def test_a_cancel_that_comes_as_the_request_ends_does_not_stop_a_later_request_o
         assert retried["handle"].result(timeout=30).finish_reason == "length"
 
 
+def test_a_request_queued_while_its_adapter_is_reloaded_under_its_name_fails_as_unloaded(tiny_adapters):
+    """Unloading "b" and loading another adapter as "b" while a request for "b" waits in the queue: it used to start
+    with the new weights, an adapter its client never asked for. It fails as a request of an unloaded adapter does."""
+    model = MultiLoraModel(tiny_base(), max_adapters=1)
+    model.load_adapters({"a": tiny_adapters["a"], "b": tiny_adapters["b"]})
+    with Engine(model, config=EngineConfig(max_running=4)) as engine:
+        running = engine.submit(tiny_prompt(90, 5), "a", SamplingParams(max_new_tokens=60))
+        next(iter(running))  # "a" holds the one slot
+        queued = engine.submit(tiny_prompt(92, 5), "b", SamplingParams(max_new_tokens=5))
+        deadline = time.monotonic() + 30
+        while engine.stats().queued < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        model.unload_adapter("b")
+        model.load_adapters({"b": tiny_adapters["c"]})
+        failed = queued.result(timeout=60)
+        later = engine.submit(tiny_prompt(92, 5), "b", SamplingParams(max_new_tokens=5)).result(timeout=60)
+        assert running.result(timeout=60).finish_reason == "length"
+    assert (failed.finish_reason, failed.error_code) == ("error", ADAPTER_NOT_FOUND)
+    assert failed.error == "the adapter 'b' was unloaded before the request started"
+    assert list(later.token_ids) == reference_tokens(model, tiny_prompt(92, 5), "b", 5)  # the new "b"
+
+
 def test_the_queue_is_bounded(tiny_model):
     config = EngineConfig(max_running=1, max_queue=2)
     with Engine(tiny_model, config=config) as engine:

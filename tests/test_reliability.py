@@ -282,6 +282,11 @@ def test_pickle_round_trip(served):
         torch.testing.assert_close(restored(ids, adapter_ids=mix).logits, expected, rtol=0, atol=0)
     hooked = [m for m in restored.model.modules() if isinstance(m.__dict__.get("forward"), LoraHook)]
     assert hooked and all(m.forward.module is m for m in hooked)
+    # Each adapter of the copy is a registration of this process: the pickled numbers were another process's, and
+    # here may be another adapter's (an engine keys its shared KV pages by them).
+    given_before = max(served.adapter_registration(name) for name in served.adapters)
+    registrations = [restored.adapter_registration(name) for name in restored.adapters]
+    assert len(set(registrations)) == len(registrations) and min(registrations) > given_before
 
 
 def test_state_dict_and_save_pretrained_are_the_clean_base(served, base, tmp_path):

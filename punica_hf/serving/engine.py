@@ -211,8 +211,14 @@ class Engine(TensorParallelLoop):
             raise EngineClosedError(
                 "the engine is not running" + (f": it stopped after an error: {self._error}" if self._error else "")
             )
-        if adapter is not None and adapter not in self.model.adapters:
-            raise KeyError(f"unknown adapter {adapter!r}; registered: {sorted(self.model.adapters)}")
+        registration = None
+        if adapter is not None:
+            try:
+                if adapter not in self.model.adapters:  # (a name; an index is no adapter here)
+                    raise KeyError(adapter)
+                registration = self.model.adapter_registration(adapter)
+            except KeyError:
+                raise KeyError(f"unknown adapter {adapter!r}; registered: {sorted(self.model.adapters)}") from None
         prompt_ids = self._prompt_ids(prompt)
         if len(prompt_ids) + params.max_new_tokens > self.max_model_len:
             raise ValueError(
@@ -242,6 +248,7 @@ class Engine(TensorParallelLoop):
                 RequestHandle(self._cancel, request_id, adapter, tuple(prompt_ids)), params, self.eos_token_ids,
                 None if self.tokenizer is None else self.tokenizer.decode,
             )
+            request.registration = registration
             self._requests[request_id] = request
             self._queue.append(request)
         self._wake.set()
@@ -443,6 +450,10 @@ class Engine(TensorParallelLoop):
                     continue
                 try:
                     request.lease = self.model.acquire([adapter], block=False)
+                    if request.lease.registrations[0] != request.registration:  # another load took its name
+                        request.lease.release()
+                        request.lease = None
+                        raise KeyError(adapter)  # as unloaded: the one it was submitted for is gone
                 except AdapterNotReady:  # being read in the background: retry at the next step
                     continue
                 except AdapterCapacityError:

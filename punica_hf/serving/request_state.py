@@ -27,6 +27,7 @@ class RequestState:
     text: TextStream | None
     submitted_at: float
     sampler: RowSampler | None = None  # sampling requests only: their settings and random stream
+    registration: int | None = None  # the load of its adapter it was submitted for (adapter_registration)
     lease: AdapterLease | None = None  # pins the adapter on the GPU from admission to the end
     slot: int = -1
     prefix_key: tuple[str, int] | None = None  # its KV pages' key besides its tokens (None: the base model's)

@@ -240,6 +240,8 @@ class AdapterStore:
         # under them is gone.
         for adapter in list(self._by_index.values()):
             adapter.users = 0
+            # a registration of this process: the pickled number may be another adapter's here (KV cache keys)
+            adapter.registration = next(_REGISTRATIONS)
             if adapter.unloaded:
                 self._drop(adapter)
 
@@ -248,6 +250,11 @@ class AdapterStore:
     def indices(self) -> dict[str, int]:
         with self.lock:
             return {name: adapter.index for name, adapter in self._by_name.items()}
+
+    def registration(self, name: str) -> int:
+        """Which load of the adapter ``name`` is registered now (``Adapter.registration``)."""
+        with self.lock:
+            return self.lookup(name).registration
 
     def output_vector_users(self) -> dict[str, list[str]]:
         """Module -> the registered adapters (held ones being unloaded too) with output vectors on it (DoRA, LoRA
