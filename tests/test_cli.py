@@ -6,13 +6,14 @@ from __future__ import annotations
 import json
 import os
 import runpy
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import save_peft_adapter, save_word_level_model
+from helpers import save_peft_adapter, save_word_level_model, tiny_llama
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from punica_hf import MultiLoraModel, demo
@@ -194,6 +195,54 @@ def test_convert_refuses_clashing_names(capsys, demo_shaped_adapters, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_convert_refuses_an_existing_output_unless_told_to_overwrite(capsys, demo_shaped_adapters, tmp_path):
+    """An existing file at DST was replaced without a word (a source's own adapter_model.safetensors included)."""
+    source = shutil.copytree(demo_shaped_adapters["sort"], tmp_path / "sort")
+    own_weights = source / "adapter_model.safetensors"
+    before = own_weights.read_bytes()
+    code, _, err = run(capsys, "convert", str(source), str(own_weights))
+    assert code == 1 and f"{own_weights} exist(s)" in err and "--overwrite" in err
+    assert own_weights.read_bytes() == before
+    other = tmp_path / "other.safetensors"
+    other.write_text("not an adapter")
+    assert run(capsys, "convert", str(source), str(other))[0] == 1 and other.read_text() == "not an adapter"
+    assert run(capsys, "convert", str(source), str(other), "--overwrite")[0] == 0
+    assert load_converted(other).modules.keys() == load_adapter_weights(source).modules.keys()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no staging folder left
+
+
+def test_convert_of_several_sources_writes_all_or_nothing(capsys, demo_shaped_adapters, tmp_path):
+    """A bad source after good ones used to fail after the good ones' files were written."""
+    no_adapter = tmp_path / "no_adapter"
+    no_adapter.mkdir()
+    destination = tmp_path / "out"
+    code, _, err = run(capsys, "convert", str(demo_shaped_adapters["sort"]), str(demo_shaped_adapters["upper"]),
+                       str(no_adapter), str(destination))
+    assert code == 1 and "no_adapter" in err
+    assert not destination.exists()  # made for this call, and removed again with nothing in it
+    destination.mkdir()
+    (destination / "keep.txt").write_text("the user's")
+    assert run(capsys, "convert", str(demo_shaped_adapters["sort"]), str(no_adapter), str(destination))[0] == 1
+    assert sorted(p.name for p in destination.iterdir()) == ["keep.txt"]
+
+
+def test_convert_names_the_file_of_the_current_folder_after_it(capsys, demo_shaped_adapters, tmp_path, monkeypatch):
+    """``convert . DST/`` wrote DST/.safetensors, a hidden file no loader takes for an adapter."""
+    monkeypatch.chdir(demo_shaped_adapters["upper"])
+    assert run(capsys, "convert", ".", str(tmp_path))[0] == 0
+    assert [p.name for p in tmp_path.iterdir()] == ["upper.safetensors"]
+
+
+def test_convert_refuses_factors_the_dtype_cannot_hold(capsys, tmp_path):
+    """fp16 holds at most 65504: a factor past it became inf, and the file was written though no load takes it."""
+    base = tiny_llama()
+    source = save_peft_adapter(base, tmp_path / "big", r=1, lora_alpha=1e6, target_modules=["q_proj"], seed=1)
+    code, _, err = run(capsys, "convert", str(source), str(tmp_path / "big.safetensors"), "--dtype", "fp16")
+    assert code == 1 and "beyond the range of torch.float16" in err and "fp32 or bf16" in err
+    assert not (tmp_path / "big.safetensors").exists()
+    assert run(capsys, "convert", str(source), str(tmp_path / "big.safetensors"), "--dtype", "fp32")[0] == 0
+
+
 def test_python_m_punica_hf_convert(monkeypatch, demo_shaped_adapters, tmp_path):
     monkeypatch.setattr(sys, "argv", ["punica_hf", "convert", str(demo_shaped_adapters["upper"]), str(tmp_path)])
     with pytest.raises(SystemExit) as exit_info:
@@ -280,6 +329,27 @@ def test_generate_with_a_transformers_model_and_tokenizer(capsys, local_model, c
     for (adapter, text), answer in zip(prompts.items(), answers):
         assert any(f"│ {adapter or 'base'} " in line and f"│ {text} " in line and f"│ {answer} " in line
                    for line in lines), f"no row for {adapter} with answer {answer!r} in:\n{out}"
+
+
+def test_generate_refuses_a_prompt_without_tokens_by_name(capsys, local_model):
+    """A prompt the tokenizer turns into no token failed inside the model with an error about tensor shapes."""
+    model_path, adapters = local_model
+    code, _, err = run(capsys, "generate", "--model", str(model_path), *adapter_options(adapters),
+                       "--prompt", "a:w5", "--prompt", "a: ")
+    assert code == 1 and "prompt 2 (' ', adapter a) has no tokens once tokenized" in err
+
+
+@pytest.mark.parametrize("top_p", ["0", "2", "-0.5", "nan", "x"])
+def test_generate_refuses_a_top_p_outside_zero_to_one(capsys, top_p):
+    code, _, err = run(capsys, "generate", "--model", "demo", "--prompt", "upper:lora", "--do-sample", "--top-p", top_p)
+    assert code == 2 and "expected a number in (0, 1]" in err
+
+
+def test_generate_refuses_a_jsonl_file_that_is_not_utf8_naming_it(capsys, tmp_path):
+    requests = tmp_path / "requests.jsonl"
+    requests.write_bytes(b'{"adapter": null, "prompt": "ok"}\n{"prompt": "\xff"}\n')
+    code, _, err = run(capsys, "generate", "--model", "demo", "--prompts-jsonl", str(requests))
+    assert code == 1 and f"{requests}:2: not UTF-8 text" in err
 
 
 def test_generate_refuses_a_bad_jsonl_line(capsys, tmp_path):

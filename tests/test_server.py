@@ -8,9 +8,12 @@ lets a running request finish before the process exits.
 
 import asyncio
 import json
+import re
 import shutil
 import signal
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import httpx
@@ -18,7 +21,7 @@ import openai
 import pytest
 import torch
 from helpers import save_peft_adapter, tiny_llama
-from server_process import Server, start_demo_server, wait_until
+from server_process import Server, child_env, start_demo_server, wait_until
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
@@ -262,6 +265,23 @@ def test_serve_refuses_a_busy_address_before_loading_the_model(capsys, monkeypat
 
 def _must_not_load(*args, **kwargs):
     raise AssertionError("the model was loaded before the options and the address were checked")
+
+
+def test_serve_on_port_0_says_the_port_the_system_chose(tmp_path):
+    """``--port 0`` (any free port) printed ``http://127.0.0.1:0/v1``: the address nobody could reach."""
+    log = tmp_path / "serve.log"
+    command = [sys.executable, "-m", "punica_hf", "serve", "--model", "demo", "--port", "0", "--device", "cpu"]
+    with open(log, "w") as output:
+        env = {**child_env(), "COLUMNS": "200"}  # the line unwrapped
+        process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, env=env)
+    try:
+        wait_until(lambda: "/v1" in log.read_text() or process.poll() is not None, 120)
+        ports = re.findall(r"on http://127\.0\.0\.1:(\d+)/v1", log.read_text())
+        assert ports and ports[0] != "0", log.read_text()
+        assert httpx.get(f"http://127.0.0.1:{ports[0]}/health", timeout=30).status_code == 200
+    finally:
+        process.terminate()
+        process.wait(60)
 
 
 def test_api_key_is_required_everywhere_but_health(demo_server):

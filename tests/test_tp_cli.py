@@ -54,6 +54,18 @@ def test_generate_tp_refusals(tmp_path, options, problem):
     assert problem in result.stderr
 
 
+@pytest.mark.parametrize("ranks, problem", [
+    ("3", "--tp 3 does not divide the model's 4 attention heads"),
+    ("4", "--tp 4 does not divide the model's 2 key value heads"),
+])
+def test_a_tp_that_does_not_divide_the_heads_is_refused_before_the_ranks_start(tmp_path, ranks, problem):
+    """Every rank used to load, then fail on a tensor shape ("shape '[1, 2, -1, 8]' is invalid")."""
+    model, adapters = save_word_level_model(tmp_path)  # 4 attention heads, 2 key value heads
+    result = _generate(model, adapters, "--tp", ranks)
+    assert result.returncode == 1 and problem in result.stderr, result.stderr
+    assert "torch.distributed" not in result.stderr  # refused before torchrun started
+
+
 def test_a_failing_rank_fails_the_command_with_a_message(tmp_path):
     model, adapters = save_word_level_model(tmp_path)
     head = save_peft_adapter(tiny_llama(), tmp_path / "head", r=4, target_modules=["lm_head"])

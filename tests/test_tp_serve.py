@@ -122,6 +122,30 @@ def test_serve_split_over_two_ranks_answers_as_the_unsplit_model_and_drains_on_s
         assert process.wait(timeout=60) == 0, log.read_text()[-6000:]
 
 
+def test_a_sigint_to_the_serve_tp_command_stops_every_rank(tmp_path):
+    """SIGINT sent to the command alone (``kill -INT``, not a terminal's Ctrl-C, which reaches every process): the
+    command used to exit at once and leave torchrun and both ranks serving on the port."""
+    model_dir, adapters = save_word_level_model(tmp_path)
+    log = tmp_path / "serve.log"
+    with _serve_tp(model_dir, adapters, log) as (process, base):
+        try:
+            process.send_signal(signal.SIGINT)
+            assert process.wait(timeout=60) == 130, log.read_text()[-6000:]
+            deadline = time.monotonic() + 30
+            while True:  # its session (the ranks and torchrun are in it) is empty
+                try:
+                    os.killpg(process.pid, 0)
+                except ProcessLookupError:
+                    break
+                assert time.monotonic() < deadline, "a rank or torchrun outlived the command"
+                time.sleep(0.2)
+            with pytest.raises(httpx.TransportError):
+                httpx.get(f"{base}/health", timeout=2)
+        finally:  # whatever is left of its session
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+
+
 @pytest.mark.parametrize("options, problem", [
     (["--model", "demo"], "--tp splits a transformers model"),
     (["--model", "MODEL", "--device", "cpu"], "--tp places each rank where transformers puts it"),

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -45,12 +48,17 @@ def register(command: Callable[..., argparse.ArgumentParser]) -> None:
         "--base-model", metavar="NAME",
         help="base model recorded in the file (default: base_model_name_or_path of the adapter config)",
     )
+    convert_parser.add_argument(
+        "--overwrite", action="store_true", help="replace output files that exist (refused without it)",
+    )
     convert_parser.add_argument("--revision", help="Hub revision (branch, tag or commit) of Hub sources")
     convert_parser.add_argument("--subfolder", help="folder inside each source (Hub repo or local folder)")
     convert_parser.add_argument("--cache-dir", metavar="DIR", help="Hugging Face cache folder for Hub sources")
 
 
 def run(args: argparse.Namespace, console: Console) -> None:
+    """All or nothing: every source is converted into a hidden folder beside the outputs first; the files go to
+    their places only once every one is written (a bad source, or an interrupt, leaves no output behind)."""
     destination = Path(args.destination)
     if len(args.sources) > 1 and destination.suffix == SUFFIX:
         raise ValueError(f"{len(args.sources)} sources need a folder as DST, not the file {destination}")
@@ -58,21 +66,36 @@ def run(args: argparse.Namespace, console: Console) -> None:
     clashes = sorted({name for name in names if names.count(name) > 1})
     if clashes:
         raise ValueError(f"several sources would be written to the same file name: {', '.join(clashes)}")
+    outputs = [destination if destination.suffix == SUFFIX else destination / f"{name}{SUFFIX}" for name in names]
+    _check_outputs(outputs, args.overwrite)
     options = dict(
         dtype=DTYPES[args.dtype], base_model=args.base_model,
         revision=args.revision, subfolder=args.subfolder, cache_dir=args.cache_dir,
     )
-    written = []
+    folder = outputs[0].parent
+    made_folder = not folder.exists()
+    folder.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".punica-hf-convert-", dir=folder))
     progress = Progress(
         TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console
     )
-    with progress:
-        bar = progress.add_task("converting", total=len(args.sources))
-        for source, name in zip(args.sources, names):
-            progress.update(bar, description=f"converting {name}")
-            written.append((source, convert_adapter(source, destination, **options)))
-            progress.advance(bar)
-        progress.update(bar, description="converted")
+    try:
+        with progress:
+            bar = progress.add_task("converting", total=len(args.sources))
+            staged = []
+            for number, (source, name) in enumerate(zip(args.sources, names)):
+                progress.update(bar, description=f"converting {name}")
+                staged.append(convert_adapter(source, staging / f"{number}{SUFFIX}", **options))
+                progress.advance(bar)
+            progress.update(bar, description="converted")
+        _check_outputs(outputs, args.overwrite)  # again: the conversions took time
+        for staged_file, output in zip(staged, outputs):
+            os.replace(staged_file, output)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+        if made_folder and not any(folder.iterdir()):
+            folder.rmdir()
+    written = list(zip(args.sources, outputs))
 
     table = Table(title=f"converted {len(written)} adapter(s) ({args.dtype})")
     for column in ("source", "file", "size"):
@@ -80,3 +103,12 @@ def run(args: argparse.Namespace, console: Console) -> None:
     for source, path in written:
         table.add_row(Text(str(source)), Text(str(path)), filesize.decimal(path.stat().st_size))
     console.print(table)
+
+
+def _check_outputs(outputs: list[Path], overwrite: bool) -> None:
+    existing = [str(output) for output in outputs if output.exists()]
+    if existing and not overwrite:
+        raise FileExistsError(f"{', '.join(existing)} exist(s): remove them, or pass --overwrite to replace them")
+    directories = [str(output) for output in outputs if output.is_dir()]
+    if directories:
+        raise IsADirectoryError(f"{', '.join(directories)}: a folder where the converted file would go")

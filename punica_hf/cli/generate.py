@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -84,7 +85,8 @@ def _add_generation_arguments(parser: argparse.ArgumentParser, model_default: st
         help="sampling temperature, with --do-sample (default: 1.0)",
     )
     parser.add_argument(
-        "--top-p", type=float, metavar="P", help="sample from the smallest token set of probability P, with --do-sample"
+        "--top-p", type=_probability, metavar="P",
+        help="sample from the smallest token set of probability P (0 < P <= 1), with --do-sample",
     )
     parser.add_argument(
         "--top-k", type=positive_int, metavar="K", help="sample among the K most likely tokens only, with --do-sample"
@@ -108,6 +110,17 @@ def _adapter_option(value: str) -> tuple[str, str]:
     if ":" in name:
         raise argparse.ArgumentTypeError(f"adapter names cannot hold ':' (--prompt NAME:TEXT), got {name!r}")
     return name, path
+
+
+def _probability(value: str) -> float:
+    """A top-p: a number in (0, 1] (as the server takes it)."""
+    try:
+        number = float(value)
+    except ValueError:
+        number = math.nan
+    if not 0 < number <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {value!r}")
+    return number
 
 
 def _prompt_request(value: str) -> Request:
@@ -182,6 +195,11 @@ def _run_batch(
     if seed is not None:
         torch.manual_seed(seed)
     input_ids, attention_mask = codec.encode_batch([request.prompt for request in requests], device)
+    empty = [number for number, tokens in enumerate(attention_mask.sum(dim=1).tolist(), start=1) if tokens == 0]
+    if empty:  # the model would fail on it with an error about shapes
+        request = requests[empty[0] - 1]
+        raise ValueError(f"prompt {empty[0]} ({request.prompt!r}, adapter {request.adapter or BASE}) has no tokens "
+                         f"once tokenized" + (f" ({len(empty)} prompts have none)" if len(empty) > 1 else ""))
     streamer = BatchStreamer(len(requests), codec.eos_token_ids)
     view = BatchView(requests, streamer, codec.decode)
     with Live(render(view), console=console, auto_refresh=False, vertical_overflow="visible") as live:

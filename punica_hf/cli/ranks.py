@@ -4,7 +4,7 @@ The command the user typed starts N copies of itself as one ``torchrun`` group (
 --standalone``, marked by a hidden ``--as-tp-rank`` option) and waits for them. Each rank joins the group (NCCL on
 GPUs, gloo on the CPU: where transformers places the ranks), loads the model split (``DistributedConfig(tp_plan="auto")``) and the adapters, and runs the
 same calls; only rank 0 prints. When a rank fails, torchrun stops the others and the command fails with a message
-saying so, never hanging. A SIGTERM to the command goes on to torchrun, which passes it to every rank.
+saying so, never hanging. A SIGTERM or SIGINT to the command goes on to torchrun, which passes it to every rank.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+from transformers import AutoConfig
 
 from .common import DEMO_MODEL, positive_int
 
@@ -41,6 +42,22 @@ def check_tp_arguments(args: argparse.Namespace) -> None:
             "--tp places each rank where transformers puts it (rank N on GPU N, or the CPU on a machine without "
             "GPUs); leave out --device"
         )
+    _check_heads_split(args.model, args.tp)
+
+
+def _check_heads_split(model_id: str, ranks: int) -> None:
+    """Each rank takes an equal share of the attention heads: refuse a ``--tp`` that does not divide them (the ranks
+    would fail on a tensor shape). A model whose config cannot be read here is left to the load to refuse."""
+    try:
+        config = AutoConfig.from_pretrained(model_id).get_text_config()
+    except (OSError, ValueError):
+        return
+    for name in ("num_attention_heads", "num_key_value_heads"):
+        heads = getattr(config, name, None)
+        if isinstance(heads, int) and heads % ranks:
+            what = name.removeprefix("num_").replace("_", " ")
+            raise ValueError(f"--tp {ranks} does not divide the model's {heads} {what}: each rank takes an equal "
+                             "share of them")
 
 
 def launch(argv: list[str], ranks: int) -> None:
@@ -54,11 +71,16 @@ def launch(argv: list[str], ranks: int) -> None:
         terminated.append(signum)
         process.send_signal(signum)
 
-    previous = signal.signal(signal.SIGTERM, pass_on)
+    # SIGINT too: one sent to this process alone (not a terminal's Ctrl-C, which reaches every rank) would
+    # otherwise end it and leave torchrun and the ranks running
+    previous = {signum: signal.signal(signum, pass_on) for signum in (signal.SIGTERM, signal.SIGINT)}
     try:
         returncode = process.wait()
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    if signal.SIGINT in terminated:
+        raise KeyboardInterrupt  # every rank has stopped: the command ends as interrupted
     if returncode != 0 and not terminated:
         raise RuntimeError(
             f"a rank of --tp {ranks} failed (exit code {returncode}); the others were stopped. Its error is above."

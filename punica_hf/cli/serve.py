@@ -187,9 +187,10 @@ def _serve_http(args: argparse.Namespace, console: Console) -> None:
         engine, name, api_key=args.api_key, lora_dirs=args.lora_dir if args.allow_runtime_lora else None,
         limits=request_limits(args),
     )
+    port = listener.getsockname()[1]  # the one the system chose for --port 0
     console.print(
         f"serving [bold]{name}[/bold] with adapters {', '.join(sorted(adapters)) or '(none)'} on "
-        f"http://{args.host}:{args.port}/v1" + (" (API key required)" if args.api_key else ""),
+        f"http://{args.host}:{port}/v1" + (" (API key required)" if args.api_key else ""),
         highlight=False,
     )
     host_budget = engine.model.adapter_stats["host_bytes_budget"]

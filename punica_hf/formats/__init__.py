@@ -47,22 +47,29 @@ def convert_adapter(
     *,
     dtype: torch.dtype = torch.float32,
     base_model: str | None = None,
+    overwrite: bool = False,
     **hub_kwargs,
 ) -> Path:
     """Convert a PEFT adapter (local folder, Hub repo id or converted file) into one converted file.
 
     ``destination`` is the file when it ends in ``.safetensors``, else a folder that receives
-    ``<source name>.safetensors``. ``hub_kwargs`` (``revision``, ``subfolder``, ``token``, ``cache_dir``) go to
-    ``load_adapter_weights``. Returns the path written.
+    ``<source name>.safetensors``; an existing file is refused unless ``overwrite``. ``hub_kwargs`` (``revision``,
+    ``subfolder``, ``token``, ``cache_dir``) go to ``load_adapter_weights``. Returns the path written.
     """
     destination = Path(destination)
     if destination.suffix != SUFFIX:
         destination = destination / f"{adapter_name(source)}{SUFFIX}"
     weights = load_adapter_weights(source, **hub_kwargs)
-    return save_converted(weights, destination, base_model=base_model, dtype=dtype)
+    return save_converted(weights, destination, base_model=base_model, dtype=dtype, overwrite=overwrite)
 
 
 def adapter_name(source: str | Path) -> str:
     """The name a source's converted file gets in a folder: its folder name, Hub repo name or file stem."""
     path = Path(str(source).rstrip("/\\"))
-    return path.stem if path.suffix == SUFFIX else path.name
+    if path.name in ("", ".", ".."):  # "." or "../": the folder's own name
+        path = Path(source).resolve()
+    name = path.stem if path.suffix == SUFFIX else path.name
+    if not name or name.startswith("."):  # "/", or a hidden file no loader would take for an adapter file
+        raise ValueError(f"no file name can be made from the source {str(source)!r}: give DST as a file "
+                         f"ending in {SUFFIX}")
+    return name

@@ -40,7 +40,7 @@ from safetensors.torch import save_file
 
 from .. import __version__
 from .config import LoraAdapterConfig
-from .weights import AdapterWeights, ModuleLora
+from .weights import AdapterWeights, ModuleLora, _all_finite
 
 FORMAT = "punica_hf.lora.v2"
 _READ_FORMATS = {"punica_hf.lora.v1": "lora_b", FORMAT: "lora_b_t"}  # format -> name of its B tensors
@@ -59,11 +59,16 @@ def save_converted(
     path: str | Path,
     base_model: str | None = None,
     dtype: torch.dtype = torch.float32,
+    overwrite: bool = False,
 ) -> Path:
-    """Write ``weights`` to ``path`` in the converted format; ``base_model`` overrides the config's base model."""
+    """Write ``weights`` to ``path`` in the converted format; ``base_model`` overrides the config's base model.
+    An existing ``path`` is refused (``FileExistsError``) unless ``overwrite``; factors that ``dtype`` cannot hold
+    (float16 holds at most 65504) are refused before anything is written."""
     if dtype not in DTYPES.values():
         raise ValueError(f"converted adapters are stored as float32, bfloat16 or float16, not {dtype}")
     path = Path(path)
+    if path.exists() and not overwrite:
+        raise FileExistsError(f"{path} exists: remove it, or ask to overwrite it (--overwrite)")
     tensors, shapes, parameter_shapes = {}, {}, {}
     for key, factors in weights.parameters.items():  # as PEFT saved them: resolved against a model at load
         tensors[key + _PARAMETER_A] = factors.lora_a.to(dtype).contiguous()
@@ -80,6 +85,10 @@ def save_converted(
         tensors[f"{module_name}.bias"] = bias.to(dtype).contiguous()
     for module_name, weight in weights.base_weights.items():
         tensors[module_name + _BASE_WEIGHT] = weight.contiguous()
+    for key, tensor in tensors.items():  # a value past the dtype's range became inf: the file would never load
+        if not _all_finite(tensor):
+            raise ValueError(f"adapter {weights.source}: {key} holds values beyond the range of {dtype} (at most "
+                             f"{torch.finfo(dtype).max:.5g}); convert it to a wider dtype (fp32 or bf16)")
     metadata = {
         "format": FORMAT,
         "adapter_config": json.dumps(_config_dict(weights)),

@@ -10,8 +10,12 @@ from pathlib import Path
 def read_jsonl(path: str | Path) -> Iterator[tuple[int, dict]]:
     """``(line number, object)`` per non-blank line; a ValueError naming the file and line otherwise."""
     path = Path(path)
-    with path.open(encoding="utf-8") as lines:
-        for line_number, line in enumerate(lines, start=1):
+    with path.open("rb") as lines:
+        for line_number, raw in enumerate(lines, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise ValueError(f"{path}:{line_number}: not UTF-8 text ({error})") from None
             if not line.strip():
                 continue
             try:
