@@ -231,6 +231,10 @@ def test_convert_names_the_file_of_the_current_folder_after_it(capsys, demo_shap
     monkeypatch.chdir(demo_shaped_adapters["upper"])
     assert run(capsys, "convert", ".", str(tmp_path))[0] == 0
     assert [p.name for p in tmp_path.iterdir()] == ["upper.safetensors"]
+    hidden = shutil.copytree(demo_shaped_adapters["upper"], tmp_path / ".hidden")  # no name of its own to give ...
+    code, _, err = run(capsys, "convert", str(hidden), str(tmp_path / "out"))
+    assert code == 1 and "give DST as a file ending in .safetensors" in err
+    assert run(capsys, "convert", str(hidden), str(tmp_path / "named.safetensors"))[0] == 0  # ... so DST names it
 
 
 def test_convert_refuses_factors_the_dtype_cannot_hold(capsys, tmp_path):

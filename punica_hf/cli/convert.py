@@ -62,11 +62,14 @@ def run(args: argparse.Namespace, console: Console) -> None:
     destination = Path(args.destination)
     if len(args.sources) > 1 and destination.suffix == SUFFIX:
         raise ValueError(f"{len(args.sources)} sources need a folder as DST, not the file {destination}")
-    names = [adapter_name(source) for source in args.sources]
-    clashes = sorted({name for name in names if names.count(name) > 1})
-    if clashes:
-        raise ValueError(f"several sources would be written to the same file name: {', '.join(clashes)}")
-    outputs = [destination if destination.suffix == SUFFIX else destination / f"{name}{SUFFIX}" for name in names]
+    if destination.suffix == SUFFIX:  # the file named
+        outputs = [destination]
+    else:  # a folder: a file per source, named after it
+        names = [adapter_name(source) for source in args.sources]
+        clashes = sorted({name for name in names if names.count(name) > 1})
+        if clashes:
+            raise ValueError(f"several sources would be written to the same file name: {', '.join(clashes)}")
+        outputs = [destination / f"{name}{SUFFIX}" for name in names]
     _check_outputs(outputs, args.overwrite)
     options = dict(
         dtype=DTYPES[args.dtype], base_model=args.base_model,
@@ -83,8 +86,8 @@ def run(args: argparse.Namespace, console: Console) -> None:
         with progress:
             bar = progress.add_task("converting", total=len(args.sources))
             staged = []
-            for number, (source, name) in enumerate(zip(args.sources, names)):
-                progress.update(bar, description=f"converting {name}")
+            for number, (source, output) in enumerate(zip(args.sources, outputs)):
+                progress.update(bar, description=f"converting {output.stem}")
                 staged.append(convert_adapter(source, staging / f"{number}{SUFFIX}", **options))
                 progress.advance(bar)
             progress.update(bar, description="converted")
