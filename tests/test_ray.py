@@ -7,6 +7,7 @@ One cluster for the module; it is shut down even when a test fails.
 import asyncio
 import json
 import os
+import shutil
 import time
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
@@ -359,3 +360,110 @@ def test_a_replica_that_cannot_run_a_step_marks_its_503_for_the_ingress():
     for followers in (None, Followers(False)):
         replica.followers, replica.engine = followers, SimpleNamespace(running=True)
         assert replica._lost_answer() is None
+
+
+# ---------------------------------------------------------------------- the catalog and catching up, no cluster
+class _Catalog:
+    """An ``AdapterCatalog`` called as a replica calls its deployment (``.snapshot.remote()`` awaited,
+    ``.record.remote(...).result()``), in this process."""
+
+    def __init__(self):
+        from punica_hf.serving.ray import AdapterCatalog
+
+        self.actor = AdapterCatalog()
+
+        async def snapshot():
+            return self.actor.snapshot()
+        self.snapshot = _Remote(snapshot)
+        self.record = _Remote(lambda *args: type("Done", (), {"result": lambda _: self.actor.record(*args)})())
+
+
+def _replica(catalog) -> "EngineReplica":  # noqa: F821
+    """An ``EngineReplica`` of the demo model without Ray Serve around it (its catching up only)."""
+    from punica_hf.serving.ray import EngineReplica
+
+    class Replica(EngineReplica):
+        def __del__(self):  # no lifespan was started: nothing to drain (and no coroutine left unawaited)
+            pass
+
+    replica = Replica.__new__(Replica)
+    model = MultiLoraModel(demo.load_base_model(), max_adapters=4)
+    replica.engine = Engine(model, DemoTokenizer(), EngineConfig(max_running=2))
+    replica.catalog, replica.name = catalog, "test"
+    replica.version, replica.applied, replica.catching_up = ("", 0), {}, asyncio.Lock()
+    return replica
+
+
+def _answer_of(replica, adapter: str, word: str) -> str:
+    return demo.generate_answers(replica.engine.model, [word], adapter_ids=[adapter])[0]
+
+
+def test_a_replica_that_missed_an_unload_and_a_reload_serves_the_new_adapter(lora_dir, answers):
+    """The other replica unloaded "re" and loaded it again from another folder: a replica that had loaded the first
+    one used to keep it (it loaded only names it did not hold), serving the old adapter under the name."""
+    catalog = _Catalog()
+    first, second = _replica(catalog), _replica(catalog)
+    shutil.copytree(demo.adapter_paths()["reverse"], lora_dir / "reverse_copy", dirs_exist_ok=True)
+    first.engine.load_adapters({"re": str(lora_dir / "sort_copy")})
+    first._record_in_catalog("re", str(lora_dir / "sort_copy"))
+    asyncio.run(second._catch_up(catalog.actor.current_version()))
+    assert _answer_of(second, "re", WORDS[0]) == answers["sort"][WORDS[0]]
+    second.engine.unload_adapter("re")  # the second replica unloads and reloads it; the first misses both
+    second._record_in_catalog("re", None)
+    second.engine.load_adapters({"re": str(lora_dir / "reverse_copy")})
+    second._record_in_catalog("re", str(lora_dir / "reverse_copy"))
+    asyncio.run(first._catch_up(catalog.actor.current_version()))
+    assert _answer_of(first, "re", WORDS[0]) == answers["reverse"][WORDS[0]]
+
+
+def test_the_catalog_refuses_a_change_of_a_name_another_replica_changed_first():
+    """Two replicas loading one name from two folders at once both used to succeed: the replicas then served
+    different adapters under one name, for good."""
+    from punica_hf.serving.ray import AdapterCatalog, NameChangedElsewhere
+
+    catalog = AdapterCatalog()
+    first = catalog.record("dup", "/a", None)
+    assert first == (catalog.epoch, 1)
+    with pytest.raises(NameChangedElsewhere, match="'dup' was loaded or unloaded on another replica meanwhile"):
+        catalog.record("dup", "/b", None)  # by a replica that had not made or seen the first
+    assert catalog.snapshot()[1] == {"dup": (1, "/a")}
+    assert catalog.record("dup", None, first) == (catalog.epoch, 2)  # one that had made or seen it may change it
+    with pytest.raises(NameChangedElsewhere):
+        catalog.record("dup", "/c", first)  # the first one's version is not the name's last change any more
+    # what a replica made under a catalog that died since counts for nothing here
+    assert catalog.record("other", "/c", ("an earlier catalog", 7)) == (catalog.epoch, 3)
+
+
+def test_a_change_that_fails_while_catching_up_is_skipped_and_the_others_made(lora_dir, answers, caplog):
+    """A load whose folder is gone since failed the catching up at every request, base model's included, with a
+    bare 500; now it is logged once and the replica serves the rest."""
+    catalog = _Catalog()
+    catalog.actor.record("gone", str(lora_dir / "no_such_folder"), None)
+    catalog.actor.record("s2", str(lora_dir / "sort_copy"), None)
+    replica = _replica(catalog)
+    asyncio.run(replica._catch_up(catalog.actor.current_version()))
+    assert "the catalog's load from" in caplog.text and "'gone' failed here" in caplog.text
+    assert set(replica.engine.model.adapters) == {"s2"}
+    assert _answer_of(replica, "s2", WORDS[1]) == answers["sort"][WORDS[1]]
+    caplog.clear()
+    asyncio.run(replica._catch_up(catalog.actor.current_version()))  # caught up: not tried again
+    assert caplog.text == ""
+
+
+def test_a_replica_follows_a_catalog_started_again_whatever_its_versions(lora_dir):
+    """The catalog's actor died and Ray Serve started an empty one, whose versions begin at 0 again: a replica that
+    had seen version 5 of the first used to take the new catalog's changes for ones it had made."""
+    catalog = _Catalog()
+    replica = _replica(catalog)
+    replica.version = ("the first catalog", 5)
+    catalog.actor.record("late", str(lora_dir / "sort_copy"), None)
+    asyncio.run(replica._catch_up(catalog.actor.current_version()))
+    assert "late" in replica.engine.model.adapters
+
+
+def test_a_body_nested_too_deep_for_json_goes_to_a_replica_to_be_refused():
+    """``json.loads`` raises RecursionError, not ValueError, on ``[[[[...``: it escaped the ingress as a bare 500."""
+    from punica_hf.serving.ray import Router
+
+    router = Router(None, None, "demo", max_body_bytes=1 << 22)
+    assert router._adapter_of(b"[" * 200_000) == ""

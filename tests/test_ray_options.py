@@ -59,3 +59,18 @@ def test_a_load_the_others_cannot_be_told_of_is_undone(lora_dir):
         assert "sort2" not in {card["id"] for card in client.get("/v1/models").json()["data"]}
         body = {"model": "sort2", "prompt": "abc=", "max_tokens": 4}
         assert client.post("/v1/completions", json=body).status_code == 404
+
+
+def test_a_load_the_others_refuse_is_undone_and_answered_409(lora_dir):
+    """The replicas' catalog refuses a name another replica changed first (a ValueError): the load is undone here
+    and the client told why, so two replicas never serve different adapters under one name."""
+    def refuse(name, path):
+        raise ValueError(f"the adapter {name!r} was loaded or unloaded on another replica meanwhile")
+
+    with demo_client(lora_dir, refuse) as client:
+        load = {"lora_name": "sort2", "lora_path": str(lora_dir / "sort_copy")}
+        response = client.post("/v1/load_lora_adapter", json=load)
+        assert response.status_code == 409, response.text
+        assert response.json()["error"]["code"] == "conflict" and "on another replica" in response.text
+        assert "sort2" not in {card["id"] for card in client.get("/v1/models").json()["data"]}
+

@@ -140,7 +140,8 @@ def create_app(
     under those directories only (symlinks resolved); None keeps it off. ``limits``: what one request may ask for
     (default ``RequestLimits()``). ``on_adapters_changed(name, path)`` is called after a runtime load succeeds
     (``path`` None after an unload) and before the client is answered, so that other copies of the server (Ray
-    Serve replicas) can follow; if it raises, the change is undone and the client gets a 503.
+    Serve replicas) can follow; if it raises, a load is undone and the client gets a 503, or a 409 with its message
+    for a ``ValueError`` (the others refuse the change: another copy changed that name first).
     """
     limits = limits or RequestLimits()
     server = _Server(engine, model_name, lora_dirs, on_adapters_changed)
@@ -331,6 +332,8 @@ class _Server:
         except Exception as error:
             if undo is not None:
                 undo()
+            if isinstance(error, ValueError):  # refused by the others
+                raise APIError(409, str(error), param="lora_name", code="conflict") from error
             raise APIError(503, f"the other replicas could not be told about '{name}': {error}",
                            type="server_error", code="replicas_not_told") from error
 

@@ -12,7 +12,11 @@
 - ``AdapterCatalog`` (one): the runtime loads and unloads, numbered. A replica that accepts a load or unload
   records it there; every request carries the catalog's number, and a replica behind it catches up (loads or
   unloads through its own engine) before it serves the request: a runtime load reaches every replica, including
-  one restarted after a failure.
+  one restarted after a failure. The catalog is the arbiter of names: a change of a name that another replica
+  changed since this one caught up is refused (409) and undone here, so two replicas never hold different adapters
+  under one name. A change a replica cannot make while catching up (a file gone since) is logged and skipped:
+  that replica answers 404 for the adapter, the others serve it. The catalog lives in its actor's memory: if it
+  dies, Ray Serve starts an empty one (a new epoch), and replicas started after that do not get the earlier loads.
 
 A replica that dies is restarted by Ray Serve. A request it was serving is sent again (to the replica Ray Serve
 picks then) if nothing of its answer was sent yet; otherwise the answer ends early. A replica that cannot run a
@@ -30,6 +34,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import uuid
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
 
@@ -39,6 +45,8 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 from .app import APIError, BodySizeLimit, RequestLimits, create_app
 from .engine import Engine
 from .follower_ranks import FollowerRanks
+
+logger = logging.getLogger(__name__)
 
 REPLICA_HEADER = "x-punica-replica"
 ADAPTER_ROUTES = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
@@ -107,30 +115,43 @@ def build_app(
     return router.bind(replica, catalog, model_name, limits.max_body_bytes)
 
 
+CatalogVersion = tuple[str, int]  # (the catalog's epoch, its number of changes)
+
+
 class AdapterCatalog:
-    """The adapters loaded and unloaded at runtime, with a version that grows with every change."""
+    """The adapters loaded and unloaded at runtime: each name's last change (a path, or None for an unload) and
+    the version it was made at; the version grows with every change. ``epoch`` tells one catalog from the one Ray
+    Serve starts if this one dies (its versions start again from 0)."""
 
     def __init__(self) -> None:
+        self.epoch = uuid.uuid4().hex
         self.version = 0
-        self.loaded: dict[str, str] = {}
-        self.unloaded: set[str] = set()
+        self.changes: dict[str, tuple[int, str | None]] = {}
 
-    def snapshot(self) -> tuple[int, dict[str, str], set[str]]:
-        return self.version, dict(self.loaded), set(self.unloaded)
+    def snapshot(self) -> tuple[CatalogVersion, dict[str, tuple[int, str | None]]]:
+        return (self.epoch, self.version), dict(self.changes)
 
-    def current_version(self) -> int:
-        return self.version
+    def current_version(self) -> CatalogVersion:
+        return self.epoch, self.version
 
-    def record(self, name: str, path: str | None) -> int:
-        """Record a load (``path``) or an unload (None) of ``name``; the new version."""
-        if path is None:
-            self.loaded.pop(name, None)
-            self.unloaded.add(name)
-        else:
-            self.unloaded.discard(name)
-            self.loaded[name] = path
+    def record(self, name: str, path: str | None, known: CatalogVersion | None) -> CatalogVersion:
+        """Record a load (``path``) or an unload (None) of ``name`` by a replica whose last change of the name was
+        the one made at ``known`` (None: none of this catalog's); the version it is made at. ``NameChangedElsewhere``
+        when the name's last change here is another one: another replica changed it first, and the replica undoes
+        its change."""
+        last = self.changes.get(name)
+        if known is not None and known[0] != self.epoch:  # a change of a catalog that died since: not this one's
+            known = None
+        if known != (None if last is None else (self.epoch, last[0])):
+            raise NameChangedElsewhere(f"the adapter {name!r} was loaded or unloaded on another replica meanwhile; "
+                                       "list the models and retry")
         self.version += 1
-        return self.version
+        self.changes[name] = (self.version, path)
+        return self.epoch, self.version
+
+
+class NameChangedElsewhere(ValueError):
+    """A replica's load or unload of a name another replica changed first: refused by the catalog."""
 
 
 class EngineReplica:
@@ -150,7 +171,8 @@ class EngineReplica:
             self.app = create_app(self.engine, model_name, api_key=api_key, lora_dirs=lora_dirs, limits=limits,
                                   on_adapters_changed=self._record_in_catalog)
             self.name = serve.get_replica_context().replica_id.unique_id
-            self.version = 0
+            self.version: CatalogVersion = ("", 0)  # the catalog version this replica has caught up to
+            self.applied: dict[str, CatalogVersion] = {}  # name -> the catalog change of it made here last
             self.catching_up = asyncio.Lock()
             self.lifespan = _Lifespan(self.app)
             if self.followers is not None:  # the followers' engines run already: they wait for rank 0's steps
@@ -209,25 +231,35 @@ class EngineReplica:
         if self.followers is not None:
             await asyncio.to_thread(self.followers.stop, FOLLOWER_EXIT_SECONDS)
 
-    async def _catch_up(self, version: int) -> None:
-        """Apply the catalog's runtime loads and unloads if this replica has not seen ``version`` yet."""
-        if version <= self.version:
+    async def _catch_up(self, version: CatalogVersion) -> None:
+        """Make the catalog's runtime loads and unloads that this replica has not made yet, if it has not caught up
+        to ``version``: each name as the catalog last changed it (a name loaded again from another path is
+        unloaded first). A change that fails here is logged and skipped, not retried at every request."""
+        if _caught_up(self.version, version):
             return
         async with self.catching_up:
-            if version <= self.version:
+            if _caught_up(self.version, version):
                 return
-            latest, loaded, unloaded = await self.catalog.snapshot.remote()
-            held = self.engine.model.adapters
-            # Through the engine: over ranks, rank 0's engine has every rank make the change.
-            for name in unloaded & set(held):
-                await asyncio.to_thread(self.engine.unload_adapter, name)
-            missing = {name: path for name, path in loaded.items() if name not in held}
-            if missing:
-                await asyncio.to_thread(self.engine.load_adapters, missing)
+            latest, changes = await self.catalog.snapshot.remote()
+            for name, (changed_at, path) in sorted(changes.items(), key=lambda item: item[1][0]):
+                if self.applied.get(name) == (latest[0], changed_at):
+                    continue  # made here (by this replica, or an earlier catch-up)
+                try:  # through the engine: over ranks, rank 0's engine has every rank make the change
+                    if name in self.engine.model.adapters:
+                        await asyncio.to_thread(self.engine.unload_adapter, name)
+                    if path is not None:
+                        await asyncio.to_thread(self.engine.load_adapters, {name: path})
+                except Exception:
+                    logger.exception("replica %s: the catalog's %s of adapter %r failed here", self.name,
+                                     "unload" if path is None else f"load from {path}", name)
+                self.applied[name] = (latest[0], changed_at)
             self.version = latest
 
     def _record_in_catalog(self, name: str, path: str | None) -> None:  # called in a worker thread of the app
-        self.catalog.record.remote(name, path).result()
+        try:
+            self.applied[name] = self.catalog.record.remote(name, path, self.applied.get(name)).result()
+        except NameChangedElsewhere as error:  # Ray's copy, with the catalog's traceback: the server answers 409
+            raise ValueError(str(getattr(error, "cause", error))) from None
 
 
 class Router:
@@ -322,12 +354,18 @@ class Router:
             raise
 
     def _adapter_of(self, body: bytes) -> str:
-        """The adapter the request names for multiplexing ("" for none: the base model, or no JSON ``model``)."""
+        """The adapter the request names for multiplexing ("" for none: the base model, or no JSON ``model``); a
+        body that is no JSON object goes on as it is, for the replica's server to refuse."""
         try:
             model = json.loads(body).get("model") if body else None
-        except (ValueError, AttributeError):
+        except (ValueError, AttributeError, RecursionError):  # RecursionError: JSON nested too deep
             return ""
         return model if isinstance(model, str) and model != self.model_name else ""
+
+
+def _caught_up(held: CatalogVersion, asked: CatalogVersion) -> bool:
+    """Whether a replica at catalog version ``held`` has made every change up to ``asked`` (another epoch: no)."""
+    return held[0] == asked[0] and asked[1] <= held[1]
 
 
 class _Lifespan:
