@@ -16,10 +16,13 @@ LoRA on MoE experts (PEFT ``target_parameters``) takes the same road: each exper
 
 from __future__ import annotations
 
+import inspect
+import re
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import replace
 
 import torch
+from peft.utils.constants import EMBEDDING_LAYER_NAMES
 from torch import nn
 
 from .base_layers import LinearModule, check_servable, linear_features, lora_device, lora_dtype
@@ -159,9 +162,11 @@ class LoraInjection:
         input_layer = getattr(self.model, "get_input_embeddings", lambda: None)()
         output_layer = self._output_layer()
         names = {module: name for name, module in self.model.named_modules()}
+        peft_config = weights.config.peft_config
         if not (
-            getattr(weights.config.peft_config, "ensure_weight_tying", False) and input_layer is not None
-            and getattr(output_layer, "weight", None) is input_layer.weight and names[input_layer] in selected.modules
+            getattr(peft_config, "ensure_weight_tying", False) and _names_a_peft_embedding(peft_config.target_modules)
+            and input_layer is not None and getattr(output_layer, "weight", None) is input_layer.weight
+            and names[input_layer] in selected.modules
         ):
             return selected
         output_name = names[output_layer]
@@ -325,8 +330,23 @@ class LoraInjection:
         return get_output() if callable(get_output) else None
 
 
+def _names_a_peft_embedding(target_modules) -> bool:
+    """Whether ``target_modules`` names a layer PEFT counts as an embedding (``EMBEDDING_LAYER_NAMES``): only then
+    does ``ensure_weight_tying`` tie lm_head's LoRA to the embedding's (GPT-2's ``wte`` alone: PEFT warns, and ties
+    nothing)."""
+    if isinstance(target_modules, str):  # a regular expression, matched whole against the names
+        return any(re.fullmatch(target_modules, name) for name in EMBEDDING_LAYER_NAMES)
+    return any(str(target).split(".")[-1] in EMBEDDING_LAYER_NAMES for target in target_modules or ())
+
+
 def _embedding_problem(module: nn.Embedding) -> str | None:
     """Why LoRA on embedding ``module`` cannot be served, or None when it can."""
+    forward = type(module).forward
+    if forward is not nn.Embedding.forward:
+        inputs = [name for name in inspect.signature(forward).parameters if name != "self"]
+        if len(inputs) != 1:  # OPT's learned positions take the attention mask: its LoRA needs the ids it makes
+            return (f"{type(module).__name__} is called with ({', '.join(inputs)}), not with the ids it looks up "
+                    "alone")
     weight = module.weight
     if type(weight) not in (torch.Tensor, nn.Parameter) or not weight.dtype.is_floating_point:
         return f"its weight is a {type(weight).__qualname__} of {weight.dtype} (a quantized or sharded tensor)"

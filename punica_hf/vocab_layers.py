@@ -120,6 +120,11 @@ class EmbeddingLoraHook(LoraHook):
         token_ids = args[0] if args else None
         if not isinstance(token_ids, torch.Tensor) or token_ids.is_floating_point():
             raise ValueError(f"a LoRA-targeted {type(module).__name__} got no tensor of token ids")
+        rows = segments.num_tokens // max(token_ids.numel(), 1)
+        if token_ids.dim() == 2 and token_ids.shape[0] == 1 and rows > 1 and rows * token_ids.numel() == \
+                segments.num_tokens:  # ids shared by every row (GPT-2's positions): each row gets its own update
+            token_ids = token_ids.expand(rows, -1)
+            output = output.expand(rows, *output.shape[1:])
         if token_ids.numel() != segments.num_tokens:
             raise ValueError(
                 f"a LoRA embedding got {token_ids.numel()} tokens but the batch's adapter mapping has "

@@ -231,6 +231,27 @@ def test_lora_tied_by_ensure_weight_tying_equals_peft(tmp_path, targets):
         MultiLoraModel(copy.deepcopy(base), max_adapters=2, max_rank=8).load_adapters({"tied": path})
 
 
+@torch.no_grad()
+def test_ensure_weight_tying_on_an_embedding_peft_does_not_tie_by_its_name_equals_peft(tmp_path):
+    """PEFT ties lm_head's LoRA only when target_modules names an embedding it knows by name ("embed_tokens",
+    "lm_head"): on GPT-2, "wte" leaves lm_head untied (PEFT warns), and the checkpoint holds no lm_head weights. It
+    used to be refused for missing them."""
+    torch.manual_seed(0)
+    base = ARCHITECTURES["gpt2"].make_model().eval()
+    assert base.lm_head.weight is base.transformer.wte.weight
+    path = save_peft_adapter(base, tmp_path / "x", seed=3, r=3, lora_alpha=8, target_modules=["wte", "c_fc"],
+                             ensure_weight_tying=True, fan_in_fan_out=True)
+    model = MultiLoraModel(copy.deepcopy(base), max_adapters=1, max_rank=8)
+    model.load_adapters({"x": path})
+    assert "lm_head" not in model._injection.hooks
+    input_ids, attention_mask = left_padded_batch([6, 3, 5])
+    logits = model(input_ids, attention_mask=attention_mask, adapter_ids=["x", None, "x"]).logits
+    expected = PeftModel.from_pretrained(copy.deepcopy(base), path).eval()(input_ids, attention_mask=attention_mask)
+    real = attention_mask.bool()
+    for row in (0, 2):
+        torch.testing.assert_close(logits[row][real[row]], expected.logits[row][real[row]], atol=ATOL, rtol=0)
+
+
 def test_an_embedding_with_max_norm_is_refused(setup):
     """PEFT's lookup would renormalise the LoRA factors' rows in place."""
     model = MultiLoraModel(copy.deepcopy(setup.base), max_adapters=2, max_rank=8)
@@ -328,3 +349,36 @@ def test_vocabulary_layers_of_each_architecture_match_peft(arch, tmp_path):
             torch.testing.assert_close(logits[row][real[row]], expected[row][real[row]], atol=ATOL, rtol=0)
             if adapter is not None:  # the adapter really changes this row
                 assert (logits[row] - base(input_ids, attention_mask=attention_mask).logits[row]).abs().max() > 1e-3
+
+
+@torch.no_grad()
+def test_lora_on_gpt2_positions_gives_each_row_its_adapters_update(tmp_path):
+    """GPT-2 looks its position embeddings up with ids ``[1, T]`` shared by every row: a mixed batch used to fail
+    ("a LoRA embedding got 7 tokens but the batch's adapter mapping has 21"). Each row gets its own adapter's update
+    on its positions, as PEFT gives it with that adapter alone."""
+    torch.manual_seed(0)
+    base = ARCHITECTURES["gpt2"].make_model().eval()
+    paths = {name: save_peft_adapter(base, tmp_path / name, seed=seed, r=4, lora_alpha=8, fan_in_fan_out=True,
+                                     target_modules=targets)
+             for name, seed, targets in (("pos", 1, ["wpe", "c_attn"]), ("pos_only", 2, ["wpe"]))}
+    model = MultiLoraModel(copy.deepcopy(base), max_adapters=2, max_rank=8)
+    model.load_adapters(paths)
+    input_ids = torch.randint(3, 90, (3, 7), generator=torch.Generator().manual_seed(4))
+    rows = ["pos", None, "pos_only"]
+    logits = model(input_ids, adapter_ids=rows).logits
+    for row, adapter in enumerate(rows):
+        oracle = base if adapter is None else PeftModel.from_pretrained(copy.deepcopy(base), paths[adapter]).eval()
+        torch.testing.assert_close(logits[row], oracle(input_ids).logits[row], atol=ATOL, rtol=0)
+    assert (logits[2] - base(input_ids).logits[2]).abs().max() > 1e-3  # the positions' LoRA alone changes it
+
+
+def test_lora_on_opts_learned_positions_is_refused_by_name(tmp_path):
+    """OPT's position embedding is called with the attention mask and makes the ids itself: a hook given the mask
+    as ids computed nonsense (PEFT's own generate() fails on it)."""
+    base = ARCHITECTURES["opt"].make_model().eval()
+    path = save_peft_adapter(base, tmp_path / "x", seed=1, r=4, lora_alpha=8, target_modules=["embed_positions"])
+    model = MultiLoraModel(copy.deepcopy(base), max_adapters=1, max_rank=8)
+    with pytest.raises(ValueError, match=r"LoRA on embedding model\.decoder\.embed_positions is not supported: "
+                                         r"OPTLearnedPositionalEmbedding is called with \(attention_mask, "):
+        model.load_adapters({"x": path})
+    assert model.adapters == {}

@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from architectures import ARCHITECTURES, make_base_and_adapters
 from helpers import save_peft_adapter, tiny_llama
 from safetensors.torch import load_file, save_file
 
@@ -671,6 +672,24 @@ def test_a_request_queued_while_its_adapter_is_reloaded_under_its_name_fails_as_
     assert (failed.finish_reason, failed.error_code) == ("error", ADAPTER_NOT_FOUND)
     assert failed.error == "the adapter 'b' was unloaded before the request started"
     assert list(later.token_ids) == reference_tokens(model, tiny_prompt(92, 5), "b", 5)  # the new "b"
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_the_engine_serves_each_architecture_as_generate_does(arch, tmp_path):
+    """Every architecture the README lists, with its four adapters and the base model side by side. OPT's forward
+    asks the cache for its length at every step, which transformers' paged cache lacks: each of its requests used
+    to fail."""
+    base, paths = make_base_and_adapters(arch, tmp_path)
+    model = MultiLoraModel(base, max_adapters=len(paths), max_rank=8)
+    model.load_adapters(paths)
+    prompts = [torch.randint(1, 90, (3 + i,), generator=torch.Generator().manual_seed(120 + i)).tolist()
+               for i in range(len(paths) + 1)]  # within every architecture's vocabulary of 96
+    plan = [(adapter, prompt, 5) for adapter, prompt in zip([*paths, None], prompts)]
+    expected = [reference_tokens(model, prompt, adapter, n) for adapter, prompt, n in plan]
+    with Engine(model, config=EngineConfig(max_running=len(plan))) as engine:
+        handles = [engine.submit(prompt, adapter, SamplingParams(max_new_tokens=n)) for adapter, prompt, n in plan]
+        completions = [handle.result(timeout=60) for handle in handles]
+    assert [(c.finish_reason, list(c.token_ids)) for c in completions] == [("length", t) for t in expected]
 
 
 def test_the_queue_is_bounded(tiny_model):

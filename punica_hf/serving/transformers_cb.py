@@ -607,6 +607,12 @@ class _EngineCache(PagedAttentionCache):
         step["cache"] = self
         return key_states, value_states
 
+    # upstream hook: the paged cache answering the cache API the models call (OPT's forward asks every step)
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """0: a packed step's requests each have their own length, and the step gives each token's position; OPT
+        reads this only to make the positions it is given (``position_ids``)."""
+        return 0
+
     def search_prefix_match(self, request_id: str, prompt_ids: list[int]) -> int:
         matched = super().search_prefix_match(request_id, self._keyed(request_id, prompt_ids))
         self.prefix_hit_tokens += matched
