@@ -357,7 +357,8 @@ class AdapterStore:
     def _undo(self, undo: "_Undo") -> None:
         """Remove the hooks and pools a failed call made, unless a registered adapter or another call still
         loading uses them."""
-        self._loads_in_flight.remove(undo)
+        if undo in self._loads_in_flight:  # (identity: _Undo compares by it)
+            self._loads_in_flight.remove(undo)
         used_modules = {m for a in self._by_index.values() for layout in a.layouts.values() for m in layout.modules}
         used_devices = {d for a in self._by_index.values() for d in a.layouts}
         for other in self._loads_in_flight:
