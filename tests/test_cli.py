@@ -220,6 +220,8 @@ def test_convert_of_several_sources_writes_all_or_nothing(capsys, demo_shaped_ad
                        str(no_adapter), str(destination))
     assert code == 1 and "no_adapter" in err
     assert not destination.exists()  # made for this call, and removed again with nothing in it
+    deep = destination / "deeper" / "file.safetensors"  # every folder made on the way, too
+    assert run(capsys, "convert", str(no_adapter), str(deep))[0] == 1 and not destination.exists()
     destination.mkdir()
     (destination / "keep.txt").write_text("the user's")
     assert run(capsys, "convert", str(demo_shaped_adapters["sort"]), str(no_adapter), str(destination))[0] == 1

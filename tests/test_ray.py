@@ -390,7 +390,7 @@ def _replica(catalog) -> "EngineReplica":  # noqa: F821
     model = MultiLoraModel(demo.load_base_model(), max_adapters=4)
     replica.engine = Engine(model, DemoTokenizer(), EngineConfig(max_running=2))
     replica.catalog, replica.name = catalog, "test"
-    replica.version, replica.applied, replica.catching_up = ("", 0), {}, asyncio.Lock()
+    replica.version, replica.applied, replica.superseded, replica.catching_up = ("", 0), {}, set(), asyncio.Lock()
     return replica
 
 
@@ -459,6 +459,20 @@ def test_a_replica_follows_a_catalog_started_again_whatever_its_versions(lora_di
     catalog.actor.record("late", str(lora_dir / "sort_copy"), None)
     asyncio.run(replica._catch_up(catalog.actor.current_version()))
     assert "late" in replica.engine.model.adapters
+
+
+def test_requests_carrying_a_replaced_catalogs_version_read_the_catalog_once(lora_dir):
+    """A router that read the catalog before it was replaced carries the old epoch until its next adapter change:
+    each of its requests used to make the replica read the whole catalog again, one at a time under its lock."""
+    catalog = _Catalog()
+    reads = []
+    snapshot = catalog.snapshot.remote
+    catalog.snapshot = _Remote(lambda: (reads.append(1), snapshot())[1])
+    replica = _replica(catalog)
+    catalog.actor.record("late", str(lora_dir / "sort_copy"), None)
+    for _ in range(5):
+        asyncio.run(replica._catch_up(("a catalog that died", 1)))
+    assert len(reads) == 1 and "late" in replica.engine.model.adapters
 
 
 def test_a_body_nested_too_deep_for_json_goes_to_a_replica_to_be_refused():

@@ -18,6 +18,7 @@ from punica_hf import AdapterWeights, MultiLoraModel, load_adapter_weights
 from punica_hf.base_layers import LinearModule
 from punica_hf.store import AdapterCapacityError, AdapterNotReady, AdapterReadError, AdapterStore
 from punica_hf.store import host as host_module
+from punica_hf.store import store as store_module
 
 IDS = torch.tensor([[5, 17, 42, 8, 99, 3], [1, 2, 3, 4, 5, 6], [60, 61, 62, 63, 64, 65]])
 SPECS = {  # name -> (rank, targets): mixed ranks and target sets
@@ -216,6 +217,28 @@ def test_a_failed_background_read_is_said_once_and_read_again(base, paths, peft_
         model.acquire(["r8"], block=False)  # a new read
     _acquire_when_read(model, ["r8"]).release()
     check_rows(model, ["r8", "r2", None], peft_logits)
+
+
+def test_a_read_failure_nobody_asked_about_in_time_is_not_told_to_a_later_caller(base, paths, tmp_path, monkeypatch):
+    """The caller that started a background read went away (a cancelled request): its failure used to be told to
+    whichever acquire came next, however much later, though the source was back by then."""
+    monkeypatch.setattr(store_module, "READ_FAILURE_TOLD_S", 0.2)
+    moved = shutil.copytree(paths["r8"], tmp_path / "r8")
+    model = wrap(base, max_adapters=2)
+    model.load_adapters({"r2": paths["r2"], "r4": paths["r4"], "r8": moved})
+    model._store.host.drop(model.adapters["r8"])
+    away = shutil.move(moved, tmp_path / "away")
+    with pytest.raises(AdapterNotReady):
+        model.acquire(["r8"], block=False)
+    deadline = time.monotonic() + 10
+    while model._store._by_name["r8"].reading is not None:  # the read fails, and nobody asks
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    shutil.move(away, moved)
+    time.sleep(0.3)
+    with pytest.raises(AdapterNotReady):  # not the old failure: a new read
+        model.acquire(["r8"], block=False)
+    _acquire_when_read(model, ["r8"]).release()
 
 
 def test_a_failed_prefetch_is_logged_and_the_next_use_reads_again(base, paths, peft_logits, tmp_path, caplog):

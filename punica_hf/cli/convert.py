@@ -76,7 +76,7 @@ def run(args: argparse.Namespace, console: Console) -> None:
         revision=args.revision, subfolder=args.subfolder, cache_dir=args.cache_dir,
     )
     folder = outputs[0].parent
-    made_folder = not folder.exists()
+    made = [parent for parent in [folder, *folder.parents] if not parent.exists()]  # deepest first
     folder.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".punica-hf-convert-", dir=folder))
     progress = Progress(
@@ -96,8 +96,9 @@ def run(args: argparse.Namespace, console: Console) -> None:
             os.replace(staged_file, output)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-        if made_folder and not any(folder.iterdir()):
-            folder.rmdir()
+        for parent in made:  # the folders this call made, left empty by a failure
+            if parent.exists() and not any(parent.iterdir()):
+                parent.rmdir()
     written = list(zip(args.sources, outputs))
 
     table = Table(title=f"converted {len(written)} adapter(s) ({args.dtype})")

@@ -48,8 +48,8 @@ def check_tp_arguments(args: argparse.Namespace) -> None:
 def _check_heads_split(model_id: str, ranks: int) -> None:
     """Each rank takes an equal share of the attention heads: refuse a ``--tp`` that does not divide them (the ranks
     would fail on a tensor shape). A model whose config cannot be read here is left to the load to refuse."""
-    try:
-        config = AutoConfig.from_pretrained(model_id).get_text_config()
+    try:  # from disk only: a Hub model not downloaded yet is not waited for here (its ranks download it)
+        config = AutoConfig.from_pretrained(model_id, local_files_only=True).get_text_config()
     except (OSError, ValueError):
         return
     for name in ("num_attention_heads", "num_key_value_heads"):

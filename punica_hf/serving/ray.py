@@ -173,6 +173,7 @@ class EngineReplica:
             self.name = serve.get_replica_context().replica_id.unique_id
             self.version: CatalogVersion = ("", 0)  # the catalog version this replica has caught up to
             self.applied: dict[str, CatalogVersion] = {}  # name -> the catalog change of it made here last
+            self.superseded: set[str] = set()  # epochs of catalogs that died: a router may still carry one
             self.catching_up = asyncio.Lock()
             self.lifespan = _Lifespan(self.app)
             if self.followers is not None:  # the followers' engines run already: they wait for rank 0's steps
@@ -235,12 +236,14 @@ class EngineReplica:
         """Make the catalog's runtime loads and unloads that this replica has not made yet, if it has not caught up
         to ``version``: each name as the catalog last changed it (a name loaded again from another path is
         unloaded first). A change that fails here is logged and skipped, not retried at every request."""
-        if _caught_up(self.version, version):
+        if self._caught_up(version):
             return
         async with self.catching_up:
-            if _caught_up(self.version, version):
+            if self._caught_up(version):
                 return
             latest, changes = await self.catalog.snapshot.remote()
+            if latest[0] != version[0]:  # asked by a router that read a catalog since replaced: once, not per request
+                self.superseded.add(version[0])
             for name, (changed_at, path) in sorted(changes.items(), key=lambda item: item[1][0]):
                 if self.applied.get(name) == (latest[0], changed_at):
                     continue  # made here (by this replica, or an earlier catch-up)
@@ -254,6 +257,11 @@ class EngineReplica:
                                      "unload" if path is None else f"load from {path}", name)
                 self.applied[name] = (latest[0], changed_at)
             self.version = latest
+
+    def _caught_up(self, asked: CatalogVersion) -> bool:
+        """Whether this replica has made every change up to ``asked`` (a replaced catalog's: nothing to make)."""
+        held = self.version
+        return asked[0] in self.superseded or (held[0] == asked[0] and asked[1] <= held[1])
 
     def _record_in_catalog(self, name: str, path: str | None) -> None:  # called in a worker thread of the app
         try:
@@ -361,11 +369,6 @@ class Router:
         except (ValueError, AttributeError, RecursionError):  # RecursionError: JSON nested too deep
             return ""
         return model if isinstance(model, str) and model != self.model_name else ""
-
-
-def _caught_up(held: CatalogVersion, asked: CatalogVersion) -> bool:
-    """Whether a replica at catalog version ``held`` has made every change up to ``asked`` (another epoch: no)."""
-    return held[0] == asked[0] and asked[1] <= held[1]
 
 
 class _Lifespan:

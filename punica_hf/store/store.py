@@ -51,6 +51,9 @@ CAPACITY_WAIT_S = 60.0  # default time a call waits for the device room that oth
 # A waiting call looks again this often for leases the garbage collector ended: a finalizer cannot wake it (it may
 # run inside a store method of the waiter's own lock-holding thread, where it must not touch the store).
 _COLLECTED_LEASE_POLL_S = 0.05
+# A failed background read is told to the non-blocking acquires of this long after it (whoever asked for the read
+# asks again soon: the engine, at every step); a later one reads the source again (nobody waited for the failure).
+READ_FAILURE_TOLD_S = 5.0
 logger = logging.getLogger(__name__)
 _REGISTRATIONS = itertools.count()  # never reused: an adapter loaded again under its name is a new registration
 
@@ -87,7 +90,7 @@ class Adapter:
     chunk_starts: dict[torch.device, int] = field(default_factory=dict)
     copies_done: dict[torch.device, torch.cuda.Event] = field(default_factory=dict)
     reading: Future | None = None  # a background read of the source in flight
-    read_failure: BaseException | None = None  # why the last background read failed, for the next acquire to say
+    read_failure: tuple[BaseException, float] | None = None  # why the last background read failed, and when
     prefetched: HostCopy | None = None  # a read's result the host tier could not keep, for its next use
     registration: int = field(default_factory=_REGISTRATIONS.__next__)  # this load of these weights, in the process
     invocation_tokens: tuple[int, ...] | None = None  # aLoRA: the tokens whose last occurrence starts the adapter
@@ -481,11 +484,12 @@ class AdapterStore:
                 continue
             if not block and adapter.index not in self.host and adapter.prefetched is None:
                 failure, adapter.read_failure = adapter.read_failure, None
-                if failure is not None:  # said once; the next acquire reads the source again
+                if failure is not None and time.monotonic() - failure[1] < READ_FAILURE_TOLD_S:
+                    error = failure[0]  # said once; the next acquire reads the source again
                     raise AdapterReadError(
                         f"adapter {adapter.name!r} could not be read from {adapter.source}: "
-                        f"{type(failure).__name__}: {failure}"
-                    ) from failure
+                        f"{type(error).__name__}: {error}"
+                    ) from error
                 self._read_in_background(adapter)
                 raise AdapterNotReady(f"adapter {adapter.name!r} is being read from {adapter.source}")
             self._place(adapter, protected)
@@ -735,7 +739,7 @@ class AdapterStore:
                 if place:  # a prefetch is a hint: nobody waits for it, and the next use reads again
                     logger.warning("prefetching adapter %r failed: %s: %s", adapter.name, type(error).__name__, error)
                 with self.lock:
-                    adapter.reading, adapter.read_failure = None, None if place else error
+                    adapter.reading, adapter.read_failure = None, None if place else (error, time.monotonic())
                 raise
             with self.changing():
                 adapter.reading = None
