@@ -22,7 +22,6 @@ from collections.abc import Collection, Iterable, Mapping
 from dataclasses import replace
 
 import torch
-from peft.utils.constants import EMBEDDING_LAYER_NAMES
 from torch import nn
 
 from .base_layers import LinearModule, check_servable, linear_features, lora_device, lora_dtype
@@ -334,6 +333,8 @@ def _names_a_peft_embedding(target_modules) -> bool:
     """Whether ``target_modules`` names a layer PEFT counts as an embedding (``EMBEDDING_LAYER_NAMES``): only then
     does ``ensure_weight_tying`` tie lm_head's LoRA to the embedding's (GPT-2's ``wte`` alone: PEFT warns, and ties
     nothing)."""
+    from peft.utils.constants import EMBEDDING_LAYER_NAMES  # here: importing peft takes seconds (and bitsandbytes)
+
     if isinstance(target_modules, str):  # a regular expression, matched whole against the names
         return any(re.fullmatch(target_modules, name) for name in EMBEDDING_LAYER_NAMES)
     return any(str(target).split(".")[-1] in EMBEDDING_LAYER_NAMES for target in target_modules or ())

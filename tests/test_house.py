@@ -250,3 +250,18 @@ def test_the_engines_tested_range_is_the_pin_in_pyproject():
     pyproject = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
     pins = re.findall(r'"transformers([<>=!~][^"]*)"', pyproject)
     assert pins == [transformers_cb.TESTED_TRANSFORMERS]
+
+
+def test_importing_the_package_and_its_command_line_loads_neither_peft_nor_bitsandbytes():
+    """peft takes seconds to import and brings bitsandbytes, which prints to stderr on machines without its kernels:
+    only reading a PEFT config imports it (a module-level import of a peft constant once broke the command line's
+    one-line errors)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, punica_hf, punica_hf.cli, punica_hf.serving\n"
+            "print(sorted({'peft', 'bitsandbytes'} & set(sys.modules)))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                            cwd=Path(__file__).parents[1])
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
