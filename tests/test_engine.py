@@ -692,6 +692,26 @@ def test_the_engine_serves_each_architecture_as_generate_does(arch, tmp_path):
     assert [(c.finish_reason, list(c.token_ids)) for c in completions] == [("length", t) for t in expected]
 
 
+def test_submit_all_queues_every_request_or_none(tiny_model):
+    """A server's request with several prompts is queued whole: a bad last prompt (or too little room for all)
+    used to leave the earlier ones queued, then cancelled, counted as finished and timed."""
+    finished = []
+    with Engine(tiny_model, config=EngineConfig(max_running=1, max_queue=3)) as engine:
+        engine.add_listener(finished.append)
+        good = (tiny_prompt(60, 4), "a", SamplingParams(max_new_tokens=2))
+        with pytest.raises(ValueError, match="the prompt is empty"):
+            engine.submit_all([good, good, ([], None, None)])
+        with pytest.raises(QueueFullError):
+            engine.submit_all([good] * 4)
+        with pytest.raises(ValueError, match="request id 'x' is in use"):
+            engine.submit_all([good, good], request_ids=["x", "x"])
+        stats = engine.stats()
+        assert (stats.queued, stats.rejected, sum(stats.finished.values()), finished) == (0, 1, 0, [])
+        handles = engine.submit_all([good, (tiny_prompt(61, 3), None, SamplingParams(max_new_tokens=2))])
+        assert [h.result(timeout=30).finish_reason for h in handles] == ["length", "length"]
+    assert len(finished) == 2
+
+
 def test_the_queue_is_bounded(tiny_model):
     config = EngineConfig(max_running=1, max_queue=2)
     with Engine(tiny_model, config=config) as engine:

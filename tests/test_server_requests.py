@@ -7,6 +7,7 @@ any characters, and load errors that show the client's path only, are checked on
 import random
 import re
 import shutil
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -199,3 +200,23 @@ def test_an_api_key_of_any_characters_matches_its_utf8_bytes(key):
         assert client.get("/v1/models", headers=[(b"authorization", header)]).status_code == 200
         assert client.get("/v1/models", headers=[(b"authorization", header + b"x")]).status_code == 401
         assert client.get("/v1/models").status_code == 401
+
+
+@pytest.mark.parametrize("prompts", [[[108, 111, 114, 97, 61], []], [[108, 111, 114, 97, 61], [1, 300]]],
+                         ids=["empty-second", "out-of-vocabulary"])
+def test_a_refused_request_with_several_prompts_counts_nothing(prompts):
+    """A request whose second prompt is refused (400) used to queue the first, then cancel it: counted as a
+    finished, cancelled request with a latency sample, though the client was told nothing ran."""
+    with in_process_client() as client:
+        response = client.post("/v1/completions", json={"model": "demo", "prompt": prompts, "max_tokens": 2})
+        assert response.status_code == 400, response.text
+        # one request served after it: the engine has handled whatever the refused one left behind
+        served = client.post("/v1/completions", json={"model": "demo", "prompt": "lora=", "max_tokens": 2})
+        assert served.status_code == 200, served.text
+        deadline = time.monotonic() + 30  # its completion is counted just after it is answered
+        while 'punica_requests_total{finish_reason="length"} 1.0' not in (metrics := client.get("/metrics").text):
+            assert time.monotonic() < deadline, metrics
+            time.sleep(0.01)
+    assert 'punica_requests_total{finish_reason="cancelled"} 0.0' in metrics
+    assert "punica_request_latency_seconds_count 1.0" in metrics
+

@@ -30,6 +30,8 @@ def ranks(tmp_path_factory) -> list[dict]:
     base.save_pretrained(root / "model")
     save_peft_adapter(base, root / "adapters" / "attn", r=4, target_modules=["q_proj", "v_proj", "o_proj"], seed=1)
     save_peft_adapter(base, root / "adapters" / "mlp", r=8, target_modules=["gate_proj", "down_proj"], seed=2)
+    save_peft_adapter(base, root / "adapters" / "other", r=4, target_modules=["q_proj", "up_proj"], seed=3)
+    save_peft_adapter(base, root / "adapters" / "fourth", r=4, target_modules=["k_proj"], seed=4)
     ranks = run_two_ranks(WORKER, root, RUN_TIMEOUT_S)
     check_engines_ran(ranks)
     return ranks
@@ -96,6 +98,14 @@ def test_ranks_whose_adapter_slots_differ_all_stop_saying_so(ranks):
     leader, follower = (seen["differing_adapters"] for seen in ranks)
     for error in (leader["request_error"], leader["engine_error"], follower["engine_error"]):
         assert "rank 1: adapter 'attn' is in slot" in error and "on rank 0" in error, error
+
+
+def test_a_request_whose_adapter_is_reloaded_while_it_waits_fails_and_the_ranks_go_on(ranks):
+    leader, follower = (seen["reloaded_while_queued"] for seen in ranks)
+    assert leader["queued"] == [["length", None], ["length", None], ["length", None],
+                                ["error", "the adapter 'other' was unloaded before the request started"]]
+    assert leader["after"] == ["length", None]
+    assert leader["engine_error"] is None and follower["engine_error"] is None
 
 
 def test_compiled_steps_give_the_tokens_of_the_uncompiled_split_engine(ranks):

@@ -121,6 +121,27 @@ def differing_adapters(results: dict) -> None:
         held.release()
 
 
+def reloaded_while_queued(results: dict) -> None:
+    """Both slots held; requests for "fourth" and "other" wait; "other" is unloaded and loaded again. The request for
+    "other" fails as unloaded, and the ranks keep the same slots: rank 0 used to place the new "other" (and evict
+    for it) before it found the request's adapter gone, a placement the followers never made."""
+    _, engine, _ = serve(tensor_parallel=True, adapters=("attn", "mlp", "other", "fourth"))
+    engine.start()
+    if RANK == 0:
+        long = [engine.submit([6, 6, 6], name, SamplingParams(max_new_tokens=40, ignore_eos=True))
+                for name in ("attn", "mlp")]
+        for handle in long:
+            next(iter(handle))  # running: both slots held
+        queued = [engine.submit([5, 4, 3], name, GREEDY) for name in ("fourth", "other")]
+        engine.unload_adapter("other")
+        engine.load_adapters({"other": ROOT / "adapters" / "other"})
+        results["queued"] = [[c.finish_reason, c.error] for c in (h.result(timeout=120) for h in long + queued)]
+        after = engine.submit([7, 8, 9], "attn", GREEDY).result(timeout=120)
+        results["after"] = [after.finish_reason, after.error]
+    engine.shutdown(timeout=120)
+    results["engine_error"] = None if engine.error is None else str(engine.error)
+
+
 def compiled_steps(results: dict) -> None:
     """The split model's steps compiled (``compile_steps``), the LoRA ops opaque as the CUDA kernels are to the
     compiler: rank 0's concurrent requests again, and the graph breaks each rank's compile met."""
@@ -171,6 +192,7 @@ def main() -> None:
             results["unsplit"] = whole_seen
         leader_failure(results.setdefault("leader_failure", {}))
         differing_adapters(results.setdefault("differing_adapters", {}))
+        reloaded_while_queued(results.setdefault("reloaded_while_queued", {}))
         compiled_steps(results.setdefault("compiled_steps", {}))
     except Exception:
         results["error"] = traceback.format_exc()

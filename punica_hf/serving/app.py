@@ -385,16 +385,12 @@ class _Server:
         )
 
     def submit(self, requests: list[tuple[str | list[int], str | None, SamplingParams]]) -> list[RequestHandle]:
-        """Submit all (one choice each) or none."""
-        handles = []
+        """Submit all (one choice each) or none: nothing of a refused request is queued, run or counted."""
         try:
-            for prompt, adapter, params in requests:
-                handles.append(self.engine.submit(prompt, adapter, params))
-        except BaseException as error:
-            for handle in handles:
-                handle.cancel()
+            handles = self.engine.submit_all(requests)
+        except Exception as error:
             if isinstance(error, KeyError):  # unloaded since adapter_for: name it alone, not every adapter loaded
-                raise _model_not_found(adapter) from error
+                raise _model_not_found(requests[0][1]) from error
             if isinstance(error, ValueError):
                 raise APIError(400, str(error)) from error
             if isinstance(error, QueueFullError):

@@ -202,7 +202,19 @@ class Engine(TensorParallelLoop):
         ``request_id`` that is in use or not a non-empty string of at most ``MAX_REQUEST_ID_LENGTH`` characters,
         ``QueueFullError`` when the queue is full and ``EngineClosedError`` when the engine is not running.
         """
-        params = params or SamplingParams()
+        return self.submit_all([(prompt, adapter, params)], request_ids=[request_id])[0]
+
+    def submit_all(
+        self,
+        requests: Sequence[tuple[str | Sequence[int], str | None, SamplingParams | None]],
+        request_ids: Sequence[str | None] | None = None,
+    ) -> list[RequestHandle]:
+        """Queue every ``(prompt, adapter, params)`` of ``requests``, or none: each is checked as ``submit`` checks
+        it, and the queue must have room for all (one ``QueueFullError``, counted once). A server's request with
+        several prompts is one of these: a bad last prompt leaves no earlier one queued, counted or run."""
+        request_ids = [None] * len(requests) if request_ids is None else list(request_ids)
+        if len(request_ids) != len(requests):
+            raise ValueError(f"{len(requests)} requests but {len(request_ids)} request ids")
         if self._control is not None and not self._control.leader:
             raise RuntimeError(
                 f"submit requests on rank 0 only: rank {self._control.rank} runs what rank 0 schedules"
@@ -211,6 +223,40 @@ class Engine(TensorParallelLoop):
             raise EngineClosedError(
                 "the engine is not running" + (f": it stopped after an error: {self._error}" if self._error else "")
             )
+        checked = [self._checked(prompt, adapter, params or SamplingParams(), request_id)
+                   for (prompt, adapter, params), request_id in zip(requests, request_ids)]
+        handles = []
+        with self._lock:  # the engine thread decides to end, or fails its requests, under this lock too
+            if not self.running:  # it stopped while these requests were checked (tokenizing may take a while)
+                raise EngineClosedError("the engine stopped while the request was being checked"
+                                        + (f": {self._error}" if self._error else ""))
+            if len(self._queue) + self._waiting_count() + len(checked) > self.config.max_queue:
+                self._counters["rejected"] += 1
+                raise QueueFullError(f"the engine's queue is full ({self.config.max_queue} requests waiting)")
+            named = [request_id for *_, request_id in checked if request_id is not None]
+            in_use = [request_id for request_id in named if request_id in self._requests or named.count(request_id) > 1]
+            if in_use:
+                raise ValueError(f"request id {in_use[0]!r} is in use")
+            for prompt_ids, adapter, registration, params, request_id in checked:
+                if request_id is None:  # the next automatic id that no running request (a caller's "req-3") holds
+                    request_id = next(rid for rid in (f"req-{n}" for n in self._ids)
+                                      if rid not in self._requests and rid not in named)
+                request = RequestState.create(
+                    RequestHandle(self._cancel, request_id, adapter, tuple(prompt_ids)), params, self.eos_token_ids,
+                    None if self.tokenizer is None else self.tokenizer.decode,
+                )
+                request.registration = registration
+                self._requests[request_id] = request
+                self._queue.append(request)
+                handles.append(request.handle)
+        self._wake.set()
+        return handles
+
+    def _checked(self, prompt: str | Sequence[int], adapter: str | None, params: SamplingParams,
+                 request_id: str | None) -> tuple[list[int], str | None, int | None, SamplingParams, str | None]:
+        """One request checked as ``submit`` documents, before anything is queued: its prompt's token ids, its
+        adapter and that adapter's registration, its settings (a sampling request's seed drawn under tensor
+        parallelism, the same on every rank) and its id."""
         registration = None
         if adapter is not None:
             try:
@@ -233,26 +279,7 @@ class Engine(TensorParallelLoop):
                              f"got {type(request_id).__name__} {str(request_id)[:40]!r}")
         if self._control is not None and not params.greedy and params.seed is None:
             params = dataclasses.replace(params, seed=random.randrange(2**63))  # sent to every rank with the request
-        with self._lock:  # the engine thread decides to end, or fails its requests, under this lock too
-            if not self.running:  # it stopped while this request was checked (tokenizing may take a while)
-                raise EngineClosedError("the engine stopped while the request was being checked"
-                                        + (f": {self._error}" if self._error else ""))
-            if len(self._queue) + self._waiting_count() >= self.config.max_queue:
-                self._counters["rejected"] += 1
-                raise QueueFullError(f"the engine's queue is full ({self.config.max_queue} requests waiting)")
-            if request_id is None:  # the next automatic id that no running request (a caller's "req-3") holds
-                request_id = next(rid for rid in (f"req-{n}" for n in self._ids) if rid not in self._requests)
-            elif request_id in self._requests:
-                raise ValueError(f"request id {request_id!r} is in use")
-            request = RequestState.create(
-                RequestHandle(self._cancel, request_id, adapter, tuple(prompt_ids)), params, self.eos_token_ids,
-                None if self.tokenizer is None else self.tokenizer.decode,
-            )
-            request.registration = registration
-            self._requests[request_id] = request
-            self._queue.append(request)
-        self._wake.set()
-        return request.handle
+        return prompt_ids, adapter, registration, params, request_id
 
     def generate(
         self,
@@ -263,7 +290,7 @@ class Engine(TensorParallelLoop):
         """Submit every prompt with its adapter and wait for all: the completions in the prompts' order."""
         if len(prompts) != len(adapters):
             raise ValueError(f"{len(prompts)} prompts but {len(adapters)} adapters")
-        handles = [self.submit(prompt, adapter, params) for prompt, adapter in zip(prompts, adapters)]
+        handles = self.submit_all([(prompt, adapter, params) for prompt, adapter in zip(prompts, adapters)])
         return [handle.result() for handle in handles]
 
     def load_adapters(self, sources: Mapping[str, str | Path]) -> dict[str, int]:
@@ -449,11 +476,16 @@ class Engine(TensorParallelLoop):
                 if slots_full:
                     continue
                 try:
+                    # Another load took its name: as unloaded, the one it was submitted for is gone. Checked before
+                    # the acquire too, which would place the other adapter (under tensor parallelism, on rank 0
+                    # alone: the request never reaches the others), and after it for a reload in between.
+                    if self.model.adapter_registration(adapter) != request.registration:
+                        raise KeyError(adapter)
                     request.lease = self.model.acquire([adapter], block=False)
-                    if request.lease.registrations[0] != request.registration:  # another load took its name
+                    if request.lease.registrations[0] != request.registration:
                         request.lease.release()
                         request.lease = None
-                        raise KeyError(adapter)  # as unloaded: the one it was submitted for is gone
+                        raise KeyError(adapter)
                 except AdapterNotReady:  # being read in the background: retry at the next step
                     continue
                 except AdapterCapacityError:
