@@ -185,7 +185,8 @@ class MultiLoraModel(FollowsModuleMoves):
         self._store.prefetch(adapters)
 
     def acquire(
-        self, adapters: Sequence[str | int | None] | str, *, block: bool = True, timeout: float | None = None
+        self, adapters: Sequence[str | int | None] | str, *, block: bool = True, timeout: float | None = None,
+        registrations: Sequence[int | None] | None = None,
     ) -> AdapterLease:
         """Hold adapters (a name, or a list of names, indices or None) resident and registered until
         ``lease.release()``, the end of a ``with lease:`` block, or the lease's garbage collection; ``lease.slots``
@@ -195,8 +196,10 @@ class MultiLoraModel(FollowsModuleMoves):
         Waits up to ``timeout`` seconds (default ``capacity_wait_s``) for device room that other leases hold;
         ``block=False`` never waits: it raises ``AdapterCapacityError`` at once, ``AdapterNotReady`` while an
         adapter is still being read (its read has started), and ``AdapterReadError`` once when that read failed.
+        ``registrations`` (one per entry, None for any; see ``adapter_registration``): ``KeyError`` for an entry that
+        another load holds the name of now, before anything is placed.
         """
-        return self._store.acquire(adapters, block=block, timeout=timeout)
+        return self._store.acquire(adapters, block=block, timeout=timeout, registrations=registrations)
 
     def unwrap(self) -> nn.Module:
         """Remove every LoRA hook and the ``adapter_ids`` forward; returns the base model, exactly as it was.

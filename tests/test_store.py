@@ -260,6 +260,22 @@ def test_a_failed_prefetch_is_logged_and_the_next_use_reads_again(base, paths, p
     check_rows(model, ["r8", "r2", None], peft_logits)
 
 
+def test_acquire_for_a_registration_refuses_a_reloaded_name_before_placing_it(base, paths):
+    """A caller that waited asks for the load it saw: another load under the name is refused, and not placed."""
+    model = wrap(base, max_adapters=2)
+    model.load_adapters({"r2": paths["r2"], "r4": paths["r4"], "r8": paths["r8"]})  # r8: no slot free
+    seen = model.adapter_registration("r8")
+    model.unload_adapter("r8")
+    model.load_adapters({"r8": paths["r8b"]})
+    resident = model.adapter_stats["resident"], {a.name for a in model._store._resident.values()}
+    with pytest.raises(KeyError, match="'r8' was unloaded and loaded again"):
+        model.acquire(["r8"], block=False, registrations=[seen])
+    assert (model.adapter_stats["resident"], {a.name for a in model._store._resident.values()}) == resident
+    with pytest.raises(ValueError, match="1 adapters but 2 registrations"):
+        model.acquire(["r8"], registrations=[seen, None])
+    model.acquire(["r8", None], registrations=[model.adapter_registration("r8"), None]).release()
+
+
 def test_prefetch_brings_an_adapter_on_the_device(base, paths):
     model = wrap(base, max_adapters=3)
     model.load_adapters(paths)

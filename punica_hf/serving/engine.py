@@ -476,16 +476,9 @@ class Engine(TensorParallelLoop):
                 if slots_full:
                     continue
                 try:
-                    # Another load took its name: as unloaded, the one it was submitted for is gone. Checked before
-                    # the acquire too, which would place the other adapter (under tensor parallelism, on rank 0
-                    # alone: the request never reaches the others), and after it for a reload in between.
-                    if self.model.adapter_registration(adapter) != request.registration:
-                        raise KeyError(adapter)
-                    request.lease = self.model.acquire([adapter], block=False)
-                    if request.lease.registrations[0] != request.registration:
-                        request.lease.release()
-                        request.lease = None
-                        raise KeyError(adapter)
+                    # the load it was submitted for: another load under its name (a reload) counts as unloaded, and
+                    # places nothing (under tensor parallelism rank 0 alone would: the request reaches no other rank)
+                    request.lease = self.model.acquire([adapter], block=False, registrations=[request.registration])
                 except AdapterNotReady:  # being read in the background: retry at the next step
                     continue
                 except AdapterCapacityError:

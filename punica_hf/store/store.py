@@ -434,15 +434,20 @@ class AdapterStore:
         return found
 
     def acquire(
-        self, adapters: Sequence[str | int | None] | str, block: bool = True, timeout: float | None = None
+        self, adapters: Sequence[str | int | None] | str, block: bool = True, timeout: float | None = None,
+        registrations: Sequence[int | None] | None = None,
     ) -> AdapterLease:
         """Hold ``adapters`` resident and registered; the lease's ``slots`` has one slot per entry (-1 = base).
+        ``registrations``: the loads the caller asks for, one per entry (None: any); an entry registered by
+        another load now (unloaded, and loaded again under its name) raises ``KeyError`` before anything is placed.
 
         Where other leases hold the room these adapters need, wait up to ``timeout`` seconds (default
         ``capacity_wait_s``) for them to end; with ``block=False``, raise ``AdapterCapacityError`` at once instead
         (and ``AdapterNotReady`` for an adapter whose source is still being read).
         """
         adapters = _adapter_list(adapters)
+        if registrations is not None and len(registrations) != len(adapters):
+            raise ValueError(f"{len(adapters)} adapters but {len(registrations)} registrations")
         wait_s = self.capacity_wait_s if timeout is None else check_wait("timeout", timeout)
         self.check_wrapped()  # before any read (and again under the lock)
         if block:
@@ -453,6 +458,9 @@ class AdapterStore:
                 self.check_wrapped()
                 self._release_collected_leases()
                 entries = [self.lookup(adapter) for adapter in adapters]  # again after a wait: unloads meanwhile
+                for adapter, entry, wanted in zip(adapters, entries, registrations or ()):
+                    if wanted is not None and (entry is None or entry.registration != wanted):
+                        raise KeyError(f"adapter {adapter!r} was unloaded and loaded again")
                 needed = list({id(a): a for a in entries if a is not None}.values())
                 self._check_fits_alone(needed)
                 try:
