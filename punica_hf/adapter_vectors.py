@@ -24,6 +24,7 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
+from .base_layers import is_fp8_linear
 from .formats import AdapterWeights, ModuleLora
 
 
@@ -73,6 +74,11 @@ def _base_weight(module_name: str, module: nn.Module) -> torch.Tensor:
     """The base layer's weight ``[out, in]`` in float32 (dequantized where bitsandbytes stores it packed)."""
     from peft.utils.integrations import dequantize_module_weight  # imported late: see formats.config
 
+    if is_fp8_linear(module):  # PEFT's dequantization would read its float8 values without their block scales
+        raise ValueError(
+            f"module {module_name}: DoRA needs the base layer's weight, which an fp8 layer (FP8Linear) stores as "
+            "float8 blocks with scales; DoRA on fp8 bases is not supported"
+        )
     weight = _local_float(dequantize_module_weight(module), module_name, "weight")
     return weight.T if isinstance(module, Conv1D) else weight  # Conv1D stores [in, out]
 

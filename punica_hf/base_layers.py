@@ -1,10 +1,11 @@
 """What punica_hf needs to know about the base layers it wraps: sizes, the LoRA dtype and device, servability.
 
-Servable kinds: ``nn.Linear`` and GPT-2's ``Conv1D`` with a plain floating-point weight, and bitsandbytes'
-``Linear4bit`` (nf4 / fp4) and ``Linear8bitLt``. A bitsandbytes layer stores its weight packed in uint8 / int8,
+Servable kinds: ``nn.Linear`` and GPT-2's ``Conv1D`` with a plain floating-point weight, bitsandbytes'
+``Linear4bit`` (nf4 / fp4) and ``Linear8bitLt``, and transformers' fp8 layer (``FP8Linear``, from
+``FineGrainedFP8Config``). A quantized layer stores its weight packed (uint8 / int8, or float8 with block scales),
 takes activations in the model's dtype and returns them in that same dtype, so its LoRA factors live in the
 model's dtype, never in the storage dtype. Anything else a LoRA checkpoint may target (GPTQ, AWQ, HQQ, EETQ,
-torchao, fp8 or other quantized layers, tensor-parallel weights) is refused by its class name.
+torchao or other quantized layers, tensor-parallel weights) is refused by its class name.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from transformers.pytorch_utils import Conv1D
 # Weight dtypes a plain layer computes in: LoRA factors in these dtypes are added straight into its output.
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
-_SERVABLE_KINDS = "nn.Linear, Conv1D and bitsandbytes Linear4bit / Linear8bitLt layers"
+_SERVABLE_KINDS = "nn.Linear, Conv1D, bitsandbytes Linear4bit / Linear8bitLt and transformers' FP8Linear layers"
 
 
 @dataclass(frozen=True)
@@ -50,12 +51,12 @@ def linear_features(module: nn.Module) -> tuple[int, int] | None:
 def lora_dtype(module: nn.Module, model_dtype: torch.dtype) -> torch.dtype:
     """The dtype of the LoRA factors and of ``x`` for a servable ``module``: the dtype of its activations.
 
-    A plain layer computes in its weight's dtype. A bitsandbytes layer returns its output in its input's dtype,
-    which is the model's floating dtype ``model_dtype`` (transformers' ``model.dtype``); its weight is storage
-    only, and the 4-bit ``compute_dtype`` is internal to its matmul (transformers' default is float32 even for a
+    A plain layer computes in its weight's dtype. A quantized layer returns its output in its input's dtype, which
+    is the model's floating dtype ``model_dtype`` (transformers' ``model.dtype``); its weight is storage only, and a
+    bitsandbytes 4-bit ``compute_dtype`` is internal to its matmul (transformers' default is float32 even for a
     bfloat16 model, whose activations stay bfloat16).
     """
-    if _is_bitsandbytes_linear(module):
+    if _is_bitsandbytes_linear(module) or is_fp8_linear(module):
         return model_dtype
     return module.weight.dtype
 
@@ -93,6 +94,10 @@ def _servability_problem(module: nn.Module) -> str | None:
     """Why ``module`` cannot be served, or None when it can."""
     if _is_bitsandbytes_linear(module):
         return None
+    if is_fp8_linear(module):
+        if hasattr(module, "n_groups"):  # FP8GroupedLinear: its input is [..., groups, in], one weight per group
+            return "a grouped fp8 layer (block-diagonal weights over a grouped input)"
+        return None
     if type(module).__module__.split(".")[0] == "bitsandbytes":
         return "a bitsandbytes layer other than Linear4bit / Linear8bitLt"
     if linear_features(module) is None:
@@ -112,6 +117,19 @@ def _is_bitsandbytes_linear(module: nn.Module) -> bool:
     """
     bitsandbytes = sys.modules.get("bitsandbytes")
     return bitsandbytes is not None and isinstance(module, (bitsandbytes.nn.Linear4bit, bitsandbytes.nn.Linear8bitLt))
+
+
+def is_fp8_linear(module: nn.Module) -> bool:
+    """Whether ``module`` is transformers' ``FP8Linear`` (a model quantized with ``FineGrainedFP8Config``): float8
+    weights with block scales, multiplied by transformers' fp8 kernel. Never imports transformers' fp8 module: such
+    a layer exists only once it is imported."""
+    fp8 = sys.modules.get("transformers.integrations.finegrained_fp8")
+    return fp8 is not None and isinstance(module, fp8.FP8Linear)
+
+
+def is_plain_float(dtype: torch.dtype) -> bool:
+    """Whether a weight of ``dtype`` is multiplied as it is stored (float8 storage needs its scales)."""
+    return dtype in _FLOAT_DTYPES
 
 
 def _hook_execution_device(hook: object) -> torch.device | None:

@@ -24,7 +24,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from .base_layers import LinearModule, check_servable, linear_features, lora_device, lora_dtype
+from .base_layers import LinearModule, check_servable, is_plain_float, linear_features, lora_device, lora_dtype
 from .adapter_vectors import check_other_biases, output_vectors
 from .formats import AdapterWeights, ModelModules, ModuleLora, expert_entry, weights_for_model
 from .formats.weights import VECTOR_NAMES
@@ -349,7 +349,7 @@ def _embedding_problem(module: nn.Embedding) -> str | None:
             return (f"{type(module).__name__} is called with ({', '.join(inputs)}), not with the ids it looks up "
                     "alone")
     weight = module.weight
-    if type(weight) not in (torch.Tensor, nn.Parameter) or not weight.dtype.is_floating_point:
+    if type(weight) not in (torch.Tensor, nn.Parameter) or not is_plain_float(weight.dtype):
         return f"its weight is a {type(weight).__qualname__} of {weight.dtype} (a quantized or sharded tensor)"
     if module.max_norm is not None:  # PEFT's lookup would renormalise its LoRA factors in place
         return "it has max_norm set"

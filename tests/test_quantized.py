@@ -258,7 +258,7 @@ def test_other_quantized_kinds_are_refused_by_name(kind):
     make, message = REFUSED[kind]
     with pytest.raises(ValueError, match=r"^module model\.layers\.0\.q_proj is a .*" + message) as refused:
         check_servable(make(), "model.layers.0.q_proj")
-    assert "punica_hf serves LoRA on nn.Linear, Conv1D and bitsandbytes" in str(refused.value)
+    assert "punica_hf serves LoRA on nn.Linear, Conv1D, bitsandbytes" in str(refused.value)
 
 
 def test_other_bitsandbytes_layers_are_refused_by_name(bitsandbytes):
