@@ -33,6 +33,14 @@ class LinearModule:
     dtype: torch.dtype | None  # the dtype its LoRA runs in (lora_dtype); None when it cannot be served
     # (in, out) of the whole layer when tensor parallelism splits it and in/out_features are this rank's share
     unsplit_features: tuple[int, int] | None = None
+    # (in, out) of the widest rank's share of a split layer (rank 0's: uneven splits give the first ranks more):
+    # every rank sizes its pool and its adapters' chunks by it, so all ranks place and evict alike
+    widest_features: tuple[int, int] | None = None
+
+    @property
+    def sizing_features(self) -> tuple[int, int]:
+        """``(in, out)`` the pools are sized by: the widest rank's share under tensor parallelism, else this one."""
+        return self.widest_features or (self.in_features, self.out_features)
 
 
 def linear_features(module: nn.Module) -> tuple[int, int] | None:

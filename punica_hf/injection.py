@@ -85,11 +85,14 @@ class LoraInjection:
                 servable = _embedding_problem(module) is None
             else:
                 servable = _servable(module, name)
+            split = self.splits.get(name)
+            whole = linear_features(module) if split is not None else None  # None: not split, or no linear layer
             found[name] = LinearModule(
                 in_features=features[0], out_features=features[1],
                 device=lora_device(module) if servable else None,
                 dtype=lora_dtype(module, model_dtype) if servable else None,
-                unsplit_features=linear_features(module) if name in self.splits else None,
+                unsplit_features=whole,
+                widest_features=None if whole is None else split.widest_features(*whole),
             )
         modules = dict(self.model.named_modules())
         for name, (module_name, parameter, _) in self.experts.items():

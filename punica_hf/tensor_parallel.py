@@ -71,6 +71,13 @@ class LinearSplit:
     def out_features(self) -> int:
         return self.out_slice.stop - self.out_slice.start
 
+    def widest_features(self, global_in: int, global_out: int) -> tuple[int, int]:
+        """``(in, out)`` of the widest rank's share (the first rank's: ``_share`` gives the first parts the most)."""
+        parts = self.mesh.size()
+        if self.style == COLUMN:
+            return global_in, _length(_share(global_out, parts, 0))
+        return _length(_share(global_in, parts, 0)), global_out
+
     def shard(self, module_name: str, factors: ModuleLora, global_in: int, global_out: int) -> ModuleLora:
         """This rank's share of one module's LoRA factors (see the module docstring); ValueError naming the module
         when the factors do not fit the unsplit layer."""
@@ -161,6 +168,10 @@ def _share(size: int, parts: int, index: int) -> slice:
     step = -(-size // parts)
     start = min(index * step, size)
     return slice(start, min(start + step, size))
+
+
+def _length(part: slice) -> int:
+    return part.stop - part.start
 
 
 def refuse_gradients() -> None:

@@ -32,6 +32,11 @@ def ranks(tmp_path_factory) -> list[dict]:
     save_peft_adapter(base, root / "adapters" / "mlp", r=8, target_modules=["gate_proj", "down_proj"], seed=2)
     save_peft_adapter(base, root / "adapters" / "other", r=4, target_modules=["q_proj", "up_proj"], seed=3)
     save_peft_adapter(base, root / "adapters" / "fourth", r=4, target_modules=["k_proj"], seed=4)
+    uneven = tiny_llama(seed=0, intermediate_size=65)  # split 33 + 32 over the 2 ranks
+    uneven.save_pretrained(root / "uneven")
+    for seed, name in enumerate(("mlp", "mlp2"), start=5):
+        save_peft_adapter(uneven, root / "uneven_adapters" / name, r=8, target_modules=["gate_proj", "down_proj"],
+                          seed=seed)
     ranks = run_two_ranks(WORKER, root, RUN_TIMEOUT_S)
     check_engines_ran(ranks)
     return ranks
@@ -117,3 +122,11 @@ def test_compiled_steps_give_the_tokens_of_the_uncompiled_split_engine(ranks):
         assert compiled["graph_breaks"] == 0 and compiled["graphs"] > 0
         for request_id in CONCURRENT:
             assert compiled["completions"][request_id] == ranks[0]["completions"][request_id], request_id
+
+
+def test_an_uneven_split_under_a_tight_pool_places_alike_on_every_rank(ranks):
+    leader, follower = (rank["uneven_split"] for rank in ranks)
+    assert leader["engine_error"] is None and follower["engine_error"] is None
+    assert leader["chunk_sizes"] == follower["chunk_sizes"]  # sized as the widest rank's share on both
+    assert {request_id: tokens for request_id, (tokens, error) in leader["split"].items()} == leader["unsplit"]
+    assert all(error is None for _, error in leader["split"].values())

@@ -26,6 +26,9 @@ ROOT = Path(sys.argv[1])
 RANK = int(os.environ["RANK"])
 CONFIG = EngineConfig(max_running=4, kv_blocks=64)
 IDLE_SECONDS = 4 * tp_control.HEARTBEAT_SECONDS
+# One rank-8 MLP adapter of the uneven model is 9,216 bytes sized as rank 0's share, 8,192 as rank 1's: this holds
+# one adapter as rank 0 counts and two as rank 1 would
+UNEVEN_POOL_BYTES = 16384
 GREEDY = SamplingParams(max_new_tokens=8, ignore_eos=True)
 SEEDED = SamplingParams(max_new_tokens=8, ignore_eos=True, temperature=0.9, top_k=20, seed=11)
 UNSEEDED = SamplingParams(max_new_tokens=8, ignore_eos=True, temperature=1.0)
@@ -142,6 +145,35 @@ def reloaded_while_queued(results: dict) -> None:
     results["engine_error"] = None if engine.error is None else str(engine.error)
 
 
+def uneven_split_under_a_tight_pool(results: dict) -> None:
+    """A model split unevenly (intermediate 65: rank 0 holds 33 rows, rank 1 32) with a pool that holds one MLP
+    adapter on rank 0 but two on rank 1, as each rank's own chunks are sized: requests alternating over the two
+    adapters make the store evict and reload. Every rank sizes its chunks as the widest rank's, so they place and
+    evict alike and the tokens equal the unsplit model's (rank 1 used to keep both resident, and its slots drifted
+    from rank 0's)."""
+    requests = {f"t{i}": ([5, 6, 7 + i], adapter, GREEDY) for i, adapter in enumerate(["mlp", "mlp2", "mlp", None])}
+
+    def serve_uneven(tensor_parallel: bool):
+        split = dict(distributed_config=DistributedConfig(tp_plan="auto")) if tensor_parallel else {}
+        base = AutoModelForCausalLM.from_pretrained(ROOT / "uneven", dtype=torch.float32, **split).eval()
+        model = MultiLoraModel(base, max_adapters=2, max_rank=8, gpu_pool_bytes=UNEVEN_POOL_BYTES)
+        model.load_adapters({name: ROOT / "uneven_adapters" / name for name in ("mlp", "mlp2")})
+        return model, Engine(model, config=CONFIG)
+
+    model, engine = serve_uneven(tensor_parallel=True)
+    results["chunk_sizes"] = {name: model._store._by_name[name].device_bytes for name in ("mlp", "mlp2")}
+    with engine:
+        if RANK == 0:
+            results["split"] = {request_id: [list(c.token_ids), c.error] for request_id, c in
+                                ((r, h.result(timeout=120)) for r, h in zip(requests, submit_all(engine, requests)))}
+    results["engine_error"] = None if engine.error is None else str(engine.error)
+    if RANK == 0:
+        _, whole = serve_uneven(tensor_parallel=False)
+        with whole:
+            results["unsplit"] = {request_id: list(handle.result(timeout=120).token_ids)
+                                  for request_id, handle in zip(requests, submit_all(whole, requests))}
+
+
 def compiled_steps(results: dict) -> None:
     """The split model's steps compiled (``compile_steps``), the LoRA ops opaque as the CUDA kernels are to the
     compiler: rank 0's concurrent requests again, and the graph breaks each rank's compile met."""
@@ -193,6 +225,7 @@ def main() -> None:
         leader_failure(results.setdefault("leader_failure", {}))
         differing_adapters(results.setdefault("differing_adapters", {}))
         reloaded_while_queued(results.setdefault("reloaded_while_queued", {}))
+        uneven_split_under_a_tight_pool(results.setdefault("uneven_split", {}))
         compiled_steps(results.setdefault("compiled_steps", {}))
     except Exception:
         results["error"] = traceback.format_exc()

@@ -41,7 +41,7 @@ from ..base_layers import LinearModule
 from ..formats import AdapterWeights, ModuleLora, load_adapter_weights
 from ..layers import DeviceTables
 from .host import HostCopy, HostTier, default_host_budget
-from .pool import ChunkLayout, DevicePool
+from .pool import ChunkLayout, DevicePool, aligned
 
 # Default pool: room for max_adapters adapters of max_rank on every linear layer, at most this share of the device
 # memory free when the pool is made (on the CPU, at most this many bytes of address space).
@@ -333,7 +333,8 @@ class AdapterStore:
                 pool = self._pool_for(targets[module_name], targets, rows, undo.pools)
                 factors_by_device.setdefault(pool.device, {})[module_name] = weights.modules[module_name]
             layouts = {
-                device: ChunkLayout.plan(factors, self.pools[device].rows) for device, factors in factors_by_device.items()
+                device: _sized_for_every_rank(ChunkLayout.plan(factors, self.pools[device].rows), factors, targets)
+                for device, factors in factors_by_device.items()
             }
             device_bytes = sum(layout.size * self.pools[d].element_size for d, layout in layouts.items())
             self._check_sizes(name, layouts, device_bytes)
@@ -809,9 +810,10 @@ class AdapterStore:
             element_size = torch.empty(0, dtype=target.dtype).element_size()
             pool_bytes = self.gpu_pool_bytes
             if pool_bytes is None:  # room for max_adapters adapters of max_rank on every linear layer, capped
-                features = sum(m.in_features + m.out_features for m in targets.values())
+                features = sum(sum(m.sizing_features) for m in targets.values())
                 most = self.max_adapters * self.max_rank * features * element_size
-                pool_bytes = min(most, _default_pool_cap(device))
+                split = any(m.widest_features is not None for m in targets.values())
+                pool_bytes = min(most, _default_pool_cap(device, split))
             self.pools[device] = DevicePool(device, target.dtype, pool_bytes // element_size, rows, self.max_adapters)
             new_pools.append(device)
         return self.pools[device]
@@ -975,8 +977,25 @@ def _adapter_list(adapters: Any) -> list:
     return list(adapters)
 
 
-def _default_pool_cap(device: torch.device) -> int:
+def _default_pool_cap(device: torch.device, split: bool) -> int:
+    """The most a pool takes when ``gpu_pool_bytes`` is not given: a fraction of the GPU's free memory, or of its
+    whole memory for a tensor-parallel model (``split``), whose ranks must size their pools alike (their free
+    memory differs) to place and evict alike."""
     if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free * GPU_POOL_FRACTION)
+        free, total = torch.cuda.mem_get_info(device)
+        return int((total if split else free) * GPU_POOL_FRACTION)
     return CPU_POOL_BYTES
+
+
+def _sized_for_every_rank(layout: ChunkLayout, factors: dict[str, ModuleLora],
+                          targets: dict[str, LinearModule]) -> ChunkLayout:
+    """``layout`` with its chunk as large as the widest rank's under tensor parallelism (unchanged otherwise): the
+    ranks of an uneven split hold chunks of different sizes, and each rank's pool would fill, evict and hand out
+    slots at other times than rank 0's (every rank must place an adapter in the same slot)."""
+    widest = 0
+    for name, module in factors.items():
+        in_features, out_features = targets[name].sizing_features
+        vectors = (module.output_scale is not None) + (module.output_shift is not None)
+        widest += aligned(module.rank * in_features) + aligned(module.rank * out_features)
+        widest += vectors * aligned(out_features)
+    return dataclasses.replace(layout, size=max(layout.size, widest))
