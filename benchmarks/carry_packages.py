@@ -11,6 +11,12 @@ Here (a folder that git ignores, named in the device call's ``carry``)::
 
     python benchmarks/carry_packages.py --transformers 5.25.0 --out .carry    # about 25 MB
     python benchmarks/carry_packages.py --ray 2.60.0 --out .carry             # about 40 MB
+    python benchmarks/carry_packages.py --fp8-kernel KERNELS_COMMUNITY --out .carry-fp8   # 0.2 MB
+
+``--fp8-kernel``: transformers' fp8 matmul (``FineGrainedFP8Config`` bases, ``tests/test_fp8.py``) is the Triton
+package of ``kernels-community/finegrained-fp8``, which transformers downloads from the Hub; from a checkout of the
+``huggingface/kernels-community`` sources it is copied as an importable ``finegrained_fp8`` package, with the small
+``_ops`` module its build would generate (``gpu_session.sh`` puts ``.carry-fp8`` on the path).
 
 There, before the benchmark::
 
@@ -65,19 +71,41 @@ def pack_ray(wheel: Path, archive: Path) -> None:
             target.addfile(info, io.BytesIO(source.read(entry)))
 
 
+def copy_fp8_kernel(checkout: Path, out: Path) -> None:
+    """``finegrained_fp8`` from ``checkout`` into ``out``, importable: its sources and the ``_ops`` module that
+    names the namespace its Triton ops register under."""
+    source = checkout / "finegrained-fp8" / "torch-ext" / "finegrained_fp8"
+    if not (source / "__init__.py").is_file():
+        raise SystemExit(f"{checkout} is no checkout of huggingface/kernels-community: {source} has no __init__.py")
+    target = out / "finegrained_fp8"
+    shutil.rmtree(target, ignore_errors=True)
+    shutil.copytree(source, target)
+    (target / "_ops.py").write_text(
+        "import torch\n\nops = torch.ops._finegrained_fp8_local\n\n\n"
+        "def add_op_namespace_prefix(op_name: str) -> str:\n    return f\"_finegrained_fp8_local::{op_name}\"\n"
+    )
+    print(f"{target}: transformers' fp8 kernel, from {checkout}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--transformers", metavar="VERSION", help="a transformers release, with its dependencies")
     parser.add_argument("--ray", metavar="VERSION", help="a Ray release with Serve, fastapi and uvicorn")
+    parser.add_argument("--fp8-kernel", type=Path, metavar="CHECKOUT",
+                        help="a checkout of huggingface/kernels-community: its finegrained-fp8 Triton package")
     parser.add_argument("--out", type=Path, required=True, help="the folder to write (its wheels are replaced)")
     args = parser.parse_args(argv)
+    if args.fp8_kernel:
+        copy_fp8_kernel(args.fp8_kernel, args.out)
     requirements = []
     if args.transformers:
         requirements.append(f"transformers=={args.transformers}")
     if args.ray:
         requirements += [f"ray[serve]=={args.ray}", "fastapi", "uvicorn"]
     if not requirements:
-        parser.error("name --transformers, --ray or both")
+        if args.fp8_kernel:
+            return 0
+        parser.error("name --transformers, --ray or --fp8-kernel")
     args.out.mkdir(parents=True, exist_ok=True)
     for old in [*args.out.glob("*.whl"), args.out / RAY_ARCHIVE]:
         old.unlink(missing_ok=True)

@@ -26,6 +26,9 @@
 #   BUDGET_S=530                                    seconds for the whole call
 set -o pipefail
 export PYTHONUNBUFFERED=1 RAY_USAGE_STATS_ENABLED=0 PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PUNICA_HF_CACHE=${PUNICA_HF_CACHE:-/tmp/punica_hf_cache}
+# tests/test_fp8.py runs transformers' fp8 kernel, which transformers fetches from the Hub: carried (the GPU machine
+# has no network) as kernels-community/finegrained-fp8's torch-ext/finegrained_fp8 package in .carry-fp8
+[ -d .carry-fp8 ] && export PYTHONPATH=$PWD/.carry-fp8:$PYTHONPATH
 OUT=${OUT:-/tmp/punica_out}
 ONLY=${ONLY:-build tests ops adapters generate step}
 [ -n "$SKIP_TESTS" ] && ONLY=${ONLY//tests/}
@@ -67,8 +70,8 @@ if [ -n "${ONLY// /}" ]; then  # every part runs the kernels
 fi
 if wanted tests; then
     # tests/gpu, and the engine's GPU-marked tests beside its CPU ones
-    part tests 300 bash -c "python3 -m pytest -q -p no:cacheprovider tests/gpu tests/test_engine.py tests/test_attention.py tests/test_sampling.py \
-        tests/test_prefix_cache.py $PYTEST_ARGS > '$OUT/pytest.log' 2>&1"
+    part tests 420 bash -c "python3 -m pytest -q -p no:cacheprovider tests/gpu tests/test_engine.py tests/test_attention.py tests/test_sampling.py \
+        tests/test_prefix_cache.py tests/test_fp8.py $PYTEST_ARGS > '$OUT/pytest.log' 2>&1"
     [ -f "$OUT/pytest.log" ] && tail -3 "$OUT/pytest.log" | tee -a "$LOG"
 fi
 # The benchmarks use the CUDA kernels or fail: a silent fallback to the PyTorch ops would time the wrong code.

@@ -938,7 +938,9 @@ def test_compiled_steps_are_captured_at_start_and_serve_the_greedy_tokens(tmp_pa
         handles = [engine.submit(prompt, adapter, SamplingParams(max_new_tokens=n)) for adapter, prompt, n in plan]
         completions = [handle.result(timeout=300) for handle in handles]
         assert engine.stats().cuda_graphs == captured
-    assert dict(counters["graph_break"]) == {} and 0 < counters["stats"]["unique_graphs"] <= 2
+    # Compiled once per path (with and without the LoRA kernels), not once per shape: a path may compile a second
+    # time as its shapes turn dynamic (an H100 run compiled 3 graphs for the 2 paths of 4 padded query counts).
+    assert dict(counters["graph_break"]) == {} and 0 < counters["stats"]["unique_graphs"] <= min(4, captured - 1)
     assert_greedy_up_to_rounding(model, plan, completions)
 
 

@@ -4,8 +4,8 @@ An ``FP8Linear`` stores its weight as float8 blocks with one scale per block and
 fp8 kernel, which transformers fetches from the Hub (``kernels-community/finegrained-fp8``) and which runs on CUDA
 only. The LoRA add-on does not depend on how the base multiplies: on the CPU the base's matmul is replaced by a
 float reference of the same math (the weight dequantized block by block), the same for PEFT and for punica_hf, so
-the test checks what punica_hf adds on top of an fp8 layer. On a GPU with the kernel (``tests/gpu``'s run puts it
-on the path) the real kernel runs under both.
+the test checks what punica_hf adds on top of an fp8 layer. On a GPU with the kernel (``benchmarks/gpu_session.sh``
+puts a carried copy on the path) the real kernel runs under both.
 
 The bases are built from one float model by quantizing each projection block by block (as transformers'
 quantizer does), so PEFT and punica_hf see the same fp8 weights.
@@ -78,20 +78,22 @@ def cpu_fp8_matmul(monkeypatch):
     monkeypatch.setattr(fp8, "fp8_linear", reference_fp8_linear)
 
 
-def real_fp8_kernel() -> None:
-    """Make transformers' fp8 kernel loadable, or skip: a ``finegrained_fp8`` package on the path (how the GPU run
-    carries it: the GPU machine has no network), else transformers' own loader (the Hub, or its cache)."""
+def real_fp8_kernel(monkeypatch) -> None:
+    """Make transformers' fp8 kernel loadable, or skip: transformers' own loader (the Hub or its cache, through the
+    ``kernels`` package), else a ``finegrained_fp8`` package on the path (how the GPU run carries the kernel, made by
+    ``benchmarks/carry_packages.py --fp8-kernel``: the GPU machine has no network), handed to transformers as its
+    loader would."""
+    try:
+        fp8.load_finegrained_fp8_kernel()
+        return
+    except Exception as error:  # no kernels package, no network, no build for this torch: each its own error
+        reason = str(error)
     try:
         kernel = importlib.import_module("finegrained_fp8")
     except ImportError:
-        kernel = None
-    if kernel is not None:
-        importlib.import_module("transformers.integrations.hub_kernels")._KERNEL_MODULE_MAPPING["finegrained-fp8"] = (
-            kernel)
-    try:
-        fp8.load_finegrained_fp8_kernel()
-    except Exception as error:  # no kernels package, no network, no build for this torch: each its own error
-        pytest.skip(f"transformers' fp8 kernel is unavailable: {error}")
+        pytest.skip(f"transformers' fp8 kernel is unavailable ({reason}) and no finegrained_fp8 package is on the path")
+    monkeypatch.setattr(fp8, "_FINEGRAINED_FP8", fp8.FineGrainedFP8(
+        matmul=kernel.matmul_2d, batched_matmul=kernel.matmul_batched, grouped_matmul=kernel.matmul_grouped))
 
 
 def check_against_peft(tmp_path, dtype: torch.dtype, device: str, atol: float) -> None:
@@ -133,8 +135,8 @@ def test_lora_on_an_fp8_base_gives_pefts_outputs_row_by_row(tmp_path, cpu_fp8_ma
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_lora_on_an_fp8_base_gives_pefts_outputs_through_the_fp8_kernel(tmp_path):
-    real_fp8_kernel()
+def test_lora_on_an_fp8_base_gives_pefts_outputs_through_the_fp8_kernel(tmp_path, monkeypatch):
+    real_fp8_kernel(monkeypatch)
     # both run the same fp8 kernel on bfloat16 activations; PEFT keeps float32 factors, punica_hf bfloat16 ones
     check_against_peft(tmp_path, torch.bfloat16, "cuda", atol=5e-2)
 

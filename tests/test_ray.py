@@ -25,7 +25,7 @@ from punica_hf.cli import build_parser  # noqa: E402
 from punica_hf.cli.serve import build_ray_app  # noqa: E402
 from punica_hf.serving import DemoTokenizer, Engine, EngineConfig  # noqa: E402
 from punica_hf.serving.app import create_app  # noqa: E402
-from punica_hf.serving.ray import REPLICA_HEADER, _asgi_messages, _Lifespan  # noqa: E402
+from punica_hf.serving.ray import REPLICA_HEADER, _asgi_batches, _Lifespan  # noqa: E402
 
 WORDS = demo.sample_words(5, seed=23, held_out=True)
 ADAPTERS = [*demo.TASKS, None]
@@ -179,10 +179,10 @@ def test_a_replica_cancels_the_request_of_a_client_that_went_away():
     async def read_one_event_and_go():
         lifespan = _Lifespan(app)
         await lifespan.start()
-        messages = _asgi_messages(app, request)
-        assert (await anext(messages))["status"] == 200
-        assert (await anext(messages))["body"].startswith(b"data: ")
-        await messages.aclose()
+        batches = _asgi_batches(app, request, interval=0.05)
+        start, first = await anext(batches)  # the start and the first token, at once
+        assert start["status"] == 200 and first["body"].startswith(b"data: ")
+        await batches.aclose()
         deadline = time.monotonic() + 30
         while engine.stats().finished["cancelled"] < 1:
             assert time.monotonic() < deadline, engine.stats()
@@ -219,8 +219,8 @@ def test_an_adapter_change_is_answered_once_the_router_carries_the_new_catalog_v
 
         async def answer(self, request, catalog_version):
             catalog.version += 1  # the replica that makes the change records it, then answers
-            yield {"type": "http.response.start", "status": 200, "headers": []}
-            yield {"type": "http.response.body", "body": b"{}"}
+            yield [{"type": "http.response.start", "status": 200, "headers": []},
+                   {"type": "http.response.body", "body": b"{}"}]
 
     router = Router(Replica(), catalog, "demo", max_body_bytes=1 << 20)
     sent = []
@@ -260,7 +260,7 @@ class _ScriptedReplicas:
         if messages == "died":
             raise ray.exceptions.ActorUnavailableError("the replica died", None)
         for message in messages:
-            yield message
+            yield [message]
 
 
 def _answer(status: int, body: bytes, *headers: tuple[bytes, bytes]) -> list[dict]:
@@ -327,7 +327,8 @@ def test_an_answer_cut_by_a_dying_replica_is_not_sent_again(monkeypatch):
     class Cut(_ScriptedReplicas):
         async def answer(self, request, catalog_version):
             self.calls += 1
-            yield {"type": "http.response.start", "status": 200, "headers": []}
+            yield [{"type": "http.response.start", "status": 200, "headers": []},
+                   {"type": "http.response.body", "body": b"data: {}\n\n", "more_body": True}]
             raise ray.exceptions.ActorUnavailableError("the replica died", None)
 
     replicas = Cut([])
@@ -481,3 +482,64 @@ def test_a_body_nested_too_deep_for_json_goes_to_a_replica_to_be_refused():
 
     router = Router(None, None, "demo", max_body_bytes=1 << 22)
     assert router._adapter_of(b"[" * 200_000) == ""
+
+
+def _streaming_app(gaps: list[float]):
+    """An ASGI app streaming one body message after each of ``gaps`` seconds, then an empty last one."""
+    async def app(scope, receive, send):
+        await receive()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        for index, gap in enumerate(gaps):
+            await asyncio.sleep(gap)
+            await send({"type": "http.response.body", "body": b"t%d;" % index, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+    return app
+
+
+def _batches_of(app, interval: float) -> list[tuple[float, list[dict]]]:
+    """Each batch ``_asgi_batches`` gives for ``app``, with the seconds since the request when it came."""
+    request = {"method": "POST", "path": "/v1/completions", "query_string": b"", "headers": [], "body": b"{}"}
+
+    async def collect():
+        started, got = time.monotonic(), []
+        async for batch in _asgi_batches(app, request, interval):
+            got.append((time.monotonic() - started, batch))
+        return got
+
+    return asyncio.run(collect())
+
+
+def test_a_streamed_answer_goes_out_in_batches_the_first_token_at_once():
+    """A replica sends the start with the first token at once, then what came in each interval as one body
+    message: each Ray hop costs far more per item than a token takes to make."""
+    batches = _batches_of(_streaming_app([0.2] + [0.01] * 30), interval=0.1)
+    (first_at, first), *rest = batches
+    assert [m["type"] for m in first] == ["http.response.start", "http.response.body"]
+    assert first[1]["body"] == b"t0;" and 0.2 <= first_at < 0.3  # not held for the interval
+    bodies = b"".join(m["body"] for _, batch in batches for m in batch if m["type"] == "http.response.body")
+    assert bodies == b"".join(b"t%d;" % i for i in range(31))  # every token, in order, none twice
+    assert 2 <= len(rest) <= 6  # 30 tokens over ~0.3 s in 0.1 s batches, not 30 items
+    assert all(len(batch) == 1 and batch[0]["type"] == "http.response.body" for _, batch in rest)
+    assert rest[-1][1][0]["more_body"] is False and all(b[0]["more_body"] for _, b in rest[:-1])
+
+
+def test_a_zero_interval_sends_each_message_as_it_comes():
+    batches = _batches_of(_streaming_app([0.0] * 5), interval=0)
+    assert [len(batch) for _, batch in batches] == [2, 1, 1, 1, 1, 1]
+
+
+def test_a_plain_answer_is_one_batch():
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 404, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    [(_, batch)] = _batches_of(app, interval=0.1)
+    assert [m["type"] for m in batch] == ["http.response.start", "http.response.body"]
+
+
+def test_stream_interval_is_checked():
+    from punica_hf.serving.ray import build_app
+
+    for bad in (-1, 11, float("nan"), True, "0.05"):
+        with pytest.raises(ValueError, match="stream_interval must be a number of seconds"):
+            build_app(lambda: None, "demo", stream_interval=bad)

@@ -36,6 +36,12 @@ def positive_int(value: str) -> int:
     return int(value)
 
 
+def milliseconds(value: str) -> int:
+    if not value.isdigit() or int(value) > 10_000:
+        raise argparse.ArgumentTypeError(f"expected milliseconds, an integer from 0 to 10000, got {value!r}")
+    return int(value)
+
+
 def name_and_path(value: str) -> tuple[str, str]:
     name, separator, path = value.partition("=")
     if not (separator and name and path):

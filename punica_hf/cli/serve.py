@@ -18,7 +18,7 @@ from ..serving.names import ADAPTER_NAME_RULES, check_adapter_name
 from . import ranks
 from .common import (
     BASE, DEMO_MODEL, AppendUniqueName, adapter_name_and_path, add_device_arguments, demo_adapter_sources, load_model,
-    positive_int, resolve_device, resolve_dtype,
+    milliseconds, positive_int, resolve_device, resolve_dtype,
 )
 
 ENGINE_WATCH_SECONDS = 0.2  # how often a server over --tp ranks checks that its engine still runs
@@ -115,6 +115,11 @@ def register(command: Callable[..., argparse.ArgumentParser]) -> None:
         "--gpus-per-replica", type=float, default=None, metavar="G",
         help="GPUs Ray reserves for each replica (default: the --tp value, 1 without it, when this machine has a "
         "CUDA GPU, else 0)",
+    )
+    replicas.add_argument(
+        "--stream-interval-ms", type=milliseconds, default=50, metavar="MS",
+        help="a replica sends a streamed answer's first token at once, then the tokens of each MS milliseconds "
+        "together: every item crosses two Ray hops, each far dearer than a token (default: 50; 0: each token alone)",
     )
     limits = parser.add_argument_group("request limits (a request beyond is refused before it reaches the engine)")
     limits.add_argument("--max-request-bytes", type=positive_int, default=4 * 1024 * 1024, metavar="N",
@@ -313,7 +318,7 @@ def build_ray_app(args: argparse.Namespace):
         partial(make_engine, args), args.served_model_name or args.model, replicas=args.replicas or 1,
         max_adapters=args.max_adapters, api_key=args.api_key,
         lora_dirs=args.lora_dir if args.allow_runtime_lora else None, limits=request_limits(args),
-        replica_actor_options={"num_gpus": gpus}, tp=args.tp,
+        replica_actor_options={"num_gpus": gpus}, tp=args.tp, stream_interval=args.stream_interval_ms / 1000,
         follower_args=["-m", "punica_hf", *args.argv, ranks.RANK_OPTION] if args.tp > 1 else (),
     )
 

@@ -64,6 +64,10 @@ RETRY_PAUSE_SECONDS = 0.5
 # failed health checks in a row, so check often (the check reads flags, and polls the ranks' processes).
 HEALTH_CHECK_SECONDS = 2.0
 FOLLOWER_EXIT_SECONDS = 10.0  # how long a stopping replica waits for its ranks to leave before it kills them
+# Every item of a streamed answer crosses two Ray hops (replica to ingress to proxy), each far dearer than making a
+# token: a replica sends its answer's first token at once, then what its server wrote during each such interval,
+# as one item (Ray Serve's own LLM deployments batch their streams the same way).
+STREAM_INTERVAL_SECONDS = 0.05
 
 
 def build_app(
@@ -78,6 +82,7 @@ def build_app(
     replica_actor_options: Mapping | None = None,
     tp: int = 1,
     follower_args: Sequence[str] = (),
+    stream_interval: float = STREAM_INTERVAL_SECONDS,
 ) -> serve.Application:
     """The Ray Serve application of ``replicas`` engines behind one OpenAI-compatible HTTP ingress.
 
@@ -93,6 +98,9 @@ def build_app(
     with torch.distributed's environment variables (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``,
     ``LOCAL_RANK``): it joins the group, builds the same engine and follows rank 0's steps until rank 0 shuts down
     (``punica-hf serve ... --as-tp-rank`` does).
+
+    ``stream_interval``: seconds a replica gathers a streamed answer's tokens before it sends them on (after the
+    first, sent at once); 0 sends each as it comes.
     """
     if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
         raise ValueError(f"replicas must be a positive integer, got {replicas!r}")
@@ -100,6 +108,9 @@ def build_app(
         raise ValueError(f"tp must be a positive integer, got {tp!r}")
     if tp > 1 and not follower_args:
         raise ValueError("tp > 1 needs follower_args: the command line of the ranks 1.. of each replica")
+    if isinstance(stream_interval, bool) or not isinstance(stream_interval, (int, float)) or not (
+            0 <= stream_interval <= 10):
+        raise ValueError(f"stream_interval must be a number of seconds in [0, 10], got {stream_interval!r}")
     limits = limits or RequestLimits()
     catalog = serve.deployment(AdapterCatalog, ray_actor_options={"num_cpus": 0}).bind()
     replica_class = serve.multiplexed(max_num_models_per_replica=max_adapters)(EngineReplica.hold_adapter)
@@ -108,7 +119,7 @@ def build_app(
         replica_class, num_replicas=replicas, max_ongoing_requests=MAX_ONGOING_REQUESTS,
         ray_actor_options=dict(replica_actor_options or {}), health_check_period_s=HEALTH_CHECK_SECONDS,
     ).bind(make_engine, model_name, catalog, api_key, None if lora_dirs is None else list(lora_dirs), limits, tp,
-           list(follower_args))
+           list(follower_args), float(stream_interval))
     router = serve.deployment(
         serve.ingress()(Router), max_ongoing_requests=MAX_ONGOING_REQUESTS, ray_actor_options={"num_cpus": 0},
     )
@@ -155,19 +166,21 @@ class NameChangedElsewhere(ValueError):
 
 
 class EngineReplica:
-    """One engine and its server; ``handle_http`` serves one HTTP request, given as a dict, as ASGI messages.
+    """One engine and its server; ``handle_http`` serves one HTTP request, given as a dict, as batches of ASGI
+    messages.
 
     Over ``tp`` > 1 ranks, the replica's process is rank 0 and ``followers`` the other ranks' processes."""
 
     async def __init__(self, make_engine: Callable[[], Engine], model_name: str, catalog, api_key: str | None,
                        lora_dirs: list[str] | None, limits: RequestLimits, tp: int = 1,
-                       follower_args: Sequence[str] = ()) -> None:
+                       follower_args: Sequence[str] = (), stream_interval: float = STREAM_INTERVAL_SECONDS) -> None:
         # Ray Serve runs the constructor on the thread that runs the replica's event loop, for the replica's whole
         # life: the followers are started from it (see FollowerRanks).
         self.followers = FollowerRanks(tp, follower_args) if tp > 1 else None
         try:
             self.engine = make_engine() if self.followers is None else self.followers.join_and(make_engine)
             self.catalog = catalog
+            self.stream_interval = stream_interval
             self.app = create_app(self.engine, model_name, api_key=api_key, lora_dirs=lora_dirs, limits=limits,
                                   on_adapters_changed=self._record_in_catalog)
             self.name = serve.get_replica_context().replica_id.unique_id
@@ -189,7 +202,7 @@ class EngineReplica:
         or free here."""
         return adapter
 
-    async def handle_http(self, request: dict, catalog_version: int) -> AsyncIterator[dict]:
+    async def handle_http(self, request: dict, catalog_version: int) -> AsyncIterator[list[dict]]:
         await self.lifespan.start()
         app = self._lost_answer()
         if app is None:
@@ -198,11 +211,11 @@ class EngineReplica:
             if adapter and adapter in self.engine.model.adapters:
                 await self.hold_adapter(adapter)
             app = self.app
-        async for message in _asgi_messages(app, request):
-            if message["type"] == "http.response.start":
-                headers = [*message.get("headers", []), (REPLICA_HEADER.encode(), self.name.encode())]
-                message = {**message, "headers": headers}
-            yield message
+        async for batch in _asgi_batches(app, request, self.stream_interval):
+            if batch[0]["type"] == "http.response.start":
+                headers = [*batch[0].get("headers", []), (REPLICA_HEADER.encode(), self.name.encode())]
+                batch[0] = {**batch[0], "headers": headers}
+            yield batch
 
     def _lost_answer(self):
         """The 503 every request gets, marked for the ingress to send it elsewhere, once this replica cannot run a
@@ -344,14 +357,17 @@ class Router:
             request, self.catalog_version
         )
         try:
-            messages = aiter(answer)
-            start = await anext(messages)
+            batches = aiter(answer)
+            first = await anext(batches)
+            start = first[0]
             if start["status"] == 503 and _has_header(start, LOST_REPLICA_HEADER):
-                return [start, *[message async for message in messages]]
+                return [*first, *[message async for batch in batches for message in batch]]
             status = start["status"]
-            await send(start)
-            async for message in messages:
+            for message in first:
                 await send(message)
+            async for batch in batches:
+                for message in batch:
+                    await send(message)
             return status
         except REPLICA_LOST:
             if status is not None:  # part of the answer is out: end it here (the connection closes)
@@ -405,9 +421,11 @@ class _Lifespan:
         await self._from_app.get()
 
 
-async def _asgi_messages(app, request: dict) -> AsyncIterator[dict]:
-    """Run ``app`` on one HTTP request (a dict of its scope and ``body``); its response's ASGI messages. When the
-    consumer stops early (the client went away), the app sees a disconnect."""
+async def _asgi_batches(app, request: dict, interval: float) -> AsyncIterator[list[dict]]:
+    """Run ``app`` on one HTTP request (a dict of its scope and ``body``); its response's ASGI messages, in
+    batches: the response's start with the first body message at once (the first token's latency), then what the
+    app sent in each ``interval`` seconds from the first message after a batch went out, consecutive body messages
+    joined into one. When the consumer stops early (the client went away), the app sees a disconnect."""
     scope = {"type": "http", "asgi": {"version": "3.0"}, "root_path": "",
              **{key: value for key, value in request.items() if key != "body"}}
     scope.setdefault("raw_path", scope["path"].encode())
@@ -429,20 +447,53 @@ async def _asgi_messages(app, request: dict) -> AsyncIterator[dict]:
         finally:
             await sent.put(None)
 
+    loop = asyncio.get_running_loop()
     task = asyncio.create_task(run())
+    getter = None  # the wait for the app's next message, kept across a batch going out
+    batch: list[dict] = []
+    first_body = True
+    due = None  # when the batch goes out: set by its first message once the first body message has gone
     try:
-        while (message := await sent.get()) is not None:
-            yield message
-            if message["type"] == "http.response.body" and not message.get("more_body", False):
+        while True:
+            getter = getter or asyncio.ensure_future(sent.get())
+            done, _ = await asyncio.wait({getter}, timeout=None if due is None else max(0.0, due - loop.time()))
+            if not done:
+                yield batch
+                batch, due = [], None
+                continue
+            message, getter = getter.result(), None
+            if message is None:
                 break
+            _add_message(batch, message)
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                break  # the last one
+            if message["type"] == "http.response.body" and (first_body or interval <= 0):
+                first_body = False
+                yield batch
+                batch, due = [], None
+            elif due is None and not first_body:
+                due = loop.time() + interval
+        if batch:
+            yield batch
         await task  # raises what the app raised
     finally:
+        if getter is not None:
+            getter.cancel()
         gone.set()
         if not task.done():
             try:
                 await asyncio.wait_for(task, timeout=5)
             except asyncio.TimeoutError:
                 pass
+
+
+def _add_message(batch: list[dict], message: dict) -> None:
+    """Append ``message`` to ``batch``, joining a body message to a body message before it."""
+    if batch and message["type"] == batch[-1]["type"] == "http.response.body":
+        joined = bytes(batch[-1].get("body", b"")) + bytes(message.get("body", b""))
+        batch[-1] = {"type": "http.response.body", "body": joined, "more_body": message.get("more_body", False)}
+    else:
+        batch.append(message)
 
 
 def _has_header(start: dict, name: str) -> bool:
