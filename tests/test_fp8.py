@@ -26,6 +26,7 @@ from torch.nn import functional as F
 
 from punica_hf import MultiLoraModel
 from punica_hf.base_layers import check_servable, lora_dtype
+from punica_hf.serving import Engine, EngineConfig, SamplingParams
 
 fp8 = pytest.importorskip("transformers.integrations.finegrained_fp8")
 
@@ -139,6 +140,28 @@ def test_lora_on_an_fp8_base_gives_pefts_outputs_through_the_fp8_kernel(tmp_path
     real_fp8_kernel(monkeypatch)
     # both run the same fp8 kernel on bfloat16 activations; PEFT keeps float32 factors, punica_hf bfloat16 ones
     check_against_peft(tmp_path, torch.bfloat16, "cuda", atol=5e-2)
+
+
+def test_the_engine_serves_an_fp8_base_as_generate_does(tmp_path, cpu_fp8_matmul):
+    float_base = tiny_llama(intermediate_size=64)
+    paths = {name: save_peft_adapter(float_base, tmp_path / name, seed=seed, **config)
+             for seed, (name, config) in enumerate(ADAPTERS.items())}
+    model = MultiLoraModel(fp8_model(float_base, torch.float32, "cpu"), max_adapters=2, max_rank=8)
+    model.load_adapters(paths)
+    generator = torch.Generator().manual_seed(1)
+    plan = [(adapter, torch.randint(1, 100, (length,), generator=generator).tolist(), new_tokens)
+            for adapter, length, new_tokens in [("attn", 5, 6), (None, 9, 4), ("mlp", 3, 8), ("mlp", 7, 5)]]
+
+    def generated(adapter, prompt, new_tokens):
+        output = model.generate(torch.tensor([prompt]), adapter_ids=[adapter], max_new_tokens=new_tokens,
+                                do_sample=False, pad_token_id=0)
+        return output[0, len(prompt):].tolist()
+
+    expected = [generated(*request) for request in plan]
+    assert expected[0] != generated(None, *plan[0][1:])  # the adapter changes its request's tokens
+    with Engine(model, config=EngineConfig(max_running=4)) as engine:
+        handles = [engine.submit(prompt, adapter, SamplingParams(max_new_tokens=n)) for adapter, prompt, n in plan]
+        assert [list(handle.result(timeout=120).token_ids) for handle in handles] == expected
 
 
 def test_an_fp8_layer_runs_its_lora_in_the_models_dtype_never_float8():
