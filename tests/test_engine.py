@@ -361,6 +361,54 @@ def test_async_streaming(demo_model):
     assert "".join(pieces) == completion.text == answers["upper"][WORDS[1]]
 
 
+def test_a_thread_publishing_to_many_async_streams_wakes_their_loop_once_per_round():
+    """The engine's thread gives each of 128 streamed requests a piece per step: their event loop is woken once for
+    the lot (one write to its wake-up socket), not once per request, and every stream gets every piece, in order."""
+    import asyncio
+
+    from punica_hf.serving.handles import RequestHandle
+    from punica_hf.serving.types import Completion, Delta
+
+    handles = [RequestHandle(lambda request_id: None, f"r{i}", None, ()) for i in range(128)]
+    rounds = 5
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        wakeups = 0
+        call_soon_threadsafe = loop.call_soon_threadsafe
+
+        def counted(*args, **kwargs):
+            nonlocal wakeups
+            wakeups += 1
+            return call_soon_threadsafe(*args, **kwargs)
+
+        loop.call_soon_threadsafe = counted
+        streams = [asyncio.ensure_future(_texts(handle)) for handle in handles]
+        await asyncio.sleep(0.05)  # every stream waits for its first piece
+
+        def engine_thread():
+            for step in range(rounds):
+                for handle in handles:
+                    handle._publish(Delta((step,), f"{step};"))
+            for handle in handles:
+                handle._publish(None, Completion(handle.request_id, None, (), (), "", "length", rounds, 0.0, None, 1.0))
+
+        worker = threading.Thread(target=engine_thread)
+        worker.start()
+        texts = await asyncio.gather(*streams)
+        worker.join()
+        return texts, wakeups
+
+    texts, wakeups = asyncio.run(main())
+    assert texts == ["".join(f"{step};" for step in range(rounds))] * len(handles)
+    # (rounds + 1) x 128 pieces: the loop is woken a few times per round (each time it has caught up), not per piece
+    assert 1 <= wakeups <= len(handles) // 2
+
+
+async def _texts(handle) -> str:
+    return "".join([delta.text async for delta in handle])
+
+
 @pytest.mark.parametrize(
     ("params", "text", "reason"),
     [

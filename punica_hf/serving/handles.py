@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
 
 from .types import Completion, Delta
@@ -22,7 +23,7 @@ class RequestHandle:
         self._deltas: list[Delta] = []
         self._completion: Completion | None = None
         self._condition = threading.Condition()
-        self._async_wakers: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
+        self._async_wakers: list[tuple[_LoopWakeups, asyncio.Event]] = []
 
     @property
     def done(self) -> bool:
@@ -61,9 +62,10 @@ class RequestHandle:
                 return
 
     async def __aiter__(self) -> AsyncIterator[Delta]:
-        loop, woken = asyncio.get_running_loop(), asyncio.Event()
+        waker = (_wakeups_of(asyncio.get_running_loop()), asyncio.Event())
+        woken = waker[1]
         with self._condition:
-            self._async_wakers.append((loop, woken))
+            self._async_wakers.append(waker)
         try:
             index = 0
             while True:
@@ -79,7 +81,7 @@ class RequestHandle:
                     await woken.wait()
         finally:
             with self._condition:
-                self._async_wakers.remove((loop, woken))
+                self._async_wakers.remove(waker)
 
     # -------------------------------------------------------------- engine side
     def _publish(self, delta: Delta | None, completion: Completion | None = None) -> None:
@@ -90,9 +92,46 @@ class RequestHandle:
                 self._completion = completion
             self._condition.notify_all()
             wakers = list(self._async_wakers)
-        for loop, woken in wakers:
+        for wakeups, woken in wakers:
+            wakeups.set(woken)
+
+
+class _LoopWakeups:
+    """Sets asyncio events of one event loop from other threads, waking the loop once for all the events set since
+    it last ran them: a step that gives 128 streamed requests a token costs one ``call_soon_threadsafe`` (a write
+    to the loop's wake-up socket) in the engine's thread, not 128."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._events: list[asyncio.Event] = []
+
+    def set(self, event: asyncio.Event) -> None:
+        with self._lock:
+            wake = not self._events  # else a wake-up is on its way, and will set this one too
+            self._events.append(event)
+        if wake:
             try:
-                loop.call_soon_threadsafe(woken.set)
-            except RuntimeError:  # that consumer's event loop is closed: nobody is waiting there any more
-                pass
+                self._loop.call_soon_threadsafe(self._set_all)
+            except RuntimeError:  # the event loop is closed: nobody is waiting there any more
+                with self._lock:
+                    self._events.clear()
+
+    def _set_all(self) -> None:
+        with self._lock:
+            events, self._events = self._events, []
+        for event in events:
+            event.set()
+
+
+_loop_wakeups: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> its _LoopWakeups
+_loop_wakeups_lock = threading.Lock()
+
+
+def _wakeups_of(loop: asyncio.AbstractEventLoop) -> _LoopWakeups:
+    with _loop_wakeups_lock:
+        wakeups = _loop_wakeups.get(loop)
+        if wakeups is None:
+            wakeups = _loop_wakeups[loop] = _LoopWakeups(loop)
+        return wakeups
 
