@@ -543,3 +543,24 @@ def test_stream_interval_is_checked():
     for bad in (-1, 11, float("nan"), True, "0.05"):
         with pytest.raises(ValueError, match="stream_interval must be a number of seconds"):
             build_app(lambda: None, "demo", stream_interval=bad)
+
+
+def test_a_backlog_of_messages_still_goes_out_every_interval():
+    """An app that always has the next message ready (the queue never runs dry) still gets a batch out about every
+    interval, not one batch once it ends."""
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        end, index = time.monotonic() + 0.5, 0
+        while time.monotonic() < end:
+            await send({"type": "http.response.body", "body": b"%d;" % index, "more_body": True})
+            index += 1
+            if index % 2 == 0:
+                await asyncio.sleep(0)  # the consumer runs between two messages, never on an empty queue
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    batches = _batches_of(app, interval=0.05)
+    assert len(batches) >= 5  # ~10 in 0.5 s
+    gaps = [later - earlier for (earlier, _), (later, _) in zip(batches[1:], batches[2:])]
+    assert max(gaps) < 0.2
+    bodies = b"".join(m["body"] for _, batch in batches for m in batch if m["type"] == "http.response.body")
+    assert bodies == b"".join(b"%d;" % i for i in range(bodies.count(b";")))

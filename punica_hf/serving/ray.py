@@ -450,31 +450,31 @@ async def _asgi_batches(app, request: dict, interval: float) -> AsyncIterator[li
     loop = asyncio.get_running_loop()
     task = asyncio.create_task(run())
     getter = None  # the wait for the app's next message, kept across a batch going out
-    batch: list[dict] = []
+    batch = _Batch()
     first_body = True
     due = None  # when the batch goes out: set by its first message once the first body message has gone
     try:
         while True:
             getter = getter or asyncio.ensure_future(sent.get())
             done, _ = await asyncio.wait({getter}, timeout=None if due is None else max(0.0, due - loop.time()))
-            if not done:
-                yield batch
-                batch, due = [], None
-                continue
-            message, getter = getter.result(), None
-            if message is None:
-                break
-            _add_message(batch, message)
-            if message["type"] == "http.response.body" and not message.get("more_body", False):
-                break  # the last one
-            if message["type"] == "http.response.body" and (first_body or interval <= 0):
-                first_body = False
-                yield batch
-                batch, due = [], None
-            elif due is None and not first_body:
-                due = loop.time() + interval
+            if done:
+                message, getter = getter.result(), None
+                if message is None:
+                    break
+                batch.add(message)
+                is_body = message["type"] == "http.response.body"
+                if is_body and not message.get("more_body", False):
+                    break  # the last one
+                if is_body and (first_body or interval <= 0):
+                    first_body = False
+                    due = loop.time()  # out now
+                elif due is None and not first_body:
+                    due = loop.time() + interval
+            if due is not None and loop.time() >= due:  # checked after every message: a backlog goes out in time
+                yield batch.take()
+                due = None
         if batch:
-            yield batch
+            yield batch.take()
         await task  # raises what the app raised
     finally:
         if getter is not None:
@@ -487,13 +487,36 @@ async def _asgi_batches(app, request: dict, interval: float) -> AsyncIterator[li
                 pass
 
 
-def _add_message(batch: list[dict], message: dict) -> None:
-    """Append ``message`` to ``batch``, joining a body message to a body message before it."""
-    if batch and message["type"] == batch[-1]["type"] == "http.response.body":
-        joined = bytes(batch[-1].get("body", b"")) + bytes(message.get("body", b""))
-        batch[-1] = {"type": "http.response.body", "body": joined, "more_body": message.get("more_body", False)}
-    else:
-        batch.append(message)
+class _Batch:
+    """ASGI messages going out together, consecutive body messages joined into one (once, as the batch goes out:
+    a backlog of many small ones costs its bytes, not its bytes times their number)."""
+
+    def __init__(self) -> None:
+        self._messages: list[dict] = []
+        self._body: list[bytes] = []  # the pieces of a body message still being joined
+        self._more_body = False
+
+    def __bool__(self) -> bool:
+        return bool(self._messages or self._body)
+
+    def add(self, message: dict) -> None:
+        if message["type"] == "http.response.body":
+            self._body.append(bytes(message.get("body", b"")))
+            self._more_body = message.get("more_body", False)
+            return
+        self._end_body()
+        self._messages.append(message)
+
+    def take(self) -> list[dict]:
+        """The batch's messages; it is empty after."""
+        self._end_body()
+        messages, self._messages = self._messages, []
+        return messages
+
+    def _end_body(self) -> None:
+        if self._body:
+            body, self._body = b"".join(self._body), []
+            self._messages.append({"type": "http.response.body", "body": body, "more_body": self._more_body})
 
 
 def _has_header(start: dict, name: str) -> bool:
