@@ -60,13 +60,31 @@ def lora_dtype(module: nn.Module, model_dtype: torch.dtype) -> torch.dtype:
     """The dtype of the LoRA factors and of ``x`` for a servable ``module``: the dtype of its activations.
 
     A plain layer computes in its weight's dtype. A quantized layer returns its output in its input's dtype, which
-    is the model's floating dtype ``model_dtype`` (transformers' ``model.dtype``); its weight is storage only, and a
+    is the model's floating dtype ``model_dtype`` (``activation_dtype``); its weight is storage only, and a
     bitsandbytes 4-bit ``compute_dtype`` is internal to its matmul (transformers' default is float32 even for a
     bfloat16 model, whose activations stay bfloat16).
     """
     if _is_bitsandbytes_linear(module) or is_fp8_linear(module):
         return model_dtype
     return module.weight.dtype
+
+
+def activation_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype a model's activations flow in: transformers' ``model.dtype`` (its first floating-point parameter's),
+    unless that is a storage dtype (float8: an fp8 embedding comes first), then the dtype the model was loaded in
+    (``config.dtype``), else its first parameter of a plain floating dtype."""
+    dtype = getattr(model, "dtype", None)
+    if isinstance(dtype, torch.dtype) and is_plain_float(dtype):
+        return dtype
+    loaded_in = getattr(getattr(model, "config", None), "dtype", None)
+    if isinstance(loaded_in, str):
+        loaded_in = getattr(torch, loaded_in, None)
+    if isinstance(loaded_in, torch.dtype) and is_plain_float(loaded_in):
+        return loaded_in
+    for parameter in model.parameters():
+        if is_plain_float(parameter.dtype):
+            return parameter.dtype
+    return torch.get_default_dtype()
 
 
 def lora_device(module: nn.Module) -> torch.device:

@@ -24,7 +24,9 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from .base_layers import LinearModule, check_servable, is_plain_float, linear_features, lora_device, lora_dtype
+from .base_layers import (
+    LinearModule, activation_dtype, check_servable, is_plain_float, linear_features, lora_device, lora_dtype,
+)
 from .adapter_vectors import check_other_biases, output_vectors
 from .formats import AdapterWeights, ModelModules, ModuleLora, expert_entry, weights_for_model
 from .formats.weights import VECTOR_NAMES
@@ -73,7 +75,7 @@ class LoraInjection:
     def linear_modules(self) -> dict[str, LinearModule]:
         """Every linear module of the model and every embedding (see ``features``), in model order (the order of
         the device tables' rows)."""
-        model_dtype = getattr(self.model, "dtype", torch.get_default_dtype())
+        model_dtype = activation_dtype(self.model)
         found = {}
         for name, module in self.model.named_modules():
             features = self.features(name, module)

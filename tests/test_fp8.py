@@ -164,6 +164,32 @@ def test_the_engine_serves_an_fp8_base_as_generate_does(tmp_path, cpu_fp8_matmul
         assert [list(handle.result(timeout=120).token_ids) for handle in handles] == expected
 
 
+def test_an_fp8_embedding_first_leaves_the_lora_in_the_activations_dtype(tmp_path, cpu_fp8_matmul):
+    """transformers' ``model.dtype`` is its first floating parameter's: float8 when the embedding is an
+    ``FP8Embedding``. The LoRA runs in the activations' dtype all the same, with PEFT's outputs."""
+    float_base = tiny_llama(intermediate_size=64)
+    path = save_peft_adapter(float_base, tmp_path / "attn", seed=1, r=4, target_modules=["q_proj", "v_proj"])
+
+    def with_fp8_embedding() -> nn.Module:
+        model = fp8_model(float_base, torch.float32, "cpu")
+        table = model.model.embed_tokens.weight.detach()
+        embedding = fp8.FP8Embedding(*table.shape)
+        scale = table.abs().max() / E4M3_MAX
+        embedding.weight = nn.Parameter((table / scale).to(torch.float8_e4m3fn), requires_grad=False)
+        embedding.weight_scale = nn.Parameter(scale.reshape(1), requires_grad=False)
+        model.model.embed_tokens = embedding
+        return model
+
+    assert with_fp8_embedding().dtype == torch.float8_e4m3fn
+    peft = PeftModel.from_pretrained(with_fp8_embedding(), path)
+    model = MultiLoraModel(with_fp8_embedding(), max_adapters=2, max_rank=8)
+    model.load_adapters({"attn": path})
+    input_ids = torch.tensor([[3, 5, 7, 9, 11]])
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids, adapter_ids=["attn"]).logits, peft(input_ids).logits,
+                                   atol=2e-4, rtol=0)
+
+
 def test_an_fp8_layer_runs_its_lora_in_the_models_dtype_never_float8():
     layer = quantized(nn.Linear(32, 16))
     check_servable(layer, "layer")

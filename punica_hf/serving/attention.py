@@ -19,6 +19,7 @@ import torch
 from transformers.utils import is_flash_attn_2_available, is_flash_attn_3_available
 
 from .. import ops
+from ..base_layers import activation_dtype
 from ..ops import attention as ops_attention
 from .transformers_cb import ATTENTION_NAME as NAME
 from .transformers_cb import SDPA_NAME as SDPA
@@ -43,10 +44,11 @@ def choose(hf_model) -> AttentionChoice:
         return AttentionChoice(NAME, "punica_hf paged attention (PyTorch ops)", "the model is on the CPU")
     text_config = hf_model.config.get_text_config()
     head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
-    if hf_model.dtype not in ops_attention.CUDA_DTYPES or head_dim not in ops_attention.CUDA_HEAD_DIMS:
+    dtype = activation_dtype(hf_model)  # not model.dtype: float8 when an fp8 embedding comes first
+    if dtype not in ops_attention.CUDA_DTYPES or head_dim not in ops_attention.CUDA_HEAD_DIMS:
         # the reference would sync inside every step: no CUDA graphs
         return AttentionChoice(SDPA, "transformers paged sdpa", f"the kernel takes float16 / bfloat16 and head sizes "
-                               f"{ops_attention.CUDA_HEAD_DIMS}, not {hf_model.dtype} and {head_dim}")
+                               f"{ops_attention.CUDA_HEAD_DIMS}, not {dtype} and {head_dim}")
     return AttentionChoice(NAME, "punica_hf paged kernel", "flash-attn is not installed")
 
 
