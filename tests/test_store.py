@@ -91,6 +91,32 @@ def test_lru_evicts_the_least_recently_used_unheld_adapter(base, paths):
     assert resident() == {"r2", "r4"}
 
 
+def test_an_acquire_that_finds_no_long_enough_extent_evicts_nothing(base, tmp_path):
+    """The pool has the bytes for X once the unheld A and B go, but not in one piece while H, held, sits between
+    them: the acquire fails having evicted nothing (it used to evict A and B first), and a later one finds them
+    where they were. Under tensor parallelism only rank 0 makes a failed attempt: its slots would part from the
+    other ranks'. When H is let go, X gets its room."""
+    q_proj = ["model.layers.0.self_attn.q_proj"]
+    paths = {name: save_peft_adapter(base, tmp_path / name, seed=seed, r=rank, target_modules=q_proj)
+             for seed, (name, rank) in enumerate([("A", 2), ("H", 2), ("B", 2), ("X", 6)])}
+    # q_proj is 32 x 32 in float32: a rank-r chunk is 64 r elements; the pool holds four rank-2 chunks
+    model = wrap(base, max_adapters=4, gpu_pool_bytes=512 * 4)
+    model.load_adapters(paths)
+    model.acquire(["A"]).release()
+    held = model.acquire(["H"])
+    model.acquire(["B"]).release()
+    slots = lambda: {name: model._store._by_name[name].slot for name in "AHBX"}  # noqa: E731
+    before = slots()
+    assert before == {"A": 0, "H": 1, "B": 2, "X": None}
+    for block in (False, True):
+        with pytest.raises(AdapterCapacityError, match="no free extent long enough"):
+            model.acquire(["X"], block=block, timeout=0)
+        assert slots() == before and model.adapter_stats["evictions"] == 0
+    held.release()
+    with model.acquire(["X"], block=False) as lease:
+        assert lease.slots[0] is not None and model.adapter_stats["evictions"] >= 2
+
+
 def test_counters_and_rank_proportional_memory(base, paths):
     model = wrap(base, max_adapters=5)
     model.load_adapters({"r8b": paths["r8b"]})

@@ -44,6 +44,12 @@ class ExtentAllocator:
                 return start
         return None
 
+    def copy(self) -> "ExtentAllocator":
+        """An allocator in the same state, to try placements on without changing this one."""
+        twin = ExtentAllocator(self.capacity)
+        twin._free, twin.used = list(self._free), self.used
+        return twin
+
     def used_extents(self) -> list[tuple[int, int]]:
         """``(start, size)`` of the extents in use, by start: what lies between the free ones."""
         used, position = [], 0

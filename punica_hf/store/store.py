@@ -483,14 +483,13 @@ class AdapterStore:
             return AdapterLease(self, needed, entries)
 
     def _make_resident(self, needed: list[Adapter], block: bool) -> None:
-        """Place the adapters of ``needed`` that are not resident, or raise ``AdapterCapacityError`` where the room
-        is held by other leases (some of them may be placed by then: resident, not held)."""
+        """Place the adapters of ``needed`` that are not resident, or raise (``AdapterCapacityError`` where the room
+        is held by other leases) having placed and evicted nothing: under tensor parallelism the other ranks never
+        make a failed attempt of rank 0's, and their slots would part from its."""
         protected = {a.index for a in needed}
         self._check_room(needed)
-        hits = sum(1 for adapter in needed if adapter.slot is not None)
-        for adapter in needed:
-            if adapter.slot is not None:
-                continue
+        missing = [adapter for adapter in needed if adapter.slot is None]
+        for adapter in missing:
             if not block and adapter.index not in self.host and adapter.prefetched is None:
                 failure, adapter.read_failure = adapter.read_failure, None
                 if failure is not None and time.monotonic() - failure[1] < READ_FAILURE_TOLD_S:
@@ -501,8 +500,39 @@ class AdapterStore:
                     ) from error
                 self._read_in_background(adapter)
                 raise AdapterNotReady(f"adapter {adapter.name!r} is being read from {adapter.source}")
+        self._check_placeable(missing, protected)
+        for adapter in missing:
             self._place(adapter, protected)
-        self.counters["hits"] += hits  # counted once, by the attempt that succeeds
+        self.counters["hits"] += len(needed) - len(missing)  # counted once, by the attempt that succeeds
+
+    def _check_placeable(self, adapters: list[Adapter], protected: set[int]) -> None:
+        """Raise ``AdapterCapacityError`` unless ``_place`` can place ``adapters`` in turn: its placements and
+        evictions (least recently used first, outside ``protected``) tried on copies of the pools' allocators. The
+        pools' free bytes may suffice while no free extent is long enough (``_check_room`` counts bytes only)."""
+        allocators = {device: pool.allocator.copy() for device, pool in self.pools.items()}
+        free_slots = len(self._free_slots)
+        evicted: set[int] = set()
+
+        def evict_one(device: torch.device | None = None) -> bool:  # as _evict_one
+            nonlocal free_slots
+            for victim in self._resident.values():
+                if (victim.users == 0 and victim.index not in protected and victim.index not in evicted
+                        and (device is None or device in victim.layouts)):
+                    evicted.add(victim.index)
+                    for victim_device, start in victim.chunk_starts.items():
+                        allocators[victim_device].free(start, victim.layouts[victim_device].size)
+                    free_slots += 1
+                    return True
+            return False
+
+        for adapter in adapters:
+            if not free_slots and not evict_one():
+                raise self._capacity_error(adapter, "no free slot")
+            for device, layout in adapter.layouts.items():
+                while allocators[device].allocate(layout.size) is None:
+                    if not evict_one(device):
+                        raise self._capacity_error(adapter, f"no free extent long enough in the pool on {device}")
+            free_slots -= 1
 
     def _check_fits_alone(self, needed: list[Adapter]) -> None:
         """Refuse adapters that could not all be resident at once even with nothing else held: no wait helps."""
