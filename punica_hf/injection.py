@@ -94,7 +94,7 @@ class LoraInjection:
                 device=lora_device(module) if servable else None,
                 dtype=lora_dtype(module, model_dtype) if servable else None,
                 unsplit_features=whole,
-                widest_features=None if whole is None else split.widest_features(*whole),
+                widest_features=None if whole is None or split.problem else split.widest_features(*whole),
             )
         modules = dict(self.model.named_modules())
         for name, (module_name, parameter, _) in self.experts.items():
