@@ -112,6 +112,8 @@ def test_an_acquire_that_finds_no_long_enough_extent_evicts_nothing(base, tmp_pa
         with pytest.raises(AdapterCapacityError, match="no free extent long enough"):
             model.acquire(["X"], block=block, timeout=0)
         assert slots() == before and model.adapter_stats["evictions"] == 0
+    model.prefetch(["X"])  # nor does a prefetch that finds no room
+    assert slots() == before and model.adapter_stats["evictions"] == 0
     held.release()
     with model.acquire(["X"], block=False) as lease:
         assert lease.slots[0] is not None and model.adapter_stats["evictions"] >= 2

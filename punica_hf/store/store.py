@@ -624,8 +624,11 @@ class AdapterStore:
                     self._read_in_background(adapter, place=True)
 
     def _try_place(self, adapter: Adapter, evict: bool) -> None:
+        """Place ``adapter`` if there is room (evicting for it if ``evict``); else change nothing."""
         if adapter.slot is None:
             try:
+                if evict:
+                    self._check_placeable([adapter], {adapter.index})
                 self._place(adapter, protected={adapter.index}, evict=evict)
             except AdapterCapacityError:
                 pass
