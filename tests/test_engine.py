@@ -405,6 +405,29 @@ def test_a_thread_publishing_to_many_async_streams_wakes_their_loop_once_per_rou
     assert 1 <= wakeups <= len(handles) // 2
 
 
+def test_an_event_loop_that_streamed_a_request_is_freed_once_it_closes():
+    """A caller that runs ``asyncio.run`` per request: every loop it made is freed, none kept by the wake-ups."""
+    import asyncio
+    import gc
+    import weakref
+
+    from punica_hf.serving.handles import RequestHandle
+    from punica_hf.serving.types import Completion, Delta
+
+    loops = []
+    for number in range(20):
+        handle = RequestHandle(lambda request_id: None, f"r{number}", None, ())
+        handle._publish(Delta((1,), "x"), Completion(f"r{number}", None, (), (1,), "x", "length", 1, 0.0, None, 1.0))
+
+        async def read(handle=handle):
+            loops.append(weakref.ref(asyncio.get_running_loop()))
+            return await _texts(handle)
+
+        assert asyncio.run(read()) == "x"
+    gc.collect()
+    assert [loop for loop in loops if loop() is not None] == []
+
+
 async def _texts(handle) -> str:
     return "".join([delta.text async for delta in handle])
 

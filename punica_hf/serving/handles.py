@@ -102,7 +102,7 @@ class _LoopWakeups:
     to the loop's wake-up socket) in the engine's thread, not 128."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
+        self._loop = weakref.ref(loop)  # the registry's value must not keep its key (the loop) alive
         self._lock = threading.Lock()
         self._events: list[asyncio.Event] = []
 
@@ -111,8 +111,11 @@ class _LoopWakeups:
             wake = not self._events  # else a wake-up is on its way, and will set this one too
             self._events.append(event)
         if wake:
+            loop = self._loop()
             try:
-                self._loop.call_soon_threadsafe(self._set_all)
+                if loop is None:
+                    raise RuntimeError("the event loop is gone")
+                loop.call_soon_threadsafe(self._set_all)
             except RuntimeError:  # the event loop is closed: nobody is waiting there any more
                 with self._lock:
                     self._events.clear()
