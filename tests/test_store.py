@@ -119,6 +119,24 @@ def test_an_acquire_that_finds_no_long_enough_extent_evicts_nothing(base, tmp_pa
         assert lease.slots[0] is not None and model.adapter_stats["evictions"] >= 2
 
 
+def test_reading_one_adapter_of_an_acquire_keeps_the_host_copies_of_the_others(base, tmp_path):
+    """acquire(["X", "Y"]): X is read from its folder into a host tier with room for one copy, where Y's copy is.
+    Y's copy stays (X's is kept outside the tier for this use), so placing Y needs no read of its folder, gone
+    since: the acquire succeeds. Reading X used to drop Y's copy; placing Y then read its folder, and the acquire
+    failed having evicted P, Q and R and placed X."""
+    q_proj = ["model.layers.0.self_attn.q_proj"]
+    paths = {name: save_peft_adapter(base, tmp_path / name, seed=seed, r=rank, target_modules=q_proj)
+             for seed, (name, rank) in enumerate([("P", 2), ("Q", 2), ("R", 4), ("X", 4), ("Y", 2)])}
+    model = wrap(base, max_adapters=4, gpu_pool_bytes=512 * 4, host_pool_bytes=3072)
+    for name in "PQRXY":
+        model.load_adapters({name: paths[name]})
+    store = model._store
+    assert store._by_name["Y"].index in store.host and store._by_name["X"].index not in store.host
+    shutil.rmtree(paths["Y"])
+    with model.acquire(["X", "Y"], timeout=1) as lease:
+        assert all(slot >= 0 for slot in lease.slots)
+
+
 def test_counters_and_rank_proportional_memory(base, paths):
     model = wrap(base, max_adapters=5)
     model.load_adapters({"r8b": paths["r8b"]})

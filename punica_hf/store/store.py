@@ -572,13 +572,16 @@ class AdapterStore:
                 )
 
     def _read_cold(self, adapters: Sequence[str | int | None]) -> None:
-        """Read the sources of adapters with no host copy, without holding the lock (other calls go on)."""
+        """Read the sources of adapters with no host copy, without holding the lock (other calls go on). The host
+        copies of all of ``adapters`` stay (one read past the tier's budget is kept outside it, for its next use):
+        placing them must not need a source again, which may be gone by then, with some placed already."""
         with self.lock:
-            cold = {id(a): a for a in map(self.lookup, adapters) if a is not None and a.slot is None}
-            cold = [a for a in cold.values() if a.index not in self.host and a.prefetched is None]
+            wanted = {id(a): a for a in map(self.lookup, adapters) if a is not None and a.slot is None}
+            cold = [a for a in wanted.values() if a.index not in self.host and a.prefetched is None]
+            keep = {a.index for a in wanted.values()}
         for adapter in cold:
             with torch.inference_mode(False), torch.no_grad():
-                copy = self._read_source(adapter)
+                copy = self._read_source(adapter, keep)
             with self.lock:
                 if not adapter.unloaded and adapter.index not in self.host and adapter.prefetched is None:
                     self._keep_copy(adapter, copy)
@@ -648,7 +651,7 @@ class AdapterStore:
                         raise self._capacity_error(adapter, f"no room in the pool on {device}")
                     start = pool.allocator.allocate(layout.size)
                 starts[device] = start
-            host_copy = self._host_copy(adapter)  # only once there is room: a copy kept for one use stays unused
+            host_copy = self._host_copy(adapter, protected)  # only once there is room: a copy for one use stays
             slot = self._free_slots.pop(0)
             host_copy.in_flight = [done for done in host_copy.in_flight if not done.query()]
             for device, layout in adapter.layouts.items():
@@ -706,8 +709,9 @@ class AdapterStore:
         ) or "not made yet"
 
     # ------------------------------------------------------------------------------------------ host tier
-    def _host_copy(self, adapter: Adapter) -> HostCopy:
-        """The adapter's chunks on the host: from the host tier, a finished background read, or its source."""
+    def _host_copy(self, adapter: Adapter, keep: Collection[int] = ()) -> HostCopy:
+        """The adapter's chunks on the host: from the host tier, a finished background read, or its source (not
+        dropping the copies of ``keep``)."""
         copy = self.host.get(adapter.index)
         if copy is not None:
             return copy
@@ -715,7 +719,7 @@ class AdapterStore:
             copy, adapter.prefetched = adapter.prefetched, None
             return copy
         # A background read may be in flight: reading again here beats waiting for it under the lock it needs.
-        copy = self._read_source(adapter)
+        copy = self._read_source(adapter, keep)
         self._keep_copy(adapter, copy)
         adapter.prefetched = None  # used right now
         return copy
@@ -726,7 +730,9 @@ class AdapterStore:
         if not self.host.put(adapter.index, copy):
             adapter.prefetched = copy
 
-    def _read_source(self, adapter: Adapter) -> HostCopy:
+    def _read_source(self, adapter: Adapter, keep: Collection[int] = ()) -> HostCopy:
+        """The adapter's chunks read again from its source into a host copy, dropping least recently used copies
+        of the tier, but none of resident adapters or of ``keep``."""
         source = adapter.source
         if isinstance(source, AdapterWeights):  # the caller's tensors, by reference: checked as at their load
             where = f"in the AdapterWeights of {source.source}"
@@ -752,13 +758,14 @@ class AdapterStore:
         for device, factors in factors_by_device.items():  # the pool's dtype may have changed since the load
             for module_name, module in factors.items():
                 _check_in_range(adapter.name, module_name, module, self.pools[device].dtype)
-        return self._host_chunks(adapter.layouts, factors_by_device)
+        return self._host_chunks(adapter.layouts, factors_by_device, keep)
 
-    def _host_chunks(self, layouts, factors_by_device) -> HostCopy:
-        """A host copy of the given factors in the layouts' chunks (room taken under the lock, filled outside)."""
+    def _host_chunks(self, layouts, factors_by_device, keep: Collection[int] = ()) -> HostCopy:
+        """A host copy of the given factors in the layouts' chunks (room taken under the lock, filled outside),
+        dropping no copy of a resident adapter or of ``keep``."""
         with self.lock:
             sizes = {device: (layout.size, self.pools[device].dtype) for device, layout in layouts.items()}
-            copy = self.host.allocate(sizes, keep=self._resident)
+            copy = self.host.allocate(sizes, keep={*self._resident, *keep})
         try:
             for device, layout in layouts.items():
                 layout.fill(copy.chunks[device], factors_by_device[device])
