@@ -119,6 +119,27 @@ def test_an_acquire_that_finds_no_long_enough_extent_evicts_nothing(base, tmp_pa
         assert lease.slots[0] is not None and model.adapter_stats["evictions"] >= 2
 
 
+def test_an_acquire_moves_its_own_resident_adapter_that_splits_the_room(base, tmp_path):
+    """Nothing is held; R sits in the middle of the pool, so X (three times its size) finds no extent long enough
+    while R stays where it is. acquire(["R", "X"]) moves R rather than wait for a release that cannot help (it used
+    to wait its whole timeout, then refuse)."""
+    q_proj = ["model.layers.0.self_attn.q_proj"]
+    paths = {name: save_peft_adapter(base, tmp_path / name, seed=seed, r=rank, target_modules=q_proj)
+             for seed, (name, rank) in enumerate([("A", 2), ("R", 2), ("X", 6)])}
+    model = wrap(base, max_adapters=4, gpu_pool_bytes=512 * 4)  # 512 elements; rank r is 64 r of them
+    model.load_adapters(paths)
+    store = model._store
+    assert store._by_name["R"].chunk_starts == {torch.device("cpu"): 128}
+    with torch.no_grad():
+        before = model(IDS, adapter_ids=["R", None, "R"]).logits
+    for block in (False, True):
+        with model.acquire(["R", "X"], block=block, timeout=0) as lease:
+            assert lease.slots == [store._by_name["R"].slot, store._by_name["X"].slot]
+        with torch.no_grad():  # R computes as before, from where it was moved to
+            torch.testing.assert_close(model(IDS, adapter_ids=["R", None, "R"]).logits, before, rtol=0, atol=0)
+    assert store._by_name["R"].chunk_starts != {torch.device("cpu"): 128}
+
+
 def test_reading_one_adapter_of_an_acquire_keeps_the_host_copies_of_the_others(base, tmp_path):
     """acquire(["X", "Y"]): X is read from its folder into a host tier with room for one copy, where Y's copy is.
     Y's copy stays (X's is kept outside the tier for this use), so placing Y needs no read of its folder, gone

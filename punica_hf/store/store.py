@@ -500,18 +500,36 @@ class AdapterStore:
                     ) from error
                 self._read_in_background(adapter)
                 raise AdapterNotReady(f"adapter {adapter.name!r} is being read from {adapter.source}")
-        self._check_placeable(missing, protected)
+        hits = len(needed) - len(missing)
+        try:
+            self._check_placeable(missing, protected)
+        except AdapterCapacityError:
+            # The batch's own resident adapters may split the free room so that no extent is long enough, and no
+            # wait for others would help: move those nothing holds (and whose host copy is at hand) too.
+            moved = [a for a in needed if a.slot is not None and a.users == 0 and a.index in self.host]
+            if not moved:
+                raise
+            # placed again largest first (first fit would put a moved adapter back where it was)
+            missing = sorted(moved + missing, key=lambda a: sum(layout.size for layout in a.layouts.values()),
+                             reverse=True)
+            self._check_placeable(missing, protected, moved)
+            for adapter in moved:
+                self._evict(adapter)
         for adapter in missing:
             self._place(adapter, protected)
-        self.counters["hits"] += len(needed) - len(missing)  # counted once, by the attempt that succeeds
+        self.counters["hits"] += hits  # counted once, by the attempt that succeeds
 
-    def _check_placeable(self, adapters: list[Adapter], protected: set[int]) -> None:
-        """Raise ``AdapterCapacityError`` unless ``_place`` can place ``adapters`` in turn: its placements and
-        evictions (least recently used first, outside ``protected``) tried on copies of the pools' allocators. The
-        pools' free bytes may suffice while no free extent is long enough (``_check_room`` counts bytes only)."""
+    def _check_placeable(self, adapters: list[Adapter], protected: set[int], moved: Sequence[Adapter] = ()) -> None:
+        """Raise ``AdapterCapacityError`` unless ``_place`` can place ``adapters`` in turn (after evicting those of
+        them in ``moved``, resident): its placements and evictions (least recently used first, outside
+        ``protected``) tried on copies of the pools' allocators. The pools' free bytes may suffice while no free
+        extent is long enough (``_check_room`` counts bytes only)."""
         allocators = {device: pool.allocator.copy() for device, pool in self.pools.items()}
-        free_slots = len(self._free_slots)
+        free_slots = len(self._free_slots) + len(moved)
         evicted: set[int] = set()
+        for adapter in moved:
+            for device, start in adapter.chunk_starts.items():
+                allocators[device].free(start, adapter.layouts[device].size)
 
         def evict_one(device: torch.device | None = None) -> bool:  # as _evict_one
             nonlocal free_slots
