@@ -119,20 +119,27 @@ def test_an_acquire_that_finds_no_long_enough_extent_evicts_nothing(base, tmp_pa
         assert lease.slots[0] is not None and model.adapter_stats["evictions"] >= 2
 
 
-def test_an_acquire_moves_its_own_resident_adapter_that_splits_the_room(base, tmp_path):
-    """Nothing is held; R sits in the middle of the pool, so X (three times its size) finds no extent long enough
-    while R stays where it is. acquire(["R", "X"]) moves R rather than wait for a release that cannot help (it used
-    to wait its whole timeout, then refuse)."""
+@pytest.mark.parametrize("host_pool_bytes", [None, 1536], ids=["host-copies-kept", "no-host-copy-of-R"])
+@pytest.mark.parametrize(("r_rank", "pool_elements"), [(2, 512), (4, 640)], ids=["room-to-spare", "exact-fit"])
+def test_an_acquire_moves_its_own_resident_adapter_that_splits_the_room(base, tmp_path, r_rank, pool_elements,
+                                                                        host_pool_bytes):
+    """Nothing is held; R sits in the middle of the pool, so X finds no extent long enough while R stays where it
+    is. acquire(["R", "X"]) moves R (and evicts A, unheld) rather than wait for a release that cannot help: it used
+    to wait its whole timeout, then refuse. Whether R's host copy was kept does not matter (under tensor
+    parallelism ranks may keep different copies, and must place alike): R is read again before anything moves."""
     q_proj = ["model.layers.0.self_attn.q_proj"]
     paths = {name: save_peft_adapter(base, tmp_path / name, seed=seed, r=rank, target_modules=q_proj)
-             for seed, (name, rank) in enumerate([("A", 2), ("R", 2), ("X", 6)])}
-    model = wrap(base, max_adapters=4, gpu_pool_bytes=512 * 4)  # 512 elements; rank r is 64 r of them
+             for seed, (name, rank) in enumerate([("A", 2), ("R", r_rank), ("X", 6)])}
+    # rank r on q_proj (32 x 32, float32) is 64 r elements
+    model = wrap(base, max_adapters=4, gpu_pool_bytes=pool_elements * 4, host_pool_bytes=host_pool_bytes)
     model.load_adapters(paths)
     store = model._store
     assert store._by_name["R"].chunk_starts == {torch.device("cpu"): 128}
     with torch.no_grad():
         before = model(IDS, adapter_ids=["R", None, "R"]).logits
     for block in (False, True):
+        if block is False and host_pool_bytes is not None:
+            continue  # R would be read in the background first (AdapterNotReady)
         with model.acquire(["R", "X"], block=block, timeout=0) as lease:
             assert lease.slots == [store._by_name["R"].slot, store._by_name["X"].slot]
         with torch.no_grad():  # R computes as before, from where it was moved to

@@ -505,25 +505,28 @@ class AdapterStore:
             self._check_placeable(missing, protected)
         except AdapterCapacityError:
             # The batch's own resident adapters may split the free room so that no extent is long enough, and no
-            # wait for others would help: move those nothing holds (and whose host copy is at hand) too.
-            moved = [a for a in needed if a.slot is not None and a.users == 0 and a.index in self.host]
+            # wait for others would help: every unheld adapter goes, the batch's own too, and the batch is placed
+            # again largest first (first fit would put a moved adapter back where it was).
+            moved = [a for a in needed if a.slot is not None and a.users == 0]
             if not moved:
                 raise
-            # placed again largest first (first fit would put a moved adapter back where it was)
+            for adapter in moved:  # their host copies at hand before anything is evicted
+                self._copy_at_hand(adapter, block, protected)
             missing = sorted(moved + missing, key=lambda a: sum(layout.size for layout in a.layouts.values()),
                              reverse=True)
-            self._check_placeable(missing, protected, moved)
-            for adapter in moved:
+            self._check_placeable(missing, protected, moved, evict_unheld_first=True)
+            for adapter in [a for a in self._resident.values() if a.users == 0]:  # moved ones included
                 self._evict(adapter)
         for adapter in missing:
             self._place(adapter, protected)
         self.counters["hits"] += hits  # counted once, by the attempt that succeeds
 
-    def _check_placeable(self, adapters: list[Adapter], protected: set[int], moved: Sequence[Adapter] = ()) -> None:
+    def _check_placeable(self, adapters: list[Adapter], protected: set[int], moved: Sequence[Adapter] = (),
+                         evict_unheld_first: bool = False) -> None:
         """Raise ``AdapterCapacityError`` unless ``_place`` can place ``adapters`` in turn (after evicting those of
-        them in ``moved``, resident): its placements and evictions (least recently used first, outside
-        ``protected``) tried on copies of the pools' allocators. The pools' free bytes may suffice while no free
-        extent is long enough (``_check_room`` counts bytes only)."""
+        them in ``moved``, resident, and with ``evict_unheld_first`` every unheld adapter): its placements and
+        evictions (least recently used first, outside ``protected``) tried on copies of the pools' allocators. The
+        pools' free bytes may suffice while no free extent is long enough (``_check_room`` counts bytes only)."""
         allocators = {device: pool.allocator.copy() for device, pool in self.pools.items()}
         free_slots = len(self._free_slots) + len(moved)
         evicted: set[int] = set()
@@ -543,6 +546,8 @@ class AdapterStore:
                     return True
             return False
 
+        while evict_unheld_first and evict_one():
+            pass
         for adapter in adapters:
             if not free_slots and not evict_one():
                 raise self._capacity_error(adapter, "no free slot")
@@ -551,6 +556,16 @@ class AdapterStore:
                     if not evict_one(device):
                         raise self._capacity_error(adapter, f"no free extent long enough in the pool on {device}")
             free_slots -= 1
+
+    def _copy_at_hand(self, adapter: Adapter, block: bool, keep: Collection[int]) -> None:
+        """Make sure placing ``adapter`` needs no read of its source: read it now (``block``), or start reading it
+        in the background and raise ``AdapterNotReady``."""
+        if adapter.index in self.host or adapter.prefetched is not None:
+            return
+        if not block:
+            self._read_in_background(adapter)
+            raise AdapterNotReady(f"adapter {adapter.name!r} is being read from {adapter.source}")
+        self._keep_copy(adapter, self._read_source(adapter, keep))
 
     def _check_fits_alone(self, needed: list[Adapter]) -> None:
         """Refuse adapters that could not all be resident at once even with nothing else held: no wait helps."""
