@@ -30,7 +30,7 @@ import threading
 import time
 import weakref
 from collections import OrderedDict, deque
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -489,17 +489,9 @@ class AdapterStore:
         protected = {a.index for a in needed}
         self._check_room(needed)
         missing = [adapter for adapter in needed if adapter.slot is None]
-        for adapter in missing:
-            if not block and adapter.index not in self.host and adapter.prefetched is None:
-                failure, adapter.read_failure = adapter.read_failure, None
-                if failure is not None and time.monotonic() - failure[1] < READ_FAILURE_TOLD_S:
-                    error = failure[0]  # said once; the next acquire reads the source again
-                    raise AdapterReadError(
-                        f"adapter {adapter.name!r} could not be read from {adapter.source}: "
-                        f"{type(error).__name__}: {error}"
-                    ) from error
-                self._read_in_background(adapter)
-                raise AdapterNotReady(f"adapter {adapter.name!r} is being read from {adapter.source}")
+        if not block:  # (a blocking call read them before it took the lock, in _read_cold)
+            for adapter in missing:
+                self._copy_at_hand(adapter, block, protected)
         hits = len(needed) - len(missing)
         try:
             self._check_placeable(missing, protected)
@@ -515,7 +507,7 @@ class AdapterStore:
             missing = sorted(moved + missing, key=lambda a: sum(layout.size for layout in a.layouts.values()),
                              reverse=True)
             self._check_placeable(missing, protected, moved, evict_unheld_first=True)
-            for adapter in [a for a in self._resident.values() if a.users == 0]:  # moved ones included
+            for adapter in list(self._unheld(protected=())):  # moved ones included
                 self._evict(adapter)
         for adapter in missing:
             self._place(adapter, protected)
@@ -536,15 +528,14 @@ class AdapterStore:
 
         def evict_one(device: torch.device | None = None) -> bool:  # as _evict_one
             nonlocal free_slots
-            for victim in self._resident.values():
-                if (victim.users == 0 and victim.index not in protected and victim.index not in evicted
-                        and (device is None or device in victim.layouts)):
-                    evicted.add(victim.index)
-                    for victim_device, start in victim.chunk_starts.items():
-                        allocators[victim_device].free(start, victim.layouts[victim_device].size)
-                    free_slots += 1
-                    return True
-            return False
+            victim = next((a for a in self._unheld(protected, device) if a.index not in evicted), None)
+            if victim is None:
+                return False
+            evicted.add(victim.index)
+            for victim_device, start in victim.chunk_starts.items():
+                allocators[victim_device].free(start, victim.layouts[victim_device].size)
+            free_slots += 1
+            return True
 
         while evict_unheld_first and evict_one():
             pass
@@ -559,10 +550,17 @@ class AdapterStore:
 
     def _copy_at_hand(self, adapter: Adapter, block: bool, keep: Collection[int]) -> None:
         """Make sure placing ``adapter`` needs no read of its source: read it now (``block``), or start reading it
-        in the background and raise ``AdapterNotReady``."""
+        in the background and raise ``AdapterNotReady`` (``AdapterReadError`` for a background read that failed
+        lately: said once; the next call reads the source again)."""
         if adapter.index in self.host or adapter.prefetched is not None:
             return
         if not block:
+            failure, adapter.read_failure = adapter.read_failure, None
+            if failure is not None and time.monotonic() - failure[1] < READ_FAILURE_TOLD_S:
+                error = failure[0]
+                raise AdapterReadError(
+                    f"adapter {adapter.name!r} could not be read from {adapter.source}: {type(error).__name__}: {error}"
+                ) from error
             self._read_in_background(adapter)
             raise AdapterNotReady(f"adapter {adapter.name!r} is being read from {adapter.source}")
         self._keep_copy(adapter, self._read_source(adapter, keep))
@@ -708,11 +706,17 @@ class AdapterStore:
 
     def _evict_one(self, protected: set[int], device: torch.device | None = None) -> bool:
         """Evict the least recently used resident adapter that nothing holds (on ``device``, if given)."""
-        for adapter in self._resident.values():
-            if adapter.users == 0 and adapter.index not in protected and (device is None or device in adapter.layouts):
-                self._evict(adapter)
-                return True
-        return False
+        victim = next(self._unheld(protected, device), None)
+        if victim is None:
+            return False
+        self._evict(victim)
+        return True
+
+    def _unheld(self, protected: Collection[int], device: torch.device | None = None) -> Iterator[Adapter]:
+        """The resident adapters nothing holds, outside ``protected`` (on ``device``, if given), least recently
+        used first: the eviction order."""
+        return (a for a in self._resident.values()
+                if a.users == 0 and a.index not in protected and (device is None or device in a.layouts))
 
     def _evict(self, adapter: Adapter, counted: bool = True) -> None:
         # The table column keeps pointing here until the slot is reused; nothing maps tokens to a free slot, and
