@@ -23,6 +23,7 @@
 #   OPS_FLAGS="--profile"                           extra bench_ops.py flags (--profile: each kernel's time)
 #   GEN_FLAGS="..."                                 bench_generate.py flags (default below: every system, ~4 min)
 #   ADAPTER_FLAGS="..."                             bench_adapters.py flags (default: the issue-8 setup, ~2 min)
+#   RAY_FLAGS="--repeats 1"                         extra bench_ray.py flags
 #   BUDGET_S=530                                    seconds for the whole call
 set -o pipefail
 export PYTHONUNBUFFERED=1 RAY_USAGE_STATS_ENABLED=0 PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PUNICA_HF_CACHE=${PUNICA_HF_CACHE:-/tmp/punica_hf_cache}
@@ -94,8 +95,12 @@ if wanted workloads; then
             --output "$OUT/bench_serving_${workload//-/_}_h200.json"
     done
 fi
-wanted ray && part ray 420 \
-    python3 benchmarks/bench_ray.py --output "$OUT/bench_ray_h200.json"
+if wanted ray; then
+    # Ray Serve and the server's packages, packed by carry_packages.py into .carry (the GPU machine has no network)
+    [ -d .carry ] && part carry 120 bash benchmarks/carry_packages.sh .carry /tmp/carried_site
+    [ -d /tmp/carried_site ] && export PYTHONPATH=/tmp/carried_site:$PYTHONPATH
+    part ray 420 python3 benchmarks/bench_ray.py --output "$OUT/bench_ray_h200.json" $RAY_FLAGS
+fi
 
 log "summary"
 {
