@@ -519,9 +519,12 @@ def factor_bytes(adapter: AdapterWeights, element_size: int = 2) -> int:
     return sum((m.lora_a.numel() + m.lora_b.numel()) * element_size for m in adapter.modules.values())
 
 
-def pool_bytes_for(adapters: list[AdapterWeights]) -> int:
-    """A device pool that holds exactly these adapters: their factors plus the store's 128-byte alignment per factor."""
-    return sum(factor_bytes(a) + 2 * 128 * len(a.modules) for a in adapters)
+def pool_bytes_for(adapters: list[AdapterWeights], element_size: int = 2) -> int:
+    """A device pool that holds exactly these adapters: their factors, the output scale and shift vectors ``[out]``
+    of modules with DoRA or biases (``adapter_vectors``), and the store's 128-byte alignment per tensor."""
+    vectors = sum(2 * (m.lora_b.shape[0] * element_size + 128)
+                  for a in adapters for m in a.modules.values() if m.has_vectors)
+    return sum(factor_bytes(a, element_size) + 2 * 128 * len(a.modules) for a in adapters) + vectors
 
 
 def step_costs(report: Report, args, adapter_bytes: int) -> None:

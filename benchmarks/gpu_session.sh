@@ -20,6 +20,7 @@
 #                                                   its timeout)
 #   SKIP_TESTS=1                                    leave out the GPU tests
 #   PYTEST_ARGS="-k compile"                        extra pytest arguments
+#   TEST_GROUPS="tests/gpu tests/test_fp8.py"       the test files, one pytest process per word (default below)
 #   OPS_FLAGS="--profile"                           extra bench_ops.py flags (--profile: each kernel's time)
 #   GEN_FLAGS="..."                                 bench_generate.py flags (default below: every system, ~4 min)
 #   ADAPTER_FLAGS="..."                             bench_adapters.py flags (default: the issue-8 setup, ~2 min)
@@ -33,6 +34,8 @@ export PYTHONUNBUFFERED=1 RAY_USAGE_STATS_ENABLED=0 PYTHONPATH=${PYTHONPATH:+$PY
 OUT=${OUT:-/tmp/punica_out}
 ONLY=${ONLY:-build tests ops adapters generate step}
 [ -n "$SKIP_TESTS" ] && ONLY=${ONLY//tests/}
+# tests/gpu, and the engine's GPU-marked tests beside its CPU ones; a comma joins files run in one process
+TEST_GROUPS=${TEST_GROUPS:-tests/gpu tests/test_engine.py tests/test_attention.py,tests/test_sampling.py,tests/test_prefix_cache.py tests/test_fp8.py}
 GEN_FLAGS=${GEN_FLAGS:---modes eager,compiled --distinct 1,8,32 --prefill-heavy eager --profile eager,compiled}
 BUDGET_S=${BUDGET_S:-530}
 mkdir -p "$OUT"
@@ -70,10 +73,12 @@ if [ -n "${ONLY// /}" ]; then  # every part runs the kernels
     part build 180 python3 -m punica_hf.ops.build || { log "BUILD FAILED: nothing else runs"; ONLY=""; }
 fi
 if wanted tests; then
-    # tests/gpu, and the engine's GPU-marked tests beside its CPU ones
-    part tests 420 bash -c "python3 -m pytest -q -p no:cacheprovider tests/gpu tests/test_engine.py tests/test_attention.py tests/test_sampling.py \
-        tests/test_prefix_cache.py tests/test_fp8.py $PYTEST_ARGS > '$OUT/pytest.log' 2>&1"
-    [ -f "$OUT/pytest.log" ] && tail -3 "$OUT/pytest.log" | tee -a "$LOG"
+    # one pytest process per file group: a crash (a fatal error in torch or a kernel) loses that group only
+    part tests 420 bash -c 'status=0; for group in $0; do echo "== $group" >> "$1/pytest.log"
+        python3 -m pytest -q -p no:cacheprovider ${group//,/ } $2 >> "$1/pytest.log" 2>&1; rc=$?; ((rc)) && status=$rc
+        echo "$group: exit $rc: $(tail -1 "$1/pytest.log" | cut -c1-200)" >> "$1/pytest_summary.log"; done
+        exit $status' "$TEST_GROUPS" "$OUT" "$PYTEST_ARGS"
+    [ -f "$OUT/pytest_summary.log" ] && cat "$OUT/pytest_summary.log" | tee -a "$LOG"
 fi
 # The benchmarks use the CUDA kernels or fail: a silent fallback to the PyTorch ops would time the wrong code.
 export PUNICA_HF_BACKEND=${PUNICA_HF_BACKEND:-cuda}
@@ -107,7 +112,7 @@ log "summary"
     echo "| part | exit | seconds |"
     echo "|---|---|---|"
     for row in "${SUMMARY[@]}"; do echo "| ${row//|/ | } |"; done
-    [ -f "$OUT/pytest.log" ] && echo && echo "pytest: $(tail -1 "$OUT/pytest.log")"
+    [ -f "$OUT/pytest_summary.log" ] && echo && cat "$OUT/pytest_summary.log"
     python3 - "$OUT" <<'PY'
 import json, sys
 from pathlib import Path

@@ -8,10 +8,10 @@ each token's ``top_k_index`` / ``top_k_weights`` ``[T, k]`` (the router's choice
 Here each expert of each fused parameter is one row of the adapter tables, as a linear module is
 (``formats.expert_entry`` names it), and ``ExpertsLoraHook`` becomes the experts module's forward. While no token
 of the forward has an adapter with LoRA on the module, it runs the module's own forward; otherwise it runs the
-experts itself, one expert at a time as transformers' eager implementation does, and adds to both projections of
-every (token, routed expert) pair the update of that token's adapter for that expert (PyTorch ops, grouped by
-adapter slot). The routing is the model's own: the router is not adapted, and it reads hidden states that the
-adapter's other LoRA layers already changed.
+experts itself: the (token, routed expert) pairs sorted by expert, each expert's base matmuls on its run of pairs
+(as transformers' eager implementation loops over experts), and each projection's LoRA update for all pairs in one
+call of the LoRA backend, a pair's slot being its (expert, adapter) couple. The routing is the model's own: the
+router is not adapted, and it reads hidden states that the adapter's other LoRA layers already changed.
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from . import ops
 from .formats import expert_entry
 from .layers import DeviceTables, LoraContext, LoraHook
 from .ops import build_segments
-from .ops.torch_ops import lora_add
 
 # The fused parameters of a gated experts module, in the order the forward uses them.
 EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")
@@ -85,16 +85,17 @@ class ExpertsLoraHook:
     that asked for this hook (``LoraInjection`` removes it with the last).
     """
 
-    __slots__ = ("module", "replaced_forward", "installed", "tables", "rows", "all_rows", "context", "max_rank",
-                 "entries")
+    __slots__ = ("module", "replaced_forward", "installed", "tables", "rows", "row_index", "all_rows", "context",
+                 "max_rank", "entries")
 
     def __init__(
         self, module: nn.Module, rows: dict[str, list[int]], tables: DeviceTables, context: LoraContext, max_rank: int
     ) -> None:
         self.tables = tables
         self.rows = rows
-        # On the host: it indexes the tables wherever they are moved to.
-        self.all_rows = torch.tensor([row for name in EXPERT_PARAMETERS for row in rows[name]])
+        # On the host: they index the tables wherever they are moved to.
+        self.row_index = {name: torch.tensor(rows[name]) for name in EXPERT_PARAMETERS}
+        self.all_rows = torch.cat([self.row_index[name] for name in EXPERT_PARAMETERS])
         self.context = context
         self.max_rank = max_rank
         self.entries: set[str] = set()
@@ -138,34 +139,69 @@ class ExpertsLoraHook:
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
         token_slots: torch.Tensor,
     ) -> torch.Tensor:
+        """The experts' output ``[T, H]`` with every (token, routed expert) pair's LoRA update on both projections.
+
+        The pairs are sorted by expert, so each expert's base matmuls take one contiguous run (one host read of the
+        run lengths per call). The LoRA updates of all pairs are one ``lora_add`` per projection: a pair's "slot"
+        is (expert, adapter slot), numbered ``expert * S + slot``, and its factors' offsets are the tables' rows of
+        that expert, so the kernels group the pairs by expert and adapter at once.
+        """
         module = self.module
         gate_up_proj, down_proj = module.gate_up_proj, module.down_proj
-        num_experts = gate_up_proj.shape[0]
+        num_experts, top_k = gate_up_proj.shape[0], top_k_index.shape[1]
+        experts = top_k_index.reshape(-1).long()
+        # transformers marks a token routed to no local expert with an index outside [0, E): those pairs sort last
+        expert_key = torch.where((experts >= 0) & (experts < num_experts), experts, num_experts)
+        expert_key, order = torch.sort(expert_key, stable=True)
+        run_lengths = torch.bincount(expert_key, minlength=num_experts + 1)[:num_experts].tolist()
+        pairs = sum(run_lengths)
         output = torch.zeros_like(hidden_states)
-        for expert in torch.unique(top_k_index).tolist():
-            if not 0 <= expert < num_experts:  # transformers' marker of a token routed to no local expert
-                continue
-            token_ids, k_positions = torch.where(top_k_index == expert)
-            segments = build_segments(token_slots[token_ids], self.tables.num_slots)
-            x = hidden_states[token_ids]
-            gate_up = nn.functional.linear(x, gate_up_proj[expert])
-            self._add_lora(gate_up, x, "gate_up_proj", expert, segments)
-            gate, up = gate_up.chunk(2, dim=-1)  # transformers' default gating of concatenated experts
-            intermediate = module.act_fn(gate) * up
-            expert_out = nn.functional.linear(intermediate, down_proj[expert])
-            self._add_lora(expert_out, intermediate, "down_proj", expert, segments)
-            expert_out = expert_out * top_k_weights[token_ids, k_positions, None]
-            output.index_add_(0, token_ids, expert_out.to(output.dtype))
+        if not pairs:
+            return output
+        expert_key, order = expert_key[:pairs], order[:pairs]
+        pair_tokens = order // top_k
+        x = hidden_states[pair_tokens]
+        pair_slots = token_slots[pair_tokens].long()
+        num_slots = self.tables.num_slots
+        segments = build_segments(torch.where(pair_slots >= 0, expert_key * num_slots + pair_slots, -1),
+                                  num_experts * num_slots)
+        gate_up = self._per_expert(x, gate_up_proj, run_lengths)
+        self._add_lora(gate_up, x, "gate_up_proj", segments)
+        gate, up = gate_up.chunk(2, dim=-1)  # transformers' default gating of concatenated experts
+        intermediate = module.act_fn(gate) * up
+        expert_out = self._per_expert(intermediate, down_proj, run_lengths)
+        self._add_lora(expert_out, intermediate, "down_proj", segments)
+        expert_out = expert_out * top_k_weights.reshape(-1)[order, None]
+        output.index_add_(0, pair_tokens, expert_out.to(output.dtype))
         return output
 
-    def _add_lora(self, y: torch.Tensor, x: torch.Tensor, parameter: str, expert: int, segments) -> None:
-        """``y += B_s,e A_s,e x`` for each token of slot ``s`` (in place; tokens of slots without it unchanged)."""
+    @staticmethod
+    def _per_expert(x: torch.Tensor, weight: torch.Tensor, run_lengths: list[int]) -> torch.Tensor:
+        """``x`` ``[P, in]`` (pairs sorted by expert, ``run_lengths[e]`` of expert ``e``) times each pair's expert
+        of ``weight`` ``[E, out, in]``: ``[P, out]``."""
+        output = x.new_empty(x.shape[0], weight.shape[1])
+        start = 0
+        for expert, length in enumerate(run_lengths):
+            if length:
+                torch.mm(x[start:start + length], weight[expert].t(), out=output[start:start + length])
+                start += length
+        return output
+
+    def _add_lora(self, y: torch.Tensor, x: torch.Tensor, parameter: str, segments) -> None:
+        """``y += B_s,e A_s,e x`` for each pair of expert ``e`` and adapter slot ``s`` (``segments`` numbers them
+        ``e * S + s``), in place; pairs without an adapter, or whose adapter leaves the expert, unchanged."""
         tables = self.tables
-        a_offsets, b_offsets, ranks = tables.row(self.rows[parameter][expert])
+        rows = self.row_index[parameter]
+        a_offsets, b_offsets, ranks = (table[rows].reshape(-1) for table in (tables.a_offsets, tables.b_offsets,
+                                                                              tables.ranks))
         pool = tables.pool
+        backend = self.context.backend(pool.device)
+        if not backend.takes_unchecked(pool.dtype, x.shape[1], y.shape[1], self.max_rank):
+            backend = ops.backend_for(pool.device, "torch")
+        x = x.to(pool.dtype).contiguous()
         if y.dtype == pool.dtype:
-            lora_add(y, x.to(pool.dtype), pool, a_offsets, b_offsets, ranks, segments, self.max_rank)
+            backend.lora_add(y, x, pool, a_offsets, b_offsets, ranks, segments, self.max_rank)
             return
         delta = torch.zeros(y.shape, dtype=pool.dtype, device=y.device)
-        lora_add(delta, x.to(pool.dtype), pool, a_offsets, b_offsets, ranks, segments, self.max_rank)
+        backend.lora_add(delta, x, pool, a_offsets, b_offsets, ranks, segments, self.max_rank)
         y += delta.to(y.dtype)

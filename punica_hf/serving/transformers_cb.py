@@ -26,6 +26,7 @@ carries a note, "upstream hook:", naming what would remove it.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import math
 import warnings
@@ -396,6 +397,11 @@ class ContinuousBatchingBackend:
         runner, io, cb_config = self._runner, self._io, self._processor.cb_config
         runner.last_error = None
         failure = None
+        # transformers runs each capture's first forward (where a compiled step compiles) inside a memory-pool
+        # context of the CUDA allocator; a garbage collection there frees tensors of other pools, and once aborted
+        # the process: collections wait until the captures are done.
+        collecting = gc.isenabled()
+        gc.disable()
         try:
             if not self._own_attention:
                 for with_adapters in (True, False):
@@ -415,6 +421,8 @@ class ContinuousBatchingBackend:
                 failure = self._warm_up_sizes(sorted(sizes, reverse=True))  # the largest first
         finally:
             io.warm_up_adapter_path = False
+            if collecting:
+                gc.enable()
         if failure is not None:
             if self.compiles_steps:  # the compiler may be what failed: say how to run without it
                 raise RuntimeError(f"warm-up of the compiled step failed: {failure} (EngineConfig(compile_steps="

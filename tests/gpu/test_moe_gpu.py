@@ -28,7 +28,7 @@ def _wrapped(base, paths, device, dtype):
 
 @torch.no_grad()
 def test_gpu_moe_logits_and_greedy_tokens_match_cpu(tmp_path):
-    # The attention LoRA runs on the CUDA kernels (a failed build must fail here), the experts' on PyTorch ops.
+    # The attention's and the experts' LoRA run on the CUDA kernels (a failed build must fail here).
     assert isinstance(ops.backend_for(torch.device("cuda")), ops.CudaLoraBackend)
     base = tiny_qwen3_moe()
     paths = save_moe_adapters(base, tmp_path)
