@@ -31,7 +31,10 @@ from punica_hf.serving import Engine, EngineConfig, SamplingParams
 fp8 = pytest.importorskip("transformers.integrations.finegrained_fp8")
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-BLOCK = (16, 16)
+BLOCK = (16, 16)  # the CPU tests' blocks
+# The fp8 kernel's blocks are 32 wide at least (a tensor-core dot needs K >= 32): a wider model for the GPU test
+KERNEL_BLOCK = (32, 32)
+KERNEL_MODEL = dict(hidden_size=64, intermediate_size=128)
 E4M3_MAX = 448.0
 ADAPTERS = {
     "attn": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj"]),
@@ -40,11 +43,11 @@ ADAPTERS = {
 ROW_ADAPTERS = ["attn", None, "mlp", "attn", "mlp"]
 
 
-def quantized(linear: nn.Linear) -> nn.Module:
-    """``linear`` as an ``FP8Linear``: float8 e4m3 blocks of ``BLOCK``, each scaled to the format's range."""
+def quantized(linear: nn.Linear, block: tuple[int, int] = BLOCK) -> nn.Module:
+    """``linear`` as an ``FP8Linear``: float8 e4m3 blocks of ``block``, each scaled to the format's range."""
     out_features, in_features = linear.weight.shape
-    layer = fp8.FP8Linear(in_features, out_features, block_size=BLOCK, has_bias=linear.bias is not None)
-    rows, cols = BLOCK
+    layer = fp8.FP8Linear(in_features, out_features, block_size=block, has_bias=linear.bias is not None)
+    rows, cols = block
     blocks = linear.weight.detach().float().reshape(out_features // rows, rows, in_features // cols, cols)
     scales = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / E4M3_MAX
     weight = (blocks / scales[:, None, :, None]).to(torch.float8_e4m3fn).reshape(out_features, in_features)
@@ -55,13 +58,14 @@ def quantized(linear: nn.Linear) -> nn.Module:
     return layer.to(linear.weight.device)
 
 
-def fp8_model(float_model: nn.Module, dtype: torch.dtype, device: str) -> nn.Module:
-    """A copy of ``float_model`` in ``dtype`` on ``device`` whose projections are ``FP8Linear`` layers."""
+def fp8_model(float_model: nn.Module, dtype: torch.dtype, device: str, block: tuple[int, int] = BLOCK) -> nn.Module:
+    """A copy of ``float_model`` in ``dtype`` on ``device`` whose projections are ``FP8Linear`` layers of
+    ``block``."""
     model = copy.deepcopy(float_model).to(device=device, dtype=dtype)
     for name, module in list(model.named_modules()):
         if name.rsplit(".", 1)[-1] in PROJECTIONS:
             parent, child = name.rsplit(".", 1)
-            setattr(model.get_submodule(parent), child, quantized(module))
+            setattr(model.get_submodule(parent), child, quantized(module, block))
     return model.eval()
 
 
@@ -97,14 +101,15 @@ def real_fp8_kernel(monkeypatch) -> None:
         matmul=kernel.matmul_2d, batched_matmul=kernel.matmul_batched, grouped_matmul=kernel.matmul_grouped))
 
 
-def check_against_peft(tmp_path, dtype: torch.dtype, device: str, atol: float) -> None:
-    float_base = tiny_llama(intermediate_size=64)
+def check_against_peft(tmp_path, dtype: torch.dtype, device: str, atol: float, block: tuple[int, int] = BLOCK,
+                       **model_config) -> None:
+    float_base = tiny_llama(**{"intermediate_size": 64, **model_config})
     paths = {name: save_peft_adapter(float_base, tmp_path / name, seed=seed, **config)
              for seed, (name, config) in enumerate(ADAPTERS.items())}
-    peft = PeftModel.from_pretrained(fp8_model(float_base, dtype, device), paths["attn"], adapter_name="attn")
+    peft = PeftModel.from_pretrained(fp8_model(float_base, dtype, device, block), paths["attn"], adapter_name="attn")
     peft.load_adapter(paths["mlp"], adapter_name="mlp")
-    plain = fp8_model(float_base, dtype, device)
-    model = MultiLoraModel(fp8_model(float_base, dtype, device), max_adapters=2, max_rank=8)
+    plain = fp8_model(float_base, dtype, device, block)
+    model = MultiLoraModel(fp8_model(float_base, dtype, device, block), max_adapters=2, max_rank=8)
     assert isinstance(model.model.model.layers[0].self_attn.q_proj, fp8.FP8Linear)
     model.load_adapters(paths)
     input_ids, attention_mask = left_padded_batch([7, 4, 9, 2, 6], torch.Generator().manual_seed(0))
@@ -139,7 +144,7 @@ def test_lora_on_an_fp8_base_gives_pefts_outputs_row_by_row(tmp_path, cpu_fp8_ma
 def test_lora_on_an_fp8_base_gives_pefts_outputs_through_the_fp8_kernel(tmp_path, monkeypatch):
     real_fp8_kernel(monkeypatch)
     # both run the same fp8 kernel on bfloat16 activations; PEFT keeps float32 factors, punica_hf bfloat16 ones
-    check_against_peft(tmp_path, torch.bfloat16, "cuda", atol=5e-2)
+    check_against_peft(tmp_path, torch.bfloat16, "cuda", atol=5e-2, block=KERNEL_BLOCK, **KERNEL_MODEL)
 
 
 def test_the_engine_serves_an_fp8_base_as_generate_does(tmp_path, cpu_fp8_matmul):
