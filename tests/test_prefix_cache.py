@@ -142,3 +142,29 @@ def test_an_alora_request_shares_the_base_models_pages_before_its_invocation(tmp
         assert run(engine, plain, None) == (answers[None, tuple(plain)], 0)
         assert run(engine, early, "alora") == (answers["alora", tuple(early)], 0)  # its first page is its own
         assert run(engine, plain, None)[1] >= 256  # the base model's pages are still there
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_the_gpu_shared_pages_give_the_greedy_tokens_and_never_cross_adapters(tmp_path):
+    """The paged kernel in bf16, steps replayed from CUDA graphs: a request whose first page a request of its adapter
+    filled takes it (counted); the same tokens under another adapter, or none, are computed anew; every token is
+    the greedy choice of the model's own forward over the same tokens, up to bf16 rounding (a shared page was
+    computed in another batch than a fresh one would be)."""
+    from test_engine import assert_greedy_up_to_rounding, bf16_model_on_the_paged_kernel
+
+    model = bf16_model_on_the_paged_kernel(tmp_path, seed=6)
+    plan = [("a", SHARED), ("a", OTHER_END), ("b", SHARED), (None, SHARED), (None, OTHER_END), ("b", OTHER_END)]
+    shares = [False, True, False, False, True, True]
+    config = EngineConfig(max_running=4, max_batch_tokens=256, kv_blocks=64, cuda_graphs=True)
+    completions, hits = [], []
+    with Engine(model, None, config) as engine:
+        assert engine.stats().cuda_graphs > 0
+        for adapter, tokens in plan:  # one at a time: each finds what the earlier ones left
+            before = engine.stats().prefix_hit_tokens
+            completions.append(engine.submit(tokens, adapter, SamplingParams(max_new_tokens=NEW_TOKENS)).result(
+                timeout=120))
+            hits.append(engine.stats().prefix_hit_tokens - before)
+    assert [count >= 256 for count in hits] == shares, hits
+    assert [count == 0 for count in hits] == [not share for share in shares], hits
+    assert_greedy_up_to_rounding(model, [(adapter, tokens, NEW_TOKENS) for adapter, tokens in plan], completions)
