@@ -178,14 +178,10 @@ class ExpertsLoraHook:
     @staticmethod
     def _per_expert(x: torch.Tensor, weight: torch.Tensor, run_lengths: list[int]) -> torch.Tensor:
         """``x`` ``[P, in]`` (pairs sorted by expert, ``run_lengths[e]`` of expert ``e``) times each pair's expert
-        of ``weight`` ``[E, out, in]``: ``[P, out]``."""
-        output = x.new_empty(x.shape[0], weight.shape[1])
-        start = 0
-        for expert, length in enumerate(run_lengths):
-            if length:
-                torch.mm(x[start:start + length], weight[expert].t(), out=output[start:start + length])
-                start += length
-        return output
+        of ``weight`` ``[E, out, in]``: ``[P, out]``. (No ``out=`` into one buffer: autograd refuses it, and a forward
+        with gradients on runs here too.)"""
+        runs = x.split(run_lengths)
+        return torch.cat([nn.functional.linear(run, weight[expert]) for expert, run in enumerate(runs) if len(run)])
 
     def _add_lora(self, y: torch.Tensor, x: torch.Tensor, parameter: str, segments) -> None:
         """``y += B_s,e A_s,e x`` for each pair of expert ``e`` and adapter slot ``s`` (``segments`` numbers them

@@ -32,6 +32,7 @@ from transformers import (
 
 from punica_hf import MultiLoraModel
 from punica_hf.formats import convert_adapter, load_converted
+from punica_hf.moe_layer import EXPERT_PARAMETERS
 from punica_hf.serving import Engine, EngineConfig, SamplingParams
 
 ATOL = 2e-5
@@ -121,6 +122,29 @@ def test_mixed_batch_logits_match_peft_row_by_row(moe):
             torch.testing.assert_close(logits[row][real[row]], expected[row][real[row]], atol=ATOL, rtol=0)
             if adapter is not None:
                 assert (logits[row][real[row]] - base_logits[row][real[row]]).abs().max() > 1e-3
+
+
+def test_a_forward_with_gradients_gives_the_experts_weights_pefts_gradients(tmp_path):
+    """A forward with gradients on (as on linear layers) runs the experts' LoRA too, and backpropagates into the
+    experts' base weights what PEFT's does."""
+    base = tiny_qwen3_moe()
+    paths = save_moe_adapters(base, tmp_path)
+    peft = oracle(copy.deepcopy(base), paths, "experts")
+    model = MultiLoraModel(base, max_adapters=3, max_rank=8)
+    model.load_adapters(paths)
+    ours = model.model.model.layers[0].mlp.experts
+    theirs = peft.base_model.model.model.layers[0].mlp.experts.base_layer.base_layer  # PEFT's wrapped experts
+    for parameter in peft.parameters():
+        parameter.requires_grad_(False)
+    for name in EXPERT_PARAMETERS:
+        getattr(theirs, name).requires_grad_(True)
+    input_ids = torch.tensor([[5, 9, 13, 2, 7, 41]])
+    model(input_ids, adapter_ids=["experts"]).logits.square().sum().backward()
+    peft(input_ids).logits.square().sum().backward()
+    for name in EXPERT_PARAMETERS:
+        expected = getattr(theirs, name).grad
+        assert expected.abs().max() > 1e-3, name
+        torch.testing.assert_close(getattr(ours, name).grad, expected, atol=1e-5, rtol=1e-4)
 
 
 @torch.no_grad()
