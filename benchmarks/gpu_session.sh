@@ -1,9 +1,11 @@
 #!/bin/bash
-# One device call, everything measured on the H200: the GPU, the kernel build, the GPU tests, then the op, adapter
+# One device call, everything measured on the GPU: the GPU, the kernel build, the GPU tests, then the op, adapter
 # store and generate() benchmarks (and, when asked for in ONLY, the adapter kinds, the serving engine, its extra
-# workloads and Ray Serve against the engine's server). Every part runs under `timeout`, cut to what is left of one overall budget, so a
-# hang costs its part only. Into $OUT go seven files: session.log (every part's output), pytest.log,
-# bench_ops_h200.json/.md, bench_adapters_h200.json, bench_generate_h200.json, bench_step_lora_h200.json. A short
+# workloads and Ray Serve against the engine's server). Every part runs under `timeout`, cut to what is left of one
+# overall budget, so a hang costs its part only. Into $OUT go session.log (every part's output), pytest.log and
+# pytest_summary.log (a line per test group), and each benchmark's JSON (bench_ops_h200.json/.md,
+# bench_adapters_h200.json, bench_generate_h200.json, bench_step_lora_h200.json, ...: named h200 whatever the GPU;
+# the JSON names the device). A short
 # summary is printed last.
 #
 #   OUT=$OUT bash benchmarks/gpu_session.sh          # from the repository root on the GPU machine
