@@ -93,7 +93,8 @@ class ExpertsLoraHook:
     ) -> None:
         self.tables = tables
         self.rows = rows
-        # On the host: they index the tables wherever they are moved to.
+        # Table rows as index tensors, kept where the tables are (``_indices``): a host index would be copied to
+        # the device at every use, twice per projection and layer.
         self.row_index = {name: torch.tensor(rows[name]) for name in EXPERT_PARAMETERS}
         self.all_rows = torch.cat([self.row_index[name] for name in EXPERT_PARAMETERS])
         self.context = context
@@ -131,9 +132,17 @@ class ExpertsLoraHook:
                 "LoRA on MoE experts reads the routing on the host and cannot run inside a CUDA graph: serve MoE "
                 "adapters with EngineConfig(cuda_graphs=False)"
             )
+        self._indices()
         slot_has_lora = (self.tables.ranks[self.all_rows] > 0).any(dim=0)  # [S]
         in_slot = token_slots >= 0
         return bool((slot_has_lora[token_slots.clamp(min=0).long()] & in_slot).any())
+
+    def _indices(self) -> None:
+        """Move the row indices to the tables' device, where they are used (the tables may have moved since)."""
+        device = self.tables.ranks.device
+        if self.all_rows.device != device:
+            self.row_index = {name: rows.to(device) for name, rows in self.row_index.items()}
+            self.all_rows = self.all_rows.to(device)
 
     def _experts_with_lora(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
