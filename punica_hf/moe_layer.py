@@ -111,31 +111,20 @@ class ExpertsLoraHook:
     # Compiled forwards run the experts eagerly (a graph break): the routing is read on the host.
     @torch.compiler.disable
     def __call__(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
-        module = self.module
         segments = self.context.segments_on(self.tables.device) if self.installed else None
-        if segments is None or not self._has_lora_tokens(segments.token_slots):
-            forward = self.replaced_forward
-            if forward is None:
-                return type(module).forward(module, hidden_states, top_k_index, top_k_weights)
-            return forward(hidden_states, top_k_index, top_k_weights)
-        if hidden_states.shape[0] != segments.num_tokens:
-            raise ValueError(
-                f"an experts module with LoRA got {hidden_states.shape[0]} tokens but the batch's adapter mapping has "
-                f"{segments.num_tokens}; adapter_ids must cover every token of input_ids"
-            )
-        return self._experts_with_lora(hidden_states, top_k_index, top_k_weights, segments.token_slots)
-
-    def _has_lora_tokens(self, token_slots: torch.Tensor) -> bool:
-        """Whether some token's adapter has LoRA on some expert of this module (read on the host)."""
-        if self.context.capturing:
-            raise ValueError(
-                "LoRA on MoE experts reads the routing on the host and cannot run inside a CUDA graph: serve MoE "
-                "adapters with EngineConfig(cuda_graphs=False)"
-            )
-        self._indices()
-        slot_has_lora = (self.tables.ranks[self.all_rows] > 0).any(dim=0)  # [S]
-        in_slot = token_slots >= 0
-        return bool((slot_has_lora[token_slots.clamp(min=0).long()] & in_slot).any())
+        if segments is not None:
+            if self.context.capturing:
+                raise ValueError(
+                    "LoRA on MoE experts reads the routing on the host and cannot run inside a CUDA graph: serve MoE "
+                    "adapters with EngineConfig(cuda_graphs=False)"
+                )
+            output = self._experts_with_lora(hidden_states, top_k_index, top_k_weights, segments.token_slots)
+            if output is not None:
+                return output
+        forward = self.replaced_forward
+        if forward is None:
+            return type(self.module).forward(self.module, hidden_states, top_k_index, top_k_weights)
+        return forward(hidden_states, top_k_index, top_k_weights)
 
     def _indices(self) -> None:
         """Move the row indices to the tables' device, where they are used (the tables may have moved since)."""
@@ -147,14 +136,19 @@ class ExpertsLoraHook:
     def _experts_with_lora(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
         token_slots: torch.Tensor,
-    ) -> torch.Tensor:
-        """The experts' output ``[T, H]`` with every (token, routed expert) pair's LoRA update on both projections.
+    ) -> torch.Tensor | None:
+        """The experts' output ``[T, H]`` with every (token, routed expert) pair's LoRA update on both projections;
+        None when no token's adapter has LoRA on this module's experts (the module's own forward serves them).
 
-        The pairs are sorted by expert, so each expert's base matmuls take one contiguous run (one host read of the
-        run lengths per call). The LoRA updates of all pairs are one ``lora_add`` per projection: a pair's "slot"
-        is (expert, adapter slot), numbered ``expert * S + slot``, and its factors' offsets are the tables' rows of
-        that expert, so the kernels group the pairs by expert and adapter at once.
+        The pairs are sorted by expert, so each expert's base matmuls take one contiguous run. The run lengths and
+        whether LoRA is needed at all come to the host in one read: the forward's one sync here. The LoRA updates
+        of all pairs are one ``lora_add`` per projection: a pair's "slot" is (expert, adapter slot), numbered
+        ``expert * S + slot``, and its factors' offsets are the tables' rows of that expert, so the kernels group
+        the pairs by expert and adapter at once.
         """
+        self._indices()
+        slot_has_lora = (self.tables.ranks[self.all_rows] > 0).any(dim=0)  # [S]
+        needs_lora = (slot_has_lora[token_slots.clamp(min=0).long()] & (token_slots >= 0)).any()
         module = self.module
         gate_up_proj, down_proj = module.gate_up_proj, module.down_proj
         num_experts, top_k = gate_up_proj.shape[0], top_k_index.shape[1]
@@ -162,7 +156,15 @@ class ExpertsLoraHook:
         # transformers marks a token routed to no local expert with an index outside [0, E): those pairs sort last
         expert_key = torch.where((experts >= 0) & (experts < num_experts), experts, num_experts)
         expert_key, order = torch.sort(expert_key, stable=True)
-        run_lengths = torch.bincount(expert_key, minlength=num_experts + 1)[:num_experts].tolist()
+        counts = torch.bincount(expert_key, minlength=num_experts + 1)[:num_experts]
+        needed, *run_lengths = torch.cat([needs_lora.view(1).long(), counts]).tolist()
+        if not needed:
+            return None
+        if hidden_states.shape[0] != token_slots.shape[0]:
+            raise ValueError(
+                f"an experts module with LoRA got {hidden_states.shape[0]} tokens but the batch's adapter mapping has "
+                f"{token_slots.shape[0]}; adapter_ids must cover every token of input_ids"
+            )
         pairs = sum(run_lengths)
         output = torch.zeros_like(hidden_states)
         if not pairs:
