@@ -18,6 +18,8 @@ generates exactly its length), adapters round-robin over the adapters and the ba
 - saturation: ``--clients`` concurrent clients over ``--requests`` requests (log-normal prompt and output lengths
   of ``bench_serving.py``, seeded); throughput = generated tokens / wall time;
 - TTFT at low load: ``--ttft-requests`` single requests one after the other; TTFT = first streamed event - send.
+  Through Ray, split by the replica's ``x-punica-replica-first-ms`` header into its time inside the replica (to
+  its answer's first batch) and the rest, outside it (Ray Serve's proxy, the ingress and their hops).
 
 Each system is warmed up first (one request per adapter and the base, then one concurrent burst). Writes JSON under
 benchmarks/results/ and prints a table with the ratios beside their targets. If a server does not come up, the
@@ -59,9 +61,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, PreTrain
 from punica_hf import demo
 
 try:
-    from punica_hf.serving.ray import REPLICA_HEADER
+    from punica_hf.serving.ray import FIRST_BATCH_HEADER, REPLICA_HEADER
 except ImportError:  # ray is not installed: main() says so before anything runs
-    REPLICA_HEADER = None
+    FIRST_BATCH_HEADER = REPLICA_HEADER = None
 
 RESULTS = Path(__file__).resolve().parent / "results"
 REPOSITORY = Path(__file__).resolve().parents[1]
@@ -129,6 +131,7 @@ class Streamed:
     first_event: float
     tokens: int
     replica: str | None  # the Ray Serve replica that answered (its response header), None from the engine's server
+    replica_first_ms: float | None  # the replica's own time to the answer's first batch (its header); None: no Ray
 
 
 async def stream(client: httpx.AsyncClient, call: Call) -> Streamed:
@@ -140,6 +143,7 @@ async def stream(client: httpx.AsyncClient, call: Call) -> Streamed:
         if response.status_code != 200:
             raise RuntimeError(f"HTTP {response.status_code} for {call.model}: {(await response.aread())[:500]!r}")
         replica = response.headers.get(REPLICA_HEADER)
+        replica_first_ms = response.headers.get(FIRST_BATCH_HEADER)
         async for line in response.aiter_lines():
             if not line.startswith("data: "):
                 continue
@@ -151,7 +155,8 @@ async def stream(client: httpx.AsyncClient, call: Call) -> Streamed:
     usage = json.loads(last_payload[len("data: "):]).get("usage") if last_payload else None
     if first_event is None or not usage or usage["completion_tokens"] != call.new_tokens:
         raise RuntimeError(f"the stream for {call.model} ended without {call.new_tokens} tokens: {last_payload!r}")
-    return Streamed(sent, first_event, usage["completion_tokens"], replica)
+    return Streamed(sent, first_event, usage["completion_tokens"], replica,
+                    None if replica_first_ms is None else float(replica_first_ms))
 
 
 async def run_concurrently(base_url: str, calls: list[Call], clients: int) -> dict:
@@ -180,8 +185,16 @@ async def run_one_by_one(base_url: str, calls: list[Call]) -> dict:
     async with httpx.AsyncClient(base_url=base_url, timeout=600) as client:
         results = [await stream(client, call) for call in calls]
     ttft = sorted(result.first_event - result.sent for result in results)
-    return {"requests": len(results), "ttft_p50_ms": 1e3 * statistics.median(ttft),
-            "ttft_p90_ms": 1e3 * percentile(ttft, 90), "ttft_min_ms": 1e3 * ttft[0], "replicas": replicas_of(results)}
+    summary = {"requests": len(results), "ttft_p50_ms": 1e3 * statistics.median(ttft),
+               "ttft_p90_ms": 1e3 * percentile(ttft, 90), "ttft_min_ms": 1e3 * ttft[0],
+               "replicas": replicas_of(results)}
+    in_replica = [result.replica_first_ms for result in results if result.replica_first_ms is not None]
+    if in_replica:  # through Ray: the part of TTFT spent inside the replica, and the rest (Ray Serve's hops)
+        hops = sorted(1e3 * (result.first_event - result.sent) - result.replica_first_ms for result in results
+                      if result.replica_first_ms is not None)
+        summary |= {"in_replica_p50_ms": statistics.median(in_replica),
+                    "outside_replica_p50_ms": statistics.median(hops)}
+    return summary
 
 
 def replicas_of(results: list[Streamed]) -> list[str]:

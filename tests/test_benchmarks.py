@@ -183,6 +183,10 @@ def test_ray_benchmark_smoke_run_measures_both_servers_on_the_same_workload(tmp_
     assert engine["saturation"]["tokens"] == ray["saturation"]["tokens"] > 0
     assert engine["saturation"]["replicas"] == engine["low_load"]["replicas"] == []
     assert len(ray["saturation"]["replicas"]) == 1 and ray["low_load"]["replicas"] == ray["saturation"]["replicas"]
+    # through Ray, each TTFT splits into its time inside the replica and outside it; the engine's server has no split
+    assert "in_replica_p50_ms" not in engine["low_load"]
+    assert 0 < ray["low_load"]["in_replica_p50_ms"] and 0 < ray["low_load"]["outside_replica_p50_ms"]
+    assert ray["low_load"]["in_replica_p50_ms"] < ray["low_load"]["ttft_p90_ms"]
     comparison = report["comparison"]
     assert comparison["throughput_ratio"] == pytest.approx(
         ray["saturation"]["tokens_per_second"] / engine["saturation"]["tokens_per_second"])

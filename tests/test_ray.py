@@ -25,7 +25,7 @@ from punica_hf.cli import build_parser  # noqa: E402
 from punica_hf.cli.serve import build_ray_app  # noqa: E402
 from punica_hf.serving import DemoTokenizer, Engine, EngineConfig  # noqa: E402
 from punica_hf.serving.app import create_app  # noqa: E402
-from punica_hf.serving.ray import REPLICA_HEADER, _asgi_batches, _Lifespan  # noqa: E402
+from punica_hf.serving.ray import FIRST_BATCH_HEADER, REPLICA_HEADER, _asgi_batches, _Lifespan  # noqa: E402
 
 WORDS = demo.sample_words(5, seed=23, held_out=True)
 ADAPTERS = [*demo.TASKS, None]
@@ -106,6 +106,8 @@ def test_streaming_through_a_replica(base_url, answers):
     body = _body("upper", WORDS[1], stream=True)
     with httpx.stream("POST", f"{base_url}/v1/completions", json=body, timeout=60) as response:
         assert response.status_code == 200 and response.headers[REPLICA_HEADER]
+        # the replica's own time to its first batch, a part of what the client waited for
+        assert 0 < float(response.headers[FIRST_BATCH_HEADER]) < 60_000
         events = [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     pieces = [httpx.Response(200, content=event).json() for event in events[:-1]]

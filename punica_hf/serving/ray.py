@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
@@ -56,6 +57,9 @@ MAX_ONGOING_REQUESTS = 1024
 REPLICA_LOST = (RayActorError, ActorUnavailableError)
 # Marks the 503 of a replica that cannot run a step: it did nothing with the request.
 LOST_REPLICA_HEADER = "x-punica-replica-lost"
+# Milliseconds from a replica's taking a request to its answer's first batch (a stream's first token): what the
+# request spent in the replica, apart from Ray Serve's hops before and after it.
+FIRST_BATCH_HEADER = "x-punica-replica-first-ms"
 # How long the ingress keeps sending a request again while replicas are lost (Ray Serve replaces one within three
 # health checks), and its pause between two tries.
 RETRY_SECONDS = 15.0
@@ -203,6 +207,7 @@ class EngineReplica:
         return adapter
 
     async def handle_http(self, request: dict, catalog_version: int) -> AsyncIterator[list[dict]]:
+        taken = time.perf_counter()
         await self.lifespan.start()
         app = self._lost_answer()
         if app is None:
@@ -213,7 +218,9 @@ class EngineReplica:
             app = self.app
         async for batch in _asgi_batches(app, request, self.stream_interval):
             if batch[0]["type"] == "http.response.start":
-                headers = [*batch[0].get("headers", []), (REPLICA_HEADER.encode(), self.name.encode())]
+                first_ms = f"{1e3 * (time.perf_counter() - taken):.3f}"
+                headers = [*batch[0].get("headers", []), (REPLICA_HEADER.encode(), self.name.encode()),
+                           (FIRST_BATCH_HEADER.encode(), first_ms.encode())]
                 batch[0] = {**batch[0], "headers": headers}
             yield batch
 
