@@ -10,7 +10,10 @@ its whole process group killed), one after the other:
 
 - ``engine``: ``punica-hf serve --model DIR --adapter a0=... ...``;
 - ``ray serve, 1 replica``: the same command with ``--replicas 1`` (a Ray cluster of this machine, no dashboard,
-  started and stopped with the command; ``--ray-address`` for another).
+  started and stopped with the command, in Ray Serve's throughput-optimized mode: the ingress serves HTTP itself
+  and calls the replica over gRPC; ``--ray-address`` for another cluster, in its own mode);
+- ``ray serve, 1 replica, standard mode``: the same in Ray Serve's standard mode (its HTTP proxy before the
+  ingress, Ray's actor calls between them), unless ``--smoke`` or ``--ray-address``.
 
 Both get the same requests, streamed (``/v1/completions``, prompts as token ids, ``ignore_eos``: every request
 generates exactly its length), adapters round-robin over the adapters and the base model:
@@ -37,6 +40,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import re
 import shutil
 import signal
 import socket
@@ -71,6 +75,8 @@ THROUGHPUT_TARGET = 0.95  # Ray Serve / engine, saturation tokens/s, at least
 TTFT_OVERHEAD_TARGET_MS = 10.0  # Ray Serve - engine, median TTFT at low load, at most
 SMOKE = dict(prompts=LengthMix(8, 0.5, 2, 20), outputs=LengthMix(8, 0.5, 2, 24))  # the demo model: 64 positions
 TTFT_NEW_TOKENS = 16  # a low-load request streams this many tokens at most: its first one is what is timed
+RAY_SYSTEM = "ray serve, 1 replica"
+RAY_MODES = {"throughput": "on", "standard": "off"}  # --ray-modes name: serve's --ray-throughput-optimized
 SHAPES = {"llama-3.2-1b": llama_3_2_1b_config, "llama-3-8b": lambda: llama_config(32)}
 
 
@@ -275,7 +281,7 @@ class ServerProcess:
 
 
 def run_system(name: str, serve_args: list[str], workdir: Path, start_timeout: float, **workload) -> dict:
-    server = ServerProcess(name, serve_args, workdir / f"{name.split(',')[0].replace(' ', '_')}.log", start_timeout)
+    server = ServerProcess(name, serve_args, workdir / f"{re.sub(r'[^a-z0-9]+', '_', name)}.log", start_timeout)
     try:
         result = measure(server.base_url, **workload)
     except BaseException:
@@ -307,7 +313,16 @@ def versions() -> dict:
     return found
 
 
-def print_table(systems: dict, comparison: dict) -> None:
+def compare(ray: dict, engine: dict) -> dict:
+    """A Ray system's measurements against the engine's server's, beside issue 32's targets."""
+    ratio = ray["saturation"]["tokens_per_second"] / engine["saturation"]["tokens_per_second"]
+    overhead = ray["low_load"]["ttft_p50_ms"] - engine["low_load"]["ttft_p50_ms"]
+    return {"throughput_ratio": ratio, "throughput_target": THROUGHPUT_TARGET,
+            "throughput_met": ratio >= THROUGHPUT_TARGET, "ttft_p50_overhead_ms": overhead,
+            "ttft_overhead_target_ms": TTFT_OVERHEAD_TARGET_MS, "ttft_met": overhead <= TTFT_OVERHEAD_TARGET_MS}
+
+
+def print_table(systems: dict, comparisons: dict) -> None:
     print("| system | tokens/s at saturation | TTFT p50 / p90 at saturation | TTFT p50 / p90 at low load |")
     print("|---|---|---|---|")
     for name, result in systems.items():
@@ -315,11 +330,12 @@ def print_table(systems: dict, comparison: dict) -> None:
         print(f"| {name} | {saturation['tokens_per_second']:.0f} | {saturation['ttft_p50_ms']:.0f} / "
               f"{saturation['ttft_p90_ms']:.0f} ms | {low_load['ttft_p50_ms']:.1f} / "
               f"{low_load['ttft_p90_ms']:.1f} ms |")
-    ratio, overhead = comparison["throughput_ratio"], comparison["ttft_p50_overhead_ms"]
-    print(f"throughput, ray / engine: {ratio:.3f} (target >= {THROUGHPUT_TARGET}: "
-          f"{'met' if comparison['throughput_met'] else 'missed'})")
-    print(f"median TTFT overhead at low load: {overhead:.1f} ms (target <= {TTFT_OVERHEAD_TARGET_MS:.0f} ms: "
-          f"{'met' if comparison['ttft_met'] else 'missed'})")
+    for name, comparison in comparisons.items():
+        ratio, overhead = comparison["throughput_ratio"], comparison["ttft_p50_overhead_ms"]
+        print(f"{name}: throughput / engine's {ratio:.3f} (target >= {THROUGHPUT_TARGET}: "
+              f"{'met' if comparison['throughput_met'] else 'missed'}); median TTFT overhead at low load "
+              f"{overhead:.1f} ms (target <= {TTFT_OVERHEAD_TARGET_MS:.0f} ms: "
+              f"{'met' if comparison['ttft_met'] else 'missed'})")
 
 
 def main() -> None:
@@ -338,6 +354,10 @@ def main() -> None:
     parser.add_argument("--ttft-requests", type=int, help="sequential requests at low load (default: 50; 5 with "
                         "--smoke)")
     parser.add_argument("--max-running", type=int, help="passed to both servers (default: theirs)")
+    parser.add_argument("--ray-modes", default=None,
+                        help="Ray Serve modes to measure, each a system: 'throughput' (RAY_SERVE_THROUGHPUT_OPTIMIZED, "
+                        "serve's default), 'standard' (default: both; the first only with --smoke; none with "
+                        "--ray-address: the cluster's own)")
     parser.add_argument("--ray-address",
                         help="--ray-address of the Ray system (default: none, a cluster of this machine started "
                         "and stopped with the command)")
@@ -359,6 +379,11 @@ def main() -> None:
     args.repeats = args.repeats or (1 if smoke else 3)
     args.start_timeout = args.start_timeout or (120 if smoke else 600)
     args.output = args.output or RESULTS / ("bench_ray_smoke.json" if smoke else "bench_ray.json")
+    modes = [] if args.ray_address else (args.ray_modes or ",".join(RAY_MODES)).split(",")
+    if any(mode not in RAY_MODES for mode in modes) or len(set(modes)) != len(modes):
+        parser.error(f"--ray-modes: distinct names among {', '.join(RAY_MODES)}, got {args.ray_modes!r}")
+    if smoke and args.ray_modes is None:
+        modes = modes[:1]
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a time limit's SIGTERM still stops the servers
 
     setup_start = time.perf_counter()
@@ -391,21 +416,21 @@ def main() -> None:
           f"({sum(c.new_tokens for c in workload['saturation_calls'])} output tokens), {args.ttft_requests} at low "
           f"load, {len(adapters)} adapters and the base model", flush=True)
 
-    systems = {
-        "engine": serve_args,
-        "ray serve, 1 replica": [*serve_args, "--replicas", "1",
-                                 *(["--ray-address", args.ray_address] if args.ray_address else [])],
-    }
+    systems = {"engine": serve_args}
+    if args.ray_address:
+        systems[RAY_SYSTEM] = [*serve_args, "--replicas", "1", "--ray-address", args.ray_address]
+    for mode in modes:  # the first under the plain name: what `punica-hf serve --replicas` does unless told
+        name = RAY_SYSTEM if mode == modes[0] else f"{RAY_SYSTEM}, {mode} mode"
+        systems[name] = [*serve_args, "--replicas", "1", "--ray-throughput-optimized", RAY_MODES[mode]]
     results = {name: run_system(name, system_args, workdir, args.start_timeout, **workload)
                for name, system_args in systems.items()}
-    engine, ray = results["engine"], results["ray serve, 1 replica"]
+    engine = results["engine"]
     check_replicas(engine, 0, "engine")
-    check_replicas(ray, 1, "ray serve, 1 replica")
-    ratio = ray["saturation"]["tokens_per_second"] / engine["saturation"]["tokens_per_second"]
-    overhead = ray["low_load"]["ttft_p50_ms"] - engine["low_load"]["ttft_p50_ms"]
-    comparison = {"throughput_ratio": ratio, "throughput_target": THROUGHPUT_TARGET,
-                  "throughput_met": ratio >= THROUGHPUT_TARGET, "ttft_p50_overhead_ms": overhead,
-                  "ttft_overhead_target_ms": TTFT_OVERHEAD_TARGET_MS, "ttft_met": overhead <= TTFT_OVERHEAD_TARGET_MS}
+    comparisons = {}
+    for name in list(results)[1:]:
+        check_replicas(results[name], 1, name)
+        comparisons[name] = compare(results[name], engine)
+    comparison = comparisons[RAY_SYSTEM]
     report = {
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() and not smoke else "cpu",
         "versions": versions(),
@@ -414,11 +439,12 @@ def main() -> None:
                   "layers": config.num_hidden_layers},
         "systems": results,
         "comparison": comparison,
+        "comparisons": comparisons,
         "wall_seconds": time.perf_counter() - setup_start,
     }
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(report, indent=2))
-    print_table(results, comparison)
+    print_table(results, comparisons)
     for name, result in results.items():
         if result["saturation"]["client_cpu_share"] > 0.8:
             print(f"note: the client process was busy {result['saturation']['client_cpu_share']:.0%} of the "

@@ -7,7 +7,9 @@ One cluster for the module; it is shut down even when a test fails.
 import asyncio
 import json
 import os
+import re
 import shutil
+import threading
 import time
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
@@ -22,7 +24,7 @@ from server_process import demo_lora_dir, free_port, offline_demo_answers  # noq
 
 from punica_hf import MultiLoraModel, demo  # noqa: E402
 from punica_hf.cli import build_parser  # noqa: E402
-from punica_hf.cli.serve import build_ray_app  # noqa: E402
+from punica_hf.cli.serve import RAY_THROUGHPUT_VARIABLE, build_ray_app  # noqa: E402
 from punica_hf.serving import DemoTokenizer, Engine, EngineConfig  # noqa: E402
 from punica_hf.serving.app import create_app  # noqa: E402
 from punica_hf.serving.ray import FIRST_BATCH_HEADER, REPLICA_HEADER, _asgi_batches, _Lifespan  # noqa: E402
@@ -41,15 +43,20 @@ def lora_dir(tmp_path_factory):
     return demo_lora_dir(tmp_path_factory.mktemp("lora_dir"))
 
 
-@pytest.fixture(scope="module")
-def base_url(lora_dir):
+@pytest.fixture(scope="module", params=["throughput", "standard"])
+def base_url(request, lora_dir):
+    """The server in each of Ray Serve's modes: throughput-optimized (what ``punica-hf serve --replicas`` starts:
+    the ingress serves HTTP itself and calls the replicas over gRPC, on its own event loop) and standard (its
+    HTTP proxy, and Ray actor calls)."""
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+    before = os.environ.get(RAY_THROUGHPUT_VARIABLE)
+    os.environ[RAY_THROUGHPUT_VARIABLE] = "1" if request.param == "throughput" else "0"  # the cluster inherits it
     port = free_port()
     args = build_parser().parse_args([
         "serve", "--model", "demo", "--replicas", "2", "--device", "cpu", "--max-running", "8",
         "--allow-runtime-lora", "--lora-dir", str(lora_dir),
     ])
-    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
+    ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
              runtime_env={"env_vars": {"RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": "1"}})
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -58,6 +65,10 @@ def base_url(lora_dir):
     finally:
         serve.shutdown()
         ray.shutdown()
+        if before is None:
+            os.environ.pop(RAY_THROUGHPUT_VARIABLE)
+        else:
+            os.environ[RAY_THROUGHPUT_VARIABLE] = before
 
 
 def _body(adapter, word, **extra) -> dict:
@@ -133,6 +144,52 @@ def test_a_runtime_load_and_unload_reach_both_replicas(base_url, lora_dir, answe
     seen = _replicas_seen(base_url)
     assert len(seen) == 2 and not any("sort2" in models for models in seen.values()), seen
     assert _complete(base_url, "sort2", WORDS[2]).status_code == 404
+
+
+def _finished_by_reason(base_url) -> dict[str, float]:
+    """The engines' finished requests by finish reason, summed over both replicas (``/metrics`` goes to either: asked
+    until both answered)."""
+    counts = {}
+    for _ in range(40):
+        response = httpx.get(f"{base_url}/metrics", timeout=30).raise_for_status()
+        counts[response.headers[REPLICA_HEADER]] = {
+            reason: float(value) for reason, value in
+            re.findall(r'^punica_requests_total\{finish_reason="(\w+)"\} (\S+)$', response.text, re.MULTILINE)
+        }
+        if len(counts) == 2:
+            break
+    assert len(counts) == 2, counts
+    return {reason: sum(c.get(reason, 0.0) for c in counts.values()) for reason in ("length", "cancelled")}
+
+
+def test_clients_that_disconnect_have_their_requests_cancelled_in_the_replica(base_url):
+    """Streams whose clients go away before their answers end must not run to their end: the replica cancels them
+    (their queue places and KV blocks freed). 24 streams of one adapter queue on its replica (8 run at once); every
+    client hangs up 0.3 s after sending."""
+    before = _finished_by_reason(base_url)
+    body = {**_body("upper", WORDS[0], stream=True), "max_tokens": 48, "ignore_eos": True}
+
+    async def hang_up(client: httpx.AsyncClient) -> None:
+        async def read():
+            async with client.stream("POST", f"{base_url}/v1/completions", json=body) as response:
+                async for _ in response.aiter_bytes():
+                    pass
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(read(), timeout=0.3)
+
+    async def run() -> None:
+        async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=32)) as client:
+            await asyncio.gather(*(hang_up(client) for _ in range(24)))
+
+    asyncio.run(run())
+    deadline = time.monotonic() + 30
+    while True:  # every request ends: those cancelled at once, those already running when they finish
+        after = _finished_by_reason(base_url)
+        ended = {reason: after[reason] - before[reason] for reason in after}
+        if sum(ended.values()) >= 24 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert sum(ended.values()) == 24 and ended["cancelled"] >= 8, ended
 
 
 def test_a_killed_replica_is_replaced_and_the_other_keeps_answering(base_url, answers):
@@ -367,8 +424,8 @@ def test_a_replica_that_cannot_run_a_step_marks_its_503_for_the_ingress():
 
 # ---------------------------------------------------------------------- the catalog and catching up, no cluster
 class _Catalog:
-    """An ``AdapterCatalog`` called as a replica calls its deployment (``.snapshot.remote()`` awaited,
-    ``.record.remote(...).result()``), in this process."""
+    """An ``AdapterCatalog`` called as a replica calls its deployment (``.snapshot.remote()`` and
+    ``.record.remote(...)`` awaited), in this process."""
 
     def __init__(self):
         from punica_hf.serving.ray import AdapterCatalog
@@ -377,8 +434,17 @@ class _Catalog:
 
         async def snapshot():
             return self.actor.snapshot()
-        self.snapshot = _Remote(snapshot)
-        self.record = _Remote(lambda *args: type("Done", (), {"result": lambda _: self.actor.record(*args)})())
+
+        async def record(*args):
+            return self.actor.record(*args)
+        self.snapshot, self.record = _Remote(snapshot), _Remote(record)
+
+
+def _event_loop_in_a_thread() -> asyncio.AbstractEventLoop:
+    """A replica's event loop: where its server's worker threads have its calls to the catalog made."""
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    return loop
 
 
 def _replica(catalog) -> "EngineReplica":  # noqa: F821
@@ -392,7 +458,7 @@ def _replica(catalog) -> "EngineReplica":  # noqa: F821
     replica = Replica.__new__(Replica)
     model = MultiLoraModel(demo.load_base_model(), max_adapters=4)
     replica.engine = Engine(model, DemoTokenizer(), EngineConfig(max_running=2))
-    replica.catalog, replica.name = catalog, "test"
+    replica.catalog, replica.name, replica.loop = catalog, "test", _event_loop_in_a_thread()
     replica.version, replica.applied, replica.superseded, replica.catching_up = ("", 0), {}, set(), asyncio.Lock()
     return replica
 

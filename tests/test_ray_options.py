@@ -2,6 +2,7 @@
 runtime adapter loads (``create_app(on_adapters_changed=...)``), all or nothing."""
 
 import importlib.util
+import os
 
 import pytest
 from fastapi.testclient import TestClient
@@ -9,6 +10,7 @@ from server_process import demo_lora_dir
 
 from punica_hf import MultiLoraModel, demo
 from punica_hf.cli import main
+from punica_hf.cli.serve import RAY_THROUGHPUT_VARIABLE, ray_app
 from punica_hf.serving import DemoTokenizer, Engine, EngineConfig
 from punica_hf.serving.app import create_app
 
@@ -16,8 +18,39 @@ from punica_hf.serving.app import create_app
 def test_serve_help_explains_the_replica_options(capsys):
     assert main(["serve", "--help"]) == 0
     out = capsys.readouterr().out
-    for option in ("--replicas", "--ray-address", "--gpus-per-replica"):
+    for option in ("--replicas", "--ray-address", "--gpus-per-replica", "--ray-throughput-optimized"):
         assert option in out
+
+
+@pytest.mark.parametrize("asked, mode", [([], "1"), (["--ray-throughput-optimized", "on"], "1"),
+                                         (["--ray-throughput-optimized", "off"], "0")])
+def test_the_local_cluster_starts_in_the_ray_serve_mode_asked_for(monkeypatch, capsys, asked, mode):
+    """Ray Serve reads its mode from the environment of the cluster's processes: it must be set when the command
+    starts the cluster (its processes inherit the command's environment), whatever the command's own was; and the
+    cluster is a new one (``address="local"``), never one already running on the machine in another mode."""
+    ray = pytest.importorskip("ray", reason="needs the ray extra")
+    seen = []
+
+    def init(**options):  # the cluster's start: what its processes would inherit
+        seen.append((os.environ.get(RAY_THROUGHPUT_VARIABLE), options.get("address")))
+        raise ConnectionError("no cluster in this test")
+
+    monkeypatch.setattr(ray, "init", init)
+    monkeypatch.setenv(RAY_THROUGHPUT_VARIABLE, "0" if mode == "1" else "1")  # the opposite, set beforehand
+    assert main(["serve", "--model", "demo", "--replicas", "1", "--device", "cpu", *asked]) == 1
+    assert "no cluster in this test" in capsys.readouterr().err
+    assert seen == [(mode, "local")]
+
+
+def test_the_ray_serve_mode_of_a_cluster_that_runs_already_is_refused(capsys, monkeypatch):
+    """Another cluster's processes run already in their own mode: an option that says otherwise would be a lie."""
+    monkeypatch.delenv(RAY_THROUGHPUT_VARIABLE, raising=False)
+    command = ["serve", "--model", "demo", "--ray-address", "10.0.0.1:6379", "--ray-throughput-optimized", "on"]
+    assert main(command) == 1
+    assert f"set {RAY_THROUGHPUT_VARIABLE}=1 (or 0) where the cluster's nodes start" in capsys.readouterr().err
+    assert RAY_THROUGHPUT_VARIABLE not in os.environ
+    with pytest.raises(ValueError, match="an application cannot change it"):
+        ray_app({"model": "demo", "ray_throughput_optimized": "off"})
 
 
 @pytest.mark.skipif(importlib.util.find_spec("ray") is not None, reason="Ray is installed here")

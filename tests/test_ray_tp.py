@@ -51,7 +51,7 @@ def served(tmp_path_factory):
     expected = {**_unsplit_answers(model_dir, adapters), "b": _unsplit_answers(model_dir, {"a": runtime})["a"]}
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
     port = free_port()
-    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
+    ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
              runtime_env={"env_vars": {"RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": "1",
                                        "CUDA_VISIBLE_DEVICES": ""}})
     try:

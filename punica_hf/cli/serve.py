@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import socket
 import threading
@@ -22,6 +23,7 @@ from .common import (
 )
 
 ENGINE_WATCH_SECONDS = 0.2  # how often a server over --tp ranks checks that its engine still runs
+RAY_THROUGHPUT_VARIABLE = "RAY_SERVE_THROUGHPUT_OPTIMIZED"  # Ray Serve's switch of its throughput-optimized mode
 
 
 def register(command: Callable[..., argparse.ArgumentParser]) -> None:
@@ -115,6 +117,13 @@ def register(command: Callable[..., argparse.ArgumentParser]) -> None:
         "--gpus-per-replica", type=float, default=None, metavar="G",
         help="GPUs Ray reserves for each replica (default: the --tp value, 1 without it, when this machine has a "
         "CUDA GPU, else 0)",
+    )
+    replicas.add_argument(
+        "--ray-throughput-optimized", choices=["on", "off"], default=None,
+        help="start the local Ray cluster with Ray Serve's throughput-optimized mode "
+        "(RAY_SERVE_THROUGHPUT_OPTIMIZED: the ingress serves HTTP itself, without a proxy between, and calls the "
+        "replicas over gRPC; default: on). With --ray-address the cluster's own setting holds: set the variable "
+        "where its nodes start",
     )
     replicas.add_argument(
         "--stream-interval-ms", type=milliseconds, default=50, metavar="MS",
@@ -234,6 +243,9 @@ def check_arguments(args: argparse.Namespace) -> None:
             f"the adapter name {name!r} is the base model's served name: rename the adapter (--adapter OTHER=...) or "
             "the base model (--served-model-name)"
         )
+    if args.ray_throughput_optimized is not None and args.ray_address is not None:
+        raise ValueError("--ray-throughput-optimized sets up the local Ray cluster; with --ray-address, set "
+                         f"{RAY_THROUGHPUT_VARIABLE}=1 (or 0) where the cluster's nodes start")
     if args.tp > 1:
         ranks.check_tp_arguments(args)
         if on_ray(args) and args.gpus_per_replica is not None and 0 < args.gpus_per_replica < args.tp:
@@ -299,6 +311,9 @@ def ray_app(options: Mapping[str, object]):
             elif item is not False and str(item).lower() != "false":
                 argv += [flag, str(item)]
     args = parser.parse_args(argv)
+    if args.ray_throughput_optimized is not None:  # serve run's cluster is up already: its nodes' setting holds
+        raise ValueError(f"ray_throughput_optimized: set {RAY_THROUGHPUT_VARIABLE}=1 (or 0) where the cluster's "
+                         "nodes start; an application cannot change it")
     args.argv = ["serve", *argv]  # the command line of each replica's ranks 1.. under --tp
     return build_ray_app(args)
 
@@ -324,12 +339,16 @@ def build_ray_app(args: argparse.Namespace):
 
 
 def _run_on_ray(args: argparse.Namespace, console: Console) -> None:
+    if args.ray_address is None:
+        # Ray Serve reads its mode from the environment of the cluster's processes, which inherit this one's: set
+        # before Ray is imported, as Ray Serve reads it at import.
+        os.environ[RAY_THROUGHPUT_VARIABLE] = "0" if args.ray_throughput_optimized == "off" else "1"
     app = build_ray_app(args)
     import ray
     from ray import serve
 
     if args.ray_address is None:  # a cluster of this machine alone, reachable from it alone
-        ray.init(include_dashboard=False, _node_ip_address="127.0.0.1", configure_logging=False)
+        ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1", configure_logging=False)
     else:
         ray.init(address=args.ray_address, configure_logging=False)
     try:

@@ -181,6 +181,7 @@ class EngineReplica:
         # Ray Serve runs the constructor on the thread that runs the replica's event loop, for the replica's whole
         # life: the followers are started from it (see FollowerRanks).
         self.followers = FollowerRanks(tp, follower_args) if tp > 1 else None
+        self.loop = asyncio.get_running_loop()  # where calls to other deployments are made and awaited
         try:
             self.engine = make_engine() if self.followers is None else self.followers.join_and(make_engine)
             self.catalog = catalog
@@ -283,9 +284,15 @@ class EngineReplica:
         held = self.version
         return asked[0] in self.superseded or (held[0] == asked[0] and asked[1] <= held[1])
 
-    def _record_in_catalog(self, name: str, path: str | None) -> None:  # called in a worker thread of the app
+    def _record_in_catalog(self, name: str, path: str | None) -> None:
+        """Called in a worker thread of the app. The call to the catalog is made and awaited on the replica's event
+        loop: where Ray Serve routes calls on that loop itself (``RAY_SERVE_THROUGHPUT_OPTIMIZED``), a handle's
+        blocking ``result()`` is refused."""
+        async def record() -> CatalogVersion:
+            return await self.catalog.record.remote(name, path, self.applied.get(name))
+
         try:
-            self.applied[name] = self.catalog.record.remote(name, path, self.applied.get(name)).result()
+            self.applied[name] = asyncio.run_coroutine_threadsafe(record(), self.loop).result()
         except NameChangedElsewhere as error:  # Ray's copy, with the catalog's traceback: the server answers 409
             raise ValueError(str(getattr(error, "cause", error))) from None
 
