@@ -9,6 +9,9 @@ import json
 import os
 import re
 import shutil
+import signal
+import subprocess
+import sys
 import threading
 import time
 from collections import defaultdict
@@ -20,7 +23,7 @@ import pytest
 ray = pytest.importorskip("ray", reason="needs the ray extra (pip install 'punica-hf[ray]')")
 serve = pytest.importorskip("ray.serve", reason="needs the ray extra (pip install 'punica-hf[ray]')")
 
-from server_process import demo_lora_dir, free_port, offline_demo_answers  # noqa: E402
+from server_process import child_env, demo_lora_dir, free_port, offline_demo_answers  # noqa: E402
 
 from punica_hf import MultiLoraModel, demo  # noqa: E402
 from punica_hf.cli import build_parser  # noqa: E402
@@ -221,6 +224,62 @@ def test_a_killed_replica_is_replaced_and_the_other_keeps_answering(base_url, an
         time.sleep(1)
     assert victim not in seen  # a new replica, serving every adapter again
     assert all(set(demo.TASKS) <= set(models) for models in seen.values())
+
+
+@pytest.mark.parametrize("mode", ["on", "off"])
+def test_sigterm_answers_the_requests_in_flight_then_stops_the_whole_local_cluster(tmp_path, mode):
+    """``punica-hf serve --replicas 1`` given SIGTERM while it streams an answer: the answer goes on to its end, the
+    command exits 0, and no process of the Ray cluster it started is left. It used to drop the answer (Ray Serve
+    stopped before the application drained) and, in Ray Serve's standard mode, to abort while leaving Ray's
+    processes running."""
+    port = free_port()
+    command = [sys.executable, "-m", "punica_hf", "serve", "--model", "demo", "--replicas", "1", "--device", "cpu",
+               "--host", "127.0.0.1", "--port", str(port), "--ray-throughput-optimized", mode]
+    with open(tmp_path / "serve.log", "w") as log:  # its own process group: the cluster's processes join it
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                   env={**child_env(), "RAY_USAGE_STATS_ENABLED": "0"})
+    try:
+        _wait_for_health(process, port, tmp_path / "serve.log")
+        body = {**_body("upper", WORDS[1], stream=True), "max_tokens": 48, "ignore_eos": True}
+        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60) as response:
+            events = response.iter_lines()
+            first = next(line for line in events if line.startswith("data: "))
+            process.send_signal(signal.SIGTERM)  # the answer has begun, and is far from its end
+            rest = [line for line in events if line.startswith("data: ")]
+        pieces = [json.loads(line[len("data: "):]) for line in [first, *rest[:-1]]]
+        reasons = [choice["finish_reason"] for piece in pieces for choice in piece["choices"]
+                   if choice.get("finish_reason")]
+        assert rest[-1] == "data: [DONE]" and reasons == ["length"], rest[-3:]
+        assert process.wait(timeout=60) == 0, (tmp_path / "serve.log").read_text()[-3000:]
+        deadline = time.monotonic() + 20
+        while _group_alive(process.pid):
+            assert time.monotonic() < deadline, "processes of the cluster outlived the command"
+            time.sleep(0.5)
+    finally:
+        if _group_alive(process.pid):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+
+
+def _wait_for_health(process: subprocess.Popen, port: int, log_path, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        assert process.poll() is None, f"the command exited: {log_path.read_text()[-3000:]}"
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, f"no answer on /health: {log_path.read_text()[-3000:]}"
+        time.sleep(0.3)
+
+
+def _group_alive(group: int) -> bool:
+    try:
+        os.killpg(group, 0)
+        return True
+    except ProcessLookupError:
+        return False
 
 
 def test_a_replica_cancels_the_request_of_a_client_that_went_away():

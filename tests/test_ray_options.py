@@ -10,7 +10,7 @@ from server_process import demo_lora_dir
 
 from punica_hf import MultiLoraModel, demo
 from punica_hf.cli import main
-from punica_hf.cli.serve import RAY_THROUGHPUT_VARIABLE, ray_app
+from punica_hf.cli.serve import RAY_INGRESS_DRAIN_VARIABLE, RAY_THROUGHPUT_VARIABLE, ray_app
 from punica_hf.serving import DemoTokenizer, Engine, EngineConfig
 from punica_hf.serving.app import create_app
 
@@ -33,10 +33,13 @@ def test_the_local_cluster_starts_in_the_ray_serve_mode_asked_for(monkeypatch, c
 
     def init(**options):  # the cluster's start: what its processes would inherit
         seen.append((os.environ.get(RAY_THROUGHPUT_VARIABLE), options.get("address")))
+        # no load balancer before the local ingress: it stops once the requests in flight are answered, not 30 s on
+        assert os.environ.get(RAY_INGRESS_DRAIN_VARIABLE) == "1"
         raise ConnectionError("no cluster in this test")
 
     monkeypatch.setattr(ray, "init", init)
     monkeypatch.setenv(RAY_THROUGHPUT_VARIABLE, "0" if mode == "1" else "1")  # the opposite, set beforehand
+    monkeypatch.delenv(RAY_INGRESS_DRAIN_VARIABLE, raising=False)
     assert main(["serve", "--model", "demo", "--replicas", "1", "--device", "cpu", *asked]) == 1
     assert "no cluster in this test" in capsys.readouterr().err
     assert seen == [(mode, "local")]

@@ -23,6 +23,9 @@ from .common import (
 )
 
 ENGINE_WATCH_SECONDS = 0.2  # how often a server over --tp ranks checks that its engine still runs
+RAY_APP_NAME = "punica-hf"  # the application's name on Ray Serve
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+RAY_INGRESS_DRAIN_VARIABLE = "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"
 RAY_THROUGHPUT_VARIABLE = "RAY_SERVE_THROUGHPUT_OPTIMIZED"  # Ray Serve's switch of its throughput-optimized mode
 
 
@@ -128,7 +131,8 @@ def register(command: Callable[..., argparse.ArgumentParser]) -> None:
     replicas.add_argument(
         "--stream-interval-ms", type=milliseconds, default=50, metavar="MS",
         help="a replica sends a streamed answer's first token at once, then the tokens of each MS milliseconds "
-        "together: every item crosses two Ray hops, each far dearer than a token (default: 50; 0: each token alone)",
+        "together: every item crosses one or two Ray hops, each far dearer than a token (default: 50; 0: each "
+        "token alone)",
     )
     limits = parser.add_argument_group("request limits (a request beyond is refused before it reaches the engine)")
     limits.add_argument("--max-request-bytes", type=positive_int, default=4 * 1024 * 1024, metavar="N",
@@ -338,35 +342,65 @@ def build_ray_app(args: argparse.Namespace):
     )
 
 
+class StopRequested(Exception):
+    """SIGINT or SIGTERM: the command stops (the replicas answer the requests in flight first)."""
+
+
+def _stop_on_signals() -> None:
+    def stop(signum, frame):
+        raise StopRequested(signal.Signals(signum).name)
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, stop)
+
+
 def _run_on_ray(args: argparse.Namespace, console: Console) -> None:
     if args.ray_address is None:
         # Ray Serve reads its mode from the environment of the cluster's processes, which inherit this one's: set
         # before Ray is imported, as Ray Serve reads it at import.
         os.environ[RAY_THROUGHPUT_VARIABLE] = "0" if args.ray_throughput_optimized == "off" else "1"
+        # Ray Serve's ingress drains for 30 s before it stops, for load balancers to learn that it does: there is
+        # none before the local cluster's, only the requests in flight to answer (which it waits for anyway).
+        os.environ.setdefault(RAY_INGRESS_DRAIN_VARIABLE, "1")
     app = build_ray_app(args)
     import ray
     from ray import serve
 
-    if args.ray_address is None:  # a cluster of this machine alone, reachable from it alone
-        ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1", configure_logging=False)
-    else:
-        ray.init(address=args.ray_address, configure_logging=False)
+    handlers = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
+    started = deployed = False
+    _stop_on_signals()
     try:
+        if args.ray_address is None:  # a cluster of this machine alone, reachable from it alone
+            ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1", configure_logging=False)
+        else:
+            ray.init(address=args.ray_address, configure_logging=False)
+        _stop_on_signals()  # again: Ray's start put its own SIGTERM handler in place, which aborts the process
+        started = True
         serve.start(http_options={"host": args.host, "port": args.port})
         with console.status(f"starting {args.replicas or 1} replica(s) of {args.model} on Ray Serve"):
-            serve.run(app, name="punica-hf", route_prefix="/")
+            deployed = True
+            serve.run(app, name=RAY_APP_NAME, route_prefix="/")
         console.print(
             f"serving [bold]{args.served_model_name or args.model}[/bold] with {args.replicas or 1} replica(s) on "
             f"http://{args.host}:{args.port}/v1" + (" (API key required)" if args.api_key else ""),
             highlight=False,
         )
-        stop = threading.Event()
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(signum, lambda *_: stop.set())
-        stop.wait()
+        threading.Event().wait()  # until a signal raises StopRequested
+    except StopRequested:
+        console.print("stopping: the replicas answer the requests in flight first", highlight=False)
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        for signum in STOP_SIGNALS:  # the drain is not cut short by a second signal
+            signal.signal(signum, signal.SIG_IGN)
+        try:
+            if deployed:  # the application first, while Ray Serve still runs: its replicas drain
+                serve.delete(RAY_APP_NAME)
+        except Exception as error:  # Ray Serve failed: what stops next goes on
+            console.print(f"stopping the application on Ray Serve: {error}", style="red", highlight=False)
+        finally:
+            if started and args.ray_address is None:  # Serve and the cluster this command started; not another's
+                serve.shutdown()
+            ray.shutdown()
+            for signum, handler in handlers.items():
+                signal.signal(signum, handler)
 
 
 def bind_listener(host: str, port: int) -> socket.socket:
