@@ -63,6 +63,21 @@ class Server:
         self.log.close()
 
 
+def wait_for_health(process: subprocess.Popen, base: str, log_path: Path,
+                    timeout: float = STARTUP_TIMEOUT_SECONDS) -> None:
+    """Until the server at ``base`` answers ``/health``; fails with its log's end if it exits or ``timeout`` passes."""
+    deadline = time.monotonic() + timeout
+    while True:
+        assert process.poll() is None, f"the server exited:\n{log_path.read_text()[-6000:]}"
+        try:
+            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, f"the server did not start:\n{log_path.read_text()[-6000:]}"
+        time.sleep(0.3)
+
+
 def start_demo_server(api_key: str, lora_dir: Path, log_path: Path) -> Server:
     """The demo model behind ``api_key``, loading adapters at run time from under ``lora_dir`` only."""
     return Server(["--model", "demo", "--api-key", api_key, "--allow-runtime-lora", "--lora-dir", str(lora_dir)],

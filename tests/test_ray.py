@@ -23,7 +23,9 @@ import pytest
 ray = pytest.importorskip("ray", reason="needs the ray extra (pip install 'punica-hf[ray]')")
 serve = pytest.importorskip("ray.serve", reason="needs the ray extra (pip install 'punica-hf[ray]')")
 
-from server_process import child_env, demo_lora_dir, free_port, offline_demo_answers  # noqa: E402
+from server_process import (  # noqa: E402
+    child_env, demo_lora_dir, free_port, offline_demo_answers, wait_for_health,
+)
 
 from punica_hf import MultiLoraModel, demo  # noqa: E402
 from punica_hf.cli import build_parser  # noqa: E402
@@ -239,7 +241,7 @@ def test_sigterm_answers_the_requests_in_flight_then_stops_the_whole_local_clust
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                    env={**child_env(), "RAY_USAGE_STATS_ENABLED": "0"})
     try:
-        _wait_for_health(process, port, tmp_path / "serve.log")
+        wait_for_health(process, f"http://127.0.0.1:{port}", tmp_path / "serve.log")
         body = {**_body("upper", WORDS[1], stream=True), "max_tokens": 48, "ignore_eos": True}
         with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60) as response:
             events = response.iter_lines()
@@ -259,19 +261,6 @@ def test_sigterm_answers_the_requests_in_flight_then_stops_the_whole_local_clust
         if _group_alive(process.pid):
             os.killpg(process.pid, signal.SIGKILL)
         process.wait()
-
-
-def _wait_for_health(process: subprocess.Popen, port: int, log_path, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        assert process.poll() is None, f"the command exited: {log_path.read_text()[-3000:]}"
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, f"no answer on /health: {log_path.read_text()[-3000:]}"
-        time.sleep(0.3)
 
 
 def _group_alive(group: int) -> bool:

@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from helpers import save_peft_adapter, save_word_level_model
 from punica_hf import MultiLoraModel
 from punica_hf.serving import Engine, SamplingParams
-from server_process import child_env, free_port
+from server_process import child_env, free_port, wait_for_health
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch without torch.distributed")
 
@@ -36,19 +36,6 @@ def _unsplit_answers(model_dir, adapters) -> dict:
     with Engine(model, AutoTokenizer.from_pretrained(model_dir)) as engine:
         return {adapter: engine.submit(prompt, adapter, params).result(timeout=60).text
                 for adapter, prompt in PROMPTS.items()}
-
-
-def _wait_for_health(process: subprocess.Popen, base: str, log) -> None:
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while time.monotonic() < deadline:
-        assert process.poll() is None, f"the server exited:\n{log.read_text()[-6000:]}"
-        try:
-            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.3)
-    pytest.fail(f"the server did not start:\n{log.read_text()[-6000:]}")
 
 
 def _serve_tp(model_dir, adapters, log, options=()):
@@ -69,7 +56,7 @@ def _serving(command: list[str], log):
         # Its own session, so a failure ends the ranks with it (killpg), never leaving them behind.
         process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
-            _wait_for_health(process, base, log)
+            wait_for_health(process, base, log, STARTUP_TIMEOUT_S)
             yield process, base
         finally:
             if process.poll() is None:
