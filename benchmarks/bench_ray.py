@@ -10,10 +10,10 @@ its whole process group killed), one after the other:
 
 - ``engine``: ``punica-hf serve --model DIR --adapter a0=... ...``;
 - ``ray serve, 1 replica``: the same command with ``--replicas 1`` (a Ray cluster of this machine, no dashboard,
-  started and stopped with the command, in Ray Serve's throughput-optimized mode: the ingress serves HTTP itself
-  and calls the replica over gRPC; ``--ray-address`` for another cluster, in its own mode);
-- ``ray serve, 1 replica, standard mode``: the same in Ray Serve's standard mode (its HTTP proxy before the
-  ingress, Ray's actor calls between them), unless ``--smoke`` or ``--ray-address``.
+  started and stopped with the command, in Ray Serve's throughput-optimized mode: gRPC between its processes;
+  ``--ray-address`` for another cluster, in its own mode);
+- ``ray serve, 1 replica, standard mode``: the same in Ray Serve's standard mode (Ray's actor calls between its
+  processes), unless ``--smoke`` or ``--ray-address``.
 
 Both get the same requests, streamed (``/v1/completions``, prompts as token ids, ``ignore_eos``: every request
 generates exactly its length), adapters round-robin over the adapters and the base model:

@@ -230,28 +230,36 @@ def test_a_killed_replica_is_replaced_and_the_other_keeps_answering(base_url, an
 
 @pytest.mark.parametrize("mode", ["on", "off"])
 def test_sigterm_answers_the_requests_in_flight_then_stops_the_whole_local_cluster(tmp_path, mode):
-    """``punica-hf serve --replicas 1`` given SIGTERM while it streams an answer: the answer goes on to its end, the
-    command exits 0, and no process of the Ray cluster it started is left. It used to drop the answer (Ray Serve
-    stopped before the application drained) and, in Ray Serve's standard mode, to abort while leaving Ray's
-    processes running."""
-    port = free_port()
+    """``punica-hf serve --replicas 1 --max-running 1`` given SIGTERM while it streams an answer, with a queue behind
+    it longer than Ray Serve's default 20 s of draining: every answer goes on to its end, the command exits 0, and no
+    process of the Ray cluster it started is left. It used to drop the answers (Ray Serve stopped before the
+    application drained, and then killed replicas after 20 s) and, in Ray Serve's standard mode, to abort while
+    leaving Ray's processes running."""
+    port, backlog = free_port(), 150  # about 0.25 s each on 2 cores: a queue of over 30 s
+    base = f"http://127.0.0.1:{port}"
     command = [sys.executable, "-m", "punica_hf", "serve", "--model", "demo", "--replicas", "1", "--device", "cpu",
-               "--host", "127.0.0.1", "--port", str(port), "--ray-throughput-optimized", mode]
+               "--max-running", "1", "--host", "127.0.0.1", "--port", str(port), "--ray-throughput-optimized", mode]
     with open(tmp_path / "serve.log", "w") as log:  # its own process group: the cluster's processes join it
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                    env={**child_env(), "RAY_USAGE_STATS_ENABLED": "0"})
     try:
-        wait_for_health(process, f"http://127.0.0.1:{port}", tmp_path / "serve.log")
-        body = {**_body("upper", WORDS[1], stream=True), "max_tokens": 48, "ignore_eos": True}
-        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60) as response:
-            events = response.iter_lines()
-            first = next(line for line in events if line.startswith("data: "))
-            process.send_signal(signal.SIGTERM)  # the answer has begun, and is far from its end
+        wait_for_health(process, base, tmp_path / "serve.log")
+        body = {**_body("upper", WORDS[1]), "max_tokens": 48, "ignore_eos": True}
+        with ThreadPoolExecutor(backlog) as pool, \
+                httpx.stream("POST", f"{base}/v1/completions", json={**body, "stream": True}, timeout=60) as stream:
+            events = stream.iter_lines()
+            first = next(line for line in events if line.startswith("data: "))  # running: the queue goes behind it
+            queued = [pool.submit(httpx.post, f"{base}/v1/completions", json=body, timeout=300) for _ in range(backlog)]
+            _wait_for_requests_in_the_engine(base, backlog + 1)
+            process.send_signal(signal.SIGTERM)
             rest = [line for line in events if line.startswith("data: ")]
+            answers = [future.result() for future in queued]
         pieces = [json.loads(line[len("data: "):]) for line in [first, *rest[:-1]]]
         reasons = [choice["finish_reason"] for piece in pieces for choice in piece["choices"]
                    if choice.get("finish_reason")]
         assert rest[-1] == "data: [DONE]" and reasons == ["length"], rest[-3:]
+        assert [(a.status_code, a.json()["usage"]["completion_tokens"] if a.status_code == 200 else a.text)
+                for a in answers] == [(200, 48)] * backlog
         assert process.wait(timeout=60) == 0, (tmp_path / "serve.log").read_text()[-3000:]
         deadline = time.monotonic() + 20
         while _group_alive(process.pid):
@@ -261,6 +269,20 @@ def test_sigterm_answers_the_requests_in_flight_then_stops_the_whole_local_clust
         if _group_alive(process.pid):
             os.killpg(process.pid, signal.SIGKILL)
         process.wait()
+
+
+def _wait_for_requests_in_the_engine(base: str, count: int, timeout: float = 60) -> None:
+    """Until the (one) replica's engine has taken ``count`` requests: running, waiting or finished."""
+    deadline = time.monotonic() + timeout
+    while True:
+        text = httpx.get(f"{base}/metrics", timeout=30).raise_for_status().text
+        taken = sum(float(value) for value in re.findall(
+            r'^(?:vllm:num_requests_(?:running|waiting)|punica_requests_total\{finish_reason="\w+"\}) (\S+)$', text,
+            re.MULTILINE))
+        if taken >= count:
+            return
+        assert time.monotonic() < deadline, f"the engine has taken {taken} requests, not {count}"
+        time.sleep(0.1)
 
 
 def _group_alive(group: int) -> bool:

@@ -38,11 +38,15 @@ def test_the_local_cluster_starts_in_the_ray_serve_mode_asked_for(monkeypatch, c
         raise ConnectionError("no cluster in this test")
 
     monkeypatch.setattr(ray, "init", init)
-    monkeypatch.setenv(RAY_THROUGHPUT_VARIABLE, "0" if mode == "1" else "1")  # the opposite, set beforehand
-    monkeypatch.delenv(RAY_INGRESS_DRAIN_VARIABLE, raising=False)
+    opposite = "0" if mode == "1" else "1"
+    monkeypatch.setenv(RAY_THROUGHPUT_VARIABLE, opposite)  # set beforehand
+    monkeypatch.setenv(RAY_INGRESS_DRAIN_VARIABLE, "-")
+    monkeypatch.delenv(RAY_INGRESS_DRAIN_VARIABLE)  # (set first, so that monkeypatch restores its absence)
     assert main(["serve", "--model", "demo", "--replicas", "1", "--device", "cpu", *asked]) == 1
     assert "no cluster in this test" in capsys.readouterr().err
     assert seen == [(mode, "local")]
+    # and the environment is as it was for what runs in this process afterwards
+    assert os.environ[RAY_THROUGHPUT_VARIABLE] == opposite and RAY_INGRESS_DRAIN_VARIABLE not in os.environ
 
 
 def test_the_ray_serve_mode_of_a_cluster_that_runs_already_is_refused(capsys, monkeypatch):
@@ -54,6 +58,9 @@ def test_the_ray_serve_mode_of_a_cluster_that_runs_already_is_refused(capsys, mo
     assert RAY_THROUGHPUT_VARIABLE not in os.environ
     with pytest.raises(ValueError, match="an application cannot change it"):
         ray_app({"model": "demo", "ray_throughput_optimized": "off"})
+    # without Ray Serve at all, the option would be ignored silently
+    assert main(["serve", "--model", "demo", "--device", "cpu", "--ray-throughput-optimized", "on"]) == 1
+    assert "--ray-throughput-optimized is an option of --replicas" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(importlib.util.find_spec("ray") is not None, reason="Ray is installed here")

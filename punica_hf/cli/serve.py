@@ -124,9 +124,9 @@ def register(command: Callable[..., argparse.ArgumentParser]) -> None:
     replicas.add_argument(
         "--ray-throughput-optimized", choices=["on", "off"], default=None,
         help="start the local Ray cluster with Ray Serve's throughput-optimized mode "
-        "(RAY_SERVE_THROUGHPUT_OPTIMIZED: the ingress serves HTTP itself, without a proxy between, and calls the "
-        "replicas over gRPC; default: on). With --ray-address the cluster's own setting holds: set the variable "
-        "where its nodes start",
+        "(RAY_SERVE_THROUGHPUT_OPTIMIZED: gRPC between Serve's processes, the deployments' code on their main "
+        "event loop; default: on). With --ray-address the cluster's own setting holds: set the variable where its "
+        "nodes start",
     )
     replicas.add_argument(
         "--stream-interval-ms", type=milliseconds, default=50, metavar="MS",
@@ -247,6 +247,8 @@ def check_arguments(args: argparse.Namespace) -> None:
             f"the adapter name {name!r} is the base model's served name: rename the adapter (--adapter OTHER=...) or "
             "the base model (--served-model-name)"
         )
+    if args.ray_throughput_optimized is not None and not on_ray(args):
+        raise ValueError("--ray-throughput-optimized is an option of --replicas (Ray Serve)")
     if args.ray_throughput_optimized is not None and args.ray_address is not None:
         raise ValueError("--ray-throughput-optimized sets up the local Ray cluster; with --ray-address, set "
                          f"{RAY_THROUGHPUT_VARIABLE}=1 (or 0) where the cluster's nodes start")
@@ -353,23 +355,29 @@ def _stop_on_signals() -> None:
         signal.signal(signum, stop)
 
 
-def _run_on_ray(args: argparse.Namespace, console: Console) -> None:
-    if args.ray_address is None:
-        # Ray Serve reads its mode from the environment of the cluster's processes, which inherit this one's: set
-        # before Ray is imported, as Ray Serve reads it at import.
-        os.environ[RAY_THROUGHPUT_VARIABLE] = "0" if args.ray_throughput_optimized == "off" else "1"
-        # Ray Serve's ingress drains for 30 s before it stops, for load balancers to learn that it does: there is
+def _local_cluster_environment(args: argparse.Namespace) -> dict[str, str]:
+    """Ray Serve's settings for the local cluster, read from the environment of its processes (which inherit this
+    one's when it starts)."""
+    return {
+        RAY_THROUGHPUT_VARIABLE: "0" if args.ray_throughput_optimized == "off" else "1",
+        # In that mode the ingress drains 30 s before it stops, for load balancers to learn that it does: there is
         # none before the local cluster's, only the requests in flight to answer (which it waits for anyway).
-        os.environ.setdefault(RAY_INGRESS_DRAIN_VARIABLE, "1")
+        RAY_INGRESS_DRAIN_VARIABLE: os.environ.get(RAY_INGRESS_DRAIN_VARIABLE, "1"),
+    }
+
+
+def _run_on_ray(args: argparse.Namespace, console: Console) -> None:
     app = build_ray_app(args)
     import ray
     from ray import serve
 
     handlers = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
+    environment = {name: os.environ.get(name) for name in (RAY_THROUGHPUT_VARIABLE, RAY_INGRESS_DRAIN_VARIABLE)}
     started = deployed = False
     _stop_on_signals()
     try:
         if args.ray_address is None:  # a cluster of this machine alone, reachable from it alone
+            os.environ.update(_local_cluster_environment(args))
             ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1", configure_logging=False)
         else:
             ray.init(address=args.ray_address, configure_logging=False)
@@ -401,6 +409,11 @@ def _run_on_ray(args: argparse.Namespace, console: Console) -> None:
             ray.shutdown()
             for signum, handler in handlers.items():
                 signal.signal(signum, handler)
+            for name, value in environment.items():  # as it was, for code that runs in this process after
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
 
 
 def bind_listener(host: str, port: int) -> socket.socket:

@@ -33,6 +33,7 @@ whole group; the children never outlive the replica's process.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import logging
 import time
@@ -68,11 +69,16 @@ RETRY_PAUSE_SECONDS = 0.5
 # failed health checks in a row, so check often (the check reads flags, and polls the ranks' processes).
 HEALTH_CHECK_SECONDS = 2.0
 FOLLOWER_EXIT_SECONDS = 10.0  # how long a stopping replica waits for its ranks to leave before it kills them
-# Every item of a streamed answer crosses one Ray hop (replica to ingress), two in Ray Serve's standard mode (then
-# to its proxy), each far dearer than making a token: a replica sends its answer's first token at once, then what
+# Every item of a streamed answer crosses two Ray hops (replica to ingress, ingress to Ray Serve's proxy), each far
+# dearer than making a token: a replica sends its answer's first token at once, then what
 # its server wrote during each such interval, as one item (Ray Serve's own LLM deployments batch their streams the
 # same way).
 STREAM_INTERVAL_SECONDS = 0.05
+# How long a stopping replica (and the ingress) may take to answer the requests in flight before Ray Serve kills it
+# (Ray Serve's default is 20 s: a queue of minutes would be cut).
+DRAIN_SECONDS = 600.0
+# How long a runtime load or unload waits for the catalog to record it; beyond, the change is undone here (503).
+CATALOG_SECONDS = 30.0
 
 
 def build_app(
@@ -123,10 +129,12 @@ def build_app(
     replica = serve.deployment(
         replica_class, num_replicas=replicas, max_ongoing_requests=MAX_ONGOING_REQUESTS,
         ray_actor_options=dict(replica_actor_options or {}), health_check_period_s=HEALTH_CHECK_SECONDS,
+        graceful_shutdown_timeout_s=DRAIN_SECONDS,
     ).bind(make_engine, model_name, catalog, api_key, None if lora_dirs is None else list(lora_dirs), limits, tp,
            list(follower_args), float(stream_interval))
     router = serve.deployment(
         serve.ingress()(Router), max_ongoing_requests=MAX_ONGOING_REQUESTS, ray_actor_options={"num_cpus": 0},
+        graceful_shutdown_timeout_s=DRAIN_SECONDS,
     )
     return router.bind(replica, catalog, model_name, limits.max_body_bytes)
 
@@ -292,8 +300,12 @@ class EngineReplica:
         async def record() -> CatalogVersion:
             return await self.catalog.record.remote(name, path, self.applied.get(name))
 
+        recorded = asyncio.run_coroutine_threadsafe(record(), self.loop)
         try:
-            self.applied[name] = asyncio.run_coroutine_threadsafe(record(), self.loop).result()
+            self.applied[name] = recorded.result(timeout=CATALOG_SECONDS)
+        except concurrent.futures.TimeoutError:
+            recorded.cancel()
+            raise TimeoutError(f"the adapter catalog did not answer within {CATALOG_SECONDS:.0f} s") from None
         except NameChangedElsewhere as error:  # Ray's copy, with the catalog's traceback: the server answers 409
             raise ValueError(str(getattr(error, "cause", error))) from None
 
