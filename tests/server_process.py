@@ -42,14 +42,8 @@ class Server:
             time.sleep(0.2)
 
     def metrics(self, headers: dict | None = None) -> dict[str, float]:
-        """Every sample of ``/metrics``: ``name{label="value"}`` (or ``name``) -> value."""
-        text = httpx.get(f"{self.base}/metrics", headers=headers or {}).raise_for_status().text
-        samples = {}
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
-                samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
-        return samples
+        """Every sample of ``/metrics`` (see ``metric_samples``)."""
+        return metric_samples(httpx.get(f"{self.base}/metrics", headers=headers or {}).raise_for_status().text)
 
     def log_text(self) -> str:
         """What the server has logged so far (stdout and stderr)."""
@@ -61,6 +55,16 @@ class Server:
             self.process.kill()
             self.process.wait()
         self.log.close()
+
+
+def metric_samples(text: str) -> dict[str, float]:
+    """Every sample of a Prometheus text: ``name{label="value",...}`` (labels sorted), or ``name``, -> value."""
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+            samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return samples
 
 
 def wait_for_health(process: subprocess.Popen, base: str, log_path: Path,

@@ -7,7 +7,6 @@ One cluster for the module; it is shut down even when a test fails.
 import asyncio
 import json
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -24,7 +23,7 @@ ray = pytest.importorskip("ray", reason="needs the ray extra (pip install 'punic
 serve = pytest.importorskip("ray.serve", reason="needs the ray extra (pip install 'punica-hf[ray]')")
 
 from server_process import (  # noqa: E402
-    child_env, demo_lora_dir, free_port, offline_demo_answers, wait_for_health,
+    child_env, demo_lora_dir, free_port, metric_samples, offline_demo_answers, wait_for_health,
 )
 
 from punica_hf import MultiLoraModel, demo  # noqa: E402
@@ -51,29 +50,26 @@ def lora_dir(tmp_path_factory):
 @pytest.fixture(scope="module", params=["throughput", "standard"])
 def base_url(request, lora_dir):
     """The server in each of Ray Serve's modes: throughput-optimized (what ``punica-hf serve --replicas`` starts:
-    the ingress serves HTTP itself and calls the replicas over gRPC, on its own event loop) and standard (its
-    HTTP proxy, and Ray actor calls)."""
-    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
-    before = os.environ.get(RAY_THROUGHPUT_VARIABLE)
-    os.environ[RAY_THROUGHPUT_VARIABLE] = "1" if request.param == "throughput" else "0"  # the cluster inherits it
-    port = free_port()
-    args = build_parser().parse_args([
-        "serve", "--model", "demo", "--replicas", "2", "--device", "cpu", "--max-running", "8",
-        "--allow-runtime-lora", "--lora-dir", str(lora_dir),
-    ])
-    ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
-             runtime_env={"env_vars": {"RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": "1"}})
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_ray_app(args), name="punica-hf", route_prefix="/")
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-        if before is None:
-            os.environ.pop(RAY_THROUGHPUT_VARIABLE)
-        else:
-            os.environ[RAY_THROUGHPUT_VARIABLE] = before
+    gRPC between Serve's processes, each deployment's code on its main event loop) and standard (Ray actor
+    calls)."""
+    with pytest.MonkeyPatch.context() as patch:  # the cluster's processes inherit the mode
+        patch.setenv(RAY_THROUGHPUT_VARIABLE, "1" if request.param == "throughput" else "0")
+        os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+        port = free_port()
+        args = build_parser().parse_args([
+            "serve", "--model", "demo", "--replicas", "2", "--device", "cpu", "--max-running", "8",
+            "--allow-runtime-lora", "--lora-dir", str(lora_dir),
+        ])
+        ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
+                 log_to_driver=False,
+                 runtime_env={"env_vars": {"RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": "1"}})
+        try:
+            serve.start(http_options={"host": "127.0.0.1", "port": port})
+            serve.run(build_ray_app(args), name="punica-hf", route_prefix="/")
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            serve.shutdown()
+            ray.shutdown()
 
 
 def _body(adapter, word, **extra) -> dict:
@@ -157,14 +153,12 @@ def _finished_by_reason(base_url) -> dict[str, float]:
     counts = {}
     for _ in range(40):
         response = httpx.get(f"{base_url}/metrics", timeout=30).raise_for_status()
-        counts[response.headers[REPLICA_HEADER]] = {
-            reason: float(value) for reason, value in
-            re.findall(r'^punica_requests_total\{finish_reason="(\w+)"\} (\S+)$', response.text, re.MULTILINE)
-        }
+        counts[response.headers[REPLICA_HEADER]] = metric_samples(response.text)
         if len(counts) == 2:
             break
     assert len(counts) == 2, counts
-    return {reason: sum(c.get(reason, 0.0) for c in counts.values()) for reason in ("length", "cancelled")}
+    return {reason: sum(c[f'punica_requests_total{{finish_reason="{reason}"}}'] for c in counts.values())
+            for reason in ("length", "cancelled")}
 
 
 def test_clients_that_disconnect_have_their_requests_cancelled_in_the_replica(base_url):
@@ -275,10 +269,9 @@ def _wait_for_requests_in_the_engine(base: str, count: int, timeout: float = 60)
     """Until the (one) replica's engine has taken ``count`` requests: running, waiting or finished."""
     deadline = time.monotonic() + timeout
     while True:
-        text = httpx.get(f"{base}/metrics", timeout=30).raise_for_status().text
-        taken = sum(float(value) for value in re.findall(
-            r'^(?:vllm:num_requests_(?:running|waiting)|punica_requests_total\{finish_reason="\w+"\}) (\S+)$', text,
-            re.MULTILINE))
+        samples = metric_samples(httpx.get(f"{base}/metrics", timeout=30).raise_for_status().text)
+        taken = sum(value for name, value in samples.items() if name.startswith("punica_requests_total{")) + \
+            samples["vllm:num_requests_running"] + samples["vllm:num_requests_waiting"]
         if taken >= count:
             return
         assert time.monotonic() < deadline, f"the engine has taken {taken} requests, not {count}"

@@ -131,7 +131,7 @@ def register(command: Callable[..., argparse.ArgumentParser]) -> None:
     replicas.add_argument(
         "--stream-interval-ms", type=milliseconds, default=50, metavar="MS",
         help="a replica sends a streamed answer's first token at once, then the tokens of each MS milliseconds "
-        "together: every item crosses one or two Ray hops, each far dearer than a token (default: 50; 0: each "
+        "together: every item crosses two Ray hops, each far dearer than a token (default: 50; 0: each "
         "token alone)",
     )
     limits = parser.add_argument_group("request limits (a request beyond is refused before it reaches the engine)")
