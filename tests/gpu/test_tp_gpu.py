@@ -56,6 +56,7 @@ def test_lora_add_at_per_rank_widths(shape, num_tokens, per_token_path):
 
 
 WORKER = Path(__file__).with_name("tp_gpu_worker.py")
+SPLIT_LAYERS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 RUN_TIMEOUT_S = 170
 # bf16 keeps 8 bits of mantissa: the split model sums its row-split layers in another order than the whole one.
 LOGITS_TOLERANCE = 0.05  # of the largest logit (the CPU run of this harness, in bf16, differs by 0.013)
@@ -94,6 +95,8 @@ def ranks_on_one_gpu(tmp_path_factory) -> list[dict]:
 def test_generate_split_over_two_ranks_on_one_gpu_equals_the_unsplit_model(ranks_on_one_gpu):
     leader, follower = ranks_on_one_gpu
     assert leader["split_device"] == follower["split_device"] == "cuda:0"
+    # every layer LoRA serves is split; lm_head stays whole (tp_gpu_worker.tp_plan says why)
+    assert set(SPLIT_LAYERS) <= set(leader["split_layers"]) and "lm_head" not in leader["split_layers"]
     seen = leader["generate"]
     scale = seen["logits_scale"]
     assert seen["lora_effect"] > 10 * LOGITS_TOLERANCE * scale  # the comparison sees the adapters

@@ -19,7 +19,8 @@ os.environ["LOCAL_RANK"] = "0"  # transformers puts rank R on device LOCAL_RANK:
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from transformers import AutoModelForCausalLM, DistributedConfig  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
+from transformers import AutoConfig, AutoModelForCausalLM, DistributedConfig  # noqa: E402
 
 from punica_hf import MultiLoraModel  # noqa: E402
 from punica_hf.serving import Engine, EngineConfig, SamplingParams  # noqa: E402
@@ -36,11 +37,23 @@ ROW_ADAPTERS = ["attn", None, "mlp", "attn"]  # mixed adapters (r 4 and 8) and a
 NEW_TOKENS = 8
 
 
+def tp_plan() -> dict[str, str]:
+    """The model's own plan, but lm_head whole on every rank.
+
+    Its own plan gathers lm_head's output (a DTensor all-gather), and gloo's all-gather of CUDA tensors segfaults
+    (pytorch/pytorch#152645); the layers LoRA serves under TP (q, k, v, o, gate, up, down) keep their styles. The
+    whole plan is spelled out: transformers 5.17 takes a dict as the plan, later releases as overrides of it.
+    """
+    config = AutoConfig.from_pretrained(ROOT / "model")
+    return {**{f"model.{name}": style for name, style in config.base_model_tp_plan.items()},
+            "lm_head": "replicated_with_grad_allreduce"}
+
+
 def wrapped(tensor_parallel: bool) -> MultiLoraModel:
     """The model (split over the ranks, or whole on DEVICE) in bf16 with both adapters loaded."""
     if tensor_parallel:
         base = AutoModelForCausalLM.from_pretrained(ROOT / "model", dtype=torch.bfloat16,
-                                                    distributed_config=DistributedConfig(tp_plan="auto"))
+                                                    distributed_config=DistributedConfig(tp_plan=tp_plan()))
     else:
         base = AutoModelForCausalLM.from_pretrained(ROOT / "model", dtype=torch.bfloat16).to(DEVICE)
     model = MultiLoraModel(base.eval(), max_adapters=4, max_rank=16, backend=BACKEND)
@@ -95,6 +108,8 @@ def main() -> None:
         dist.init_process_group("gloo")  # before transformers, which would pick NCCL for CUDA
         split, whole = wrapped(tensor_parallel=True), wrapped(tensor_parallel=False)
         results["split_device"] = str(split.model.device)
+        results["split_layers"] = sorted({name.split(".")[-1] for name, module in split.model.named_modules()
+                                          if isinstance(getattr(module, "weight", None), DTensor)})
         compare_generate(split, whole, results.setdefault("generate", {}))
         serve(split, results.setdefault("engine", {}), submit=RANK == 0)
         if RANK == 0:
