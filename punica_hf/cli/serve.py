@@ -9,6 +9,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 
@@ -366,54 +367,75 @@ def _local_cluster_environment(args: argparse.Namespace) -> dict[str, str]:
     }
 
 
+@contextmanager
+def _signals_and_environment_restored(variables: tuple[str, ...]):
+    """The stop signals' handlers and the environment ``variables`` as they were, once the block ends: for code
+    that runs in this process afterwards (the tests call the command in theirs)."""
+    handlers = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
+    environment = {name: os.environ.get(name) for name in variables}
+    try:
+        yield
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+        for name, value in environment.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def _run_on_ray(args: argparse.Namespace, console: Console) -> None:
     app = build_ray_app(args)
     import ray
     from ray import serve
 
-    handlers = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
-    environment = {name: os.environ.get(name) for name in (RAY_THROUGHPUT_VARIABLE, RAY_INGRESS_DRAIN_VARIABLE)}
-    started = deployed = False
-    _stop_on_signals()
-    try:
-        if args.ray_address is None:  # a cluster of this machine alone, reachable from it alone
-            os.environ.update(_local_cluster_environment(args))
-            ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1", configure_logging=False)
-        else:
-            ray.init(address=args.ray_address, configure_logging=False)
-        _stop_on_signals()  # again: Ray's start put its own SIGTERM handler in place, which aborts the process
-        started = True
-        serve.start(http_options={"host": args.host, "port": args.port})
-        with console.status(f"starting {args.replicas or 1} replica(s) of {args.model} on Ray Serve"):
-            deployed = True
-            serve.run(app, name=RAY_APP_NAME, route_prefix="/")
-        console.print(
-            f"serving [bold]{args.served_model_name or args.model}[/bold] with {args.replicas or 1} replica(s) on "
-            f"http://{args.host}:{args.port}/v1" + (" (API key required)" if args.api_key else ""),
-            highlight=False,
-        )
-        threading.Event().wait()  # until a signal raises StopRequested
-    except StopRequested:
-        console.print("stopping: the replicas answer the requests in flight first", highlight=False)
-    finally:
-        for signum in STOP_SIGNALS:  # the drain is not cut short by a second signal
-            signal.signal(signum, signal.SIG_IGN)
+    local = args.ray_address is None  # a cluster of this machine alone, reachable from it alone
+    with _signals_and_environment_restored((RAY_THROUGHPUT_VARIABLE, RAY_INGRESS_DRAIN_VARIABLE)):
+        started = deployed = False
+        _stop_on_signals()
         try:
-            if deployed:  # the application first, while Ray Serve still runs: its replicas drain
-                serve.delete(RAY_APP_NAME)
-        except Exception as error:  # Ray Serve failed: what stops next goes on
-            console.print(f"stopping the application on Ray Serve: {error}", style="red", highlight=False)
+            if local:
+                os.environ.update(_local_cluster_environment(args))
+                ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1",
+                         configure_logging=False)
+            else:
+                ray.init(address=args.ray_address, configure_logging=False)
+            _stop_on_signals()  # again: Ray's start put its own SIGTERM handler in place, which aborts the process
+            started = True
+            serve.start(http_options={"host": args.host, "port": args.port})
+            with console.status(f"starting {args.replicas or 1} replica(s) of {args.model} on Ray Serve"):
+                deployed = True
+                serve.run(app, name=RAY_APP_NAME, route_prefix="/")
+            console.print(
+                f"serving [bold]{args.served_model_name or args.model}[/bold] with {args.replicas or 1} replica(s) "
+                f"on http://{args.host}:{args.port}/v1" + (" (API key required)" if args.api_key else ""),
+                highlight=False,
+            )
+            threading.Event().wait()  # until a signal raises StopRequested
+        except StopRequested:
+            console.print("stopping: the replicas answer the requests in flight first", highlight=False)
         finally:
-            if started and args.ray_address is None:  # Serve and the cluster this command started; not another's
-                serve.shutdown()
-            ray.shutdown()
-            for signum, handler in handlers.items():
-                signal.signal(signum, handler)
-            for name, value in environment.items():  # as it was, for code that runs in this process after
-                if value is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = value
+            for signum in STOP_SIGNALS:  # the drain is not cut short by a second signal
+                signal.signal(signum, signal.SIG_IGN)
+            _stop_ray(console, deployed=deployed, stop_serve=started and local)
+
+
+def _stop_ray(console: Console, *, deployed: bool, stop_serve: bool) -> None:
+    """The application first, while Ray Serve still runs, so its replicas drain; then Ray Serve (``stop_serve``:
+    only the one this command started, not another cluster's) and this process's Ray connection."""
+    import ray
+    from ray import serve
+
+    try:
+        if deployed:
+            serve.delete(RAY_APP_NAME)
+    except Exception as error:  # Ray Serve failed: what stops next goes on
+        console.print(f"stopping the application on Ray Serve: {error}", style="red", highlight=False)
+    finally:
+        if stop_serve:
+            serve.shutdown()
+        ray.shutdown()
 
 
 def bind_listener(host: str, port: int) -> socket.socket:
