@@ -12,9 +12,6 @@ its whole process group killed), one after the other:
 - ``ray serve, 1 replica``: the same command with ``--replicas 1`` (a Ray cluster of this machine, no dashboard,
   started and stopped with the command, in Ray Serve's throughput-optimized mode: gRPC between its processes;
   ``--ray-address`` for another cluster, in its own mode);
-- ``ray serve, 1 replica, direct to the ingress``: the same server as the line above (measured after it, before it
-  stops), reached on the port the ingress itself listens on in the throughput-optimized mode (the first of
-  Ray Serve's direct-ingress ports, 30000 up, that answers with the served models), skipping Ray Serve's proxy;
 - ``ray serve, 1 replica, standard mode``: the same in Ray Serve's standard mode (Ray's actor calls between its
   processes), unless ``--smoke`` or ``--ray-address``.
 
@@ -80,9 +77,6 @@ SMOKE = dict(prompts=LengthMix(8, 0.5, 2, 20), outputs=LengthMix(8, 0.5, 2, 24))
 TTFT_NEW_TOKENS = 16  # a low-load request streams this many tokens at most: its first one is what is timed
 RAY_SYSTEM = "ray serve, 1 replica"
 RAY_MODES = {"throughput": "on", "standard": "off"}  # --ray-modes name: serve's --ray-throughput-optimized
-DIRECT_SYSTEM = f"{RAY_SYSTEM}, direct to the ingress"
-# Ray Serve's range for an ingress's own HTTP port (RAY_SERVE_DIRECT_INGRESS_MIN/MAX_HTTP_PORT's defaults)
-DIRECT_INGRESS_PORTS = range(30000, 31001)
 SHAPES = {"llama-3.2-1b": llama_3_2_1b_config, "llama-3-8b": lambda: llama_config(32)}
 
 
@@ -286,39 +280,19 @@ class ServerProcess:
         self.process.wait()
 
 
-def direct_ingress_url(host: str, served: list[str]) -> str:
-    """The URL of the first port of ``DIRECT_INGRESS_PORTS`` on ``host`` whose ``/v1/models`` lists ``served``: the
-    ingress answering itself, in Ray Serve's throughput-optimized mode."""
-    for port in DIRECT_INGRESS_PORTS:
-        url = f"http://{host}:{port}"
-        try:
-            listed = httpx.get(f"{url}/v1/models", timeout=2).json()["data"]
-        except (httpx.TransportError, ValueError, KeyError, TypeError):
-            continue
-        if sorted(model.get("id") for model in listed) == sorted(served):
-            return url
-    raise RuntimeError(f"no port of {DIRECT_INGRESS_PORTS} on {host} answers as the ingress")
-
-
-def run_system(name: str, serve_args: list[str], workdir: Path, start_timeout: float, direct: bool = False,
-               **workload) -> dict[str, dict]:
-    """``name``'s measurements, and with ``direct`` ``DIRECT_SYSTEM``'s on the same server, by system name."""
+def run_system(name: str, serve_args: list[str], workdir: Path, start_timeout: float, **workload) -> dict:
     server = ServerProcess(name, serve_args, workdir / f"{re.sub(r'[^a-z0-9]+', '_', name)}.log", start_timeout)
-    results = {}
     try:
-        results[name] = measure(server.base_url, **workload)
-        if direct:
-            results[DIRECT_SYSTEM] = measure(direct_ingress_url("127.0.0.1", workload["served"]), **workload)
+        result = measure(server.base_url, **workload)
     except BaseException:
         print(f"{name} failed while measured; its log:\n{server.log_tail()}", flush=True)
         raise
     finally:
         server.stop()
-    for system, result in results.items():
-        runs = ", ".join(f"{tokens_per_second:.0f}" for tokens_per_second in result["saturation_tokens_per_second"])
-        print(f"{system}: {runs} tokens/s at saturation, TTFT p50 at low load "
-              f"{result['low_load']['ttft_p50_ms']:.1f} ms", flush=True)
-    return results
+    runs = ", ".join(f"{tokens_per_second:.0f}" for tokens_per_second in result["saturation_tokens_per_second"])
+    print(f"{name}: {runs} tokens/s at saturation, TTFT p50 at low load {result['low_load']['ttft_p50_ms']:.1f} ms",
+          flush=True)
+    return result
 
 
 def check_replicas(result: dict, expected: int, name: str) -> None:
@@ -448,10 +422,8 @@ def main() -> None:
     for mode in modes:  # the first under the plain name: what `punica-hf serve --replicas` does unless told
         name = RAY_SYSTEM if mode == modes[0] else f"{RAY_SYSTEM}, {mode} mode"
         systems[name] = [*serve_args, "--replicas", "1", "--ray-throughput-optimized", RAY_MODES[mode]]
-    results = {}
-    for name, system_args in systems.items():  # the throughput mode's server is measured direct to its ingress too
-        direct = name == RAY_SYSTEM and not args.ray_address and modes[0] == "throughput"
-        results.update(run_system(name, system_args, workdir, args.start_timeout, direct=direct, **workload))
+    results = {name: run_system(name, system_args, workdir, args.start_timeout, **workload)
+               for name, system_args in systems.items()}
     engine = results["engine"]
     check_replicas(engine, 0, "engine")
     comparisons = {}
