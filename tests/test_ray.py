@@ -21,6 +21,7 @@ import pytest
 
 ray = pytest.importorskip("ray", reason="needs the ray extra (pip install 'punica-hf[ray]')")
 serve = pytest.importorskip("ray.serve", reason="needs the ray extra (pip install 'punica-hf[ray]')")
+import psutil  # noqa: E402 (Ray's dependency)
 
 from server_process import (  # noqa: E402
     child_env, demo_lora_dir, free_port, metric_samples, offline_demo_answers, wait_for_health,
@@ -238,6 +239,8 @@ def test_sigterm_answers_the_requests_in_flight_then_stops_the_whole_local_clust
                                    env={**child_env(), "RAY_USAGE_STATS_ENABLED": "0"})
     try:
         wait_for_health(process, base, tmp_path / "serve.log")
+        # throughput-optimized: the ingress itself takes the clients on --port (one Ray hop fewer); standard: the proxy
+        assert ("ServeReplica:punica-hf:Router" if mode == "on" else "ProxyActor") in _listening_on(port)
         body = {**_body("upper", WORDS[1]), "max_tokens": 48, "ignore_eos": True}
         with ThreadPoolExecutor(backlog) as pool, \
                 httpx.stream("POST", f"{base}/v1/completions", json={**body, "stream": True}, timeout=60) as stream:
@@ -265,6 +268,37 @@ def test_sigterm_answers_the_requests_in_flight_then_stops_the_whole_local_clust
         process.wait()
 
 
+def test_the_ingress_killed_takes_its_port_back(tmp_path):
+    """In the throughput-optimized mode the ingress itself listens on ``--port``: killed, Ray Serve starts it again,
+    and the new one listens on the same port (Ray Serve would hold a freed port back for minutes otherwise)."""
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    command = [sys.executable, "-m", "punica_hf", "serve", "--model", "demo", "--replicas", "1", "--device", "cpu",
+               "--host", "127.0.0.1", "--port", str(port)]
+    with open(tmp_path / "serve.log", "w") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                   env={**child_env(), "RAY_USAGE_STATS_ENABLED": "0"})
+    try:
+        wait_for_health(process, base, tmp_path / "serve.log")
+        ingress = psutil.Process(_listening_pid(port))
+        assert "ServeReplica:punica-hf:Router" in " ".join(ingress.cmdline())
+        ingress.kill()
+        ingress.wait(10)
+        deadline = time.monotonic() + 60
+        while _listening_pid(port) in (None, ingress.pid):
+            assert time.monotonic() < deadline, "no ingress on the port 60 s after the last one was killed"
+            time.sleep(0.5)
+        assert "ServeReplica:punica-hf:Router" in _listening_on(port)
+        answer = _complete(base, "upper", WORDS[0])
+        assert answer.status_code == 200, answer.text
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0, (tmp_path / "serve.log").read_text()[-3000:]
+    finally:
+        if _group_alive(process.pid):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+
+
 def _wait_for_requests_in_the_engine(base: str, count: int, timeout: float = 60) -> None:
     """Until the (one) replica's engine has taken ``count`` requests: running, waiting or finished."""
     deadline = time.monotonic() + timeout
@@ -276,6 +310,19 @@ def _wait_for_requests_in_the_engine(base: str, count: int, timeout: float = 60)
             return
         assert time.monotonic() < deadline, f"the engine has taken {taken} requests, not {count}"
         time.sleep(0.1)
+
+
+def _listening_pid(port: int) -> int | None:
+    for connection in psutil.net_connections("tcp"):
+        if connection.status == psutil.CONN_LISTEN and connection.laddr.port == port and connection.pid:
+            return connection.pid
+    return None
+
+
+def _listening_on(port: int) -> str:
+    """The command line of the process listening on ``port`` (a Ray worker's names its role: ``ray::ProxyActor``)."""
+    pid = _listening_pid(port)
+    return "" if pid is None else " ".join(psutil.Process(pid).cmdline())
 
 
 def _group_alive(group: int) -> bool:

@@ -3,14 +3,18 @@ runtime adapter loads (``create_app(on_adapters_changed=...)``), all or nothing.
 
 import importlib.util
 import os
+import socket
 
 import pytest
 from fastapi.testclient import TestClient
-from server_process import demo_lora_dir
+from server_process import demo_lora_dir, free_port
 
 from punica_hf import MultiLoraModel, demo
 from punica_hf.cli import main
-from punica_hf.cli.serve import RAY_INGRESS_DRAIN_VARIABLE, RAY_THROUGHPUT_VARIABLE, ray_app
+from punica_hf.cli.serve import (
+    RAY_INGRESS_DRAIN_VARIABLE, RAY_INGRESS_PORT_VARIABLES, RAY_PORT_QUARANTINE_VARIABLE, RAY_THROUGHPUT_VARIABLE,
+    ray_app,
+)
 from punica_hf.serving import DemoTokenizer, Engine, EngineConfig
 from punica_hf.serving.app import create_app
 
@@ -32,7 +36,9 @@ def test_the_local_cluster_starts_in_the_ray_serve_mode_asked_for(monkeypatch, c
     seen = []
 
     def init(**options):  # the cluster's start: what its processes would inherit
-        seen.append((os.environ.get(RAY_THROUGHPUT_VARIABLE), options.get("address")))
+        ports = tuple(os.environ.get(name) for name in RAY_INGRESS_PORT_VARIABLES)
+        seen.append((os.environ.get(RAY_THROUGHPUT_VARIABLE), options.get("address"), ports,
+                     os.environ.get(RAY_PORT_QUARANTINE_VARIABLE)))
         # no load balancer before the local ingress: it stops once the requests in flight are answered, not 30 s on
         assert os.environ.get(RAY_INGRESS_DRAIN_VARIABLE) == "1"
         raise ConnectionError("no cluster in this test")
@@ -40,13 +46,33 @@ def test_the_local_cluster_starts_in_the_ray_serve_mode_asked_for(monkeypatch, c
     monkeypatch.setattr(ray, "init", init)
     opposite = "0" if mode == "1" else "1"
     monkeypatch.setenv(RAY_THROUGHPUT_VARIABLE, opposite)  # set beforehand
-    monkeypatch.setenv(RAY_INGRESS_DRAIN_VARIABLE, "-")
-    monkeypatch.delenv(RAY_INGRESS_DRAIN_VARIABLE)  # (set first, so that monkeypatch restores its absence)
-    assert main(["serve", "--model", "demo", "--replicas", "1", "--device", "cpu", *asked]) == 1
+    for name in (RAY_INGRESS_DRAIN_VARIABLE, *RAY_INGRESS_PORT_VARIABLES, RAY_PORT_QUARANTINE_VARIABLE):
+        monkeypatch.setenv(name, "-")
+        monkeypatch.delenv(name)  # (set first, so that monkeypatch restores its absence)
+    port = free_port()
+    assert main(["serve", "--model", "demo", "--replicas", "1", "--device", "cpu", "--port", str(port), *asked]) == 1
     assert "no cluster in this test" in capsys.readouterr().err
-    assert seen == [(mode, "local")]
+    # throughput-optimized: the ingress's own HTTP server takes --port (Ray Serve's range is MIN to MAX - 1), and
+    # takes it back at once when Ray Serve starts it again
+    ingress = ((str(port), str(port + 1)), "0") if mode == "1" else ((None, None), None)
+    assert seen == [(mode, "local", *ingress)]
     # and the environment is as it was for what runs in this process afterwards
-    assert os.environ[RAY_THROUGHPUT_VARIABLE] == opposite and RAY_INGRESS_DRAIN_VARIABLE not in os.environ
+    assert os.environ[RAY_THROUGHPUT_VARIABLE] == opposite
+    for name in (RAY_INGRESS_DRAIN_VARIABLE, *RAY_INGRESS_PORT_VARIABLES, RAY_PORT_QUARANTINE_VARIABLE):
+        assert name not in os.environ
+
+
+def test_a_busy_port_fails_before_the_cluster_starts(monkeypatch, capsys):
+    ray = pytest.importorskip("ray", reason="needs the ray extra")
+    monkeypatch.setattr(ray, "init", lambda **options: pytest.fail("the cluster started"))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        command = ["serve", "--model", "demo", "--replicas", "1", "--device", "cpu", "--host", "127.0.0.1",
+                   "--port", str(port)]
+        assert main(command) == 1
+    assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
 
 
 def test_the_ray_serve_mode_of_a_cluster_that_runs_already_is_refused(capsys, monkeypatch):

@@ -28,6 +28,14 @@ RAY_APP_NAME = "punica-hf"  # the application's name on Ray Serve
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 RAY_INGRESS_DRAIN_VARIABLE = "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"
 RAY_THROUGHPUT_VARIABLE = "RAY_SERVE_THROUGHPUT_OPTIMIZED"  # Ray Serve's switch of its throughput-optimized mode
+# The ports from which Ray Serve gives an ingress replica its own HTTP server (throughput-optimized mode): MIN to
+# MAX - 1
+RAY_INGRESS_PORT_VARIABLES = ("RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT", "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT")
+# How long Ray Serve keeps a port a replica gave up out of that range (for HAProxy, which the command does not run)
+RAY_PORT_QUARANTINE_VARIABLE = "RAY_SERVE_PORT_QUARANTINE_S"
+RAY_CLUSTER_VARIABLES = (RAY_THROUGHPUT_VARIABLE, RAY_INGRESS_DRAIN_VARIABLE, *RAY_INGRESS_PORT_VARIABLES,
+                         RAY_PORT_QUARANTINE_VARIABLE)
+INGRESS_WAIT_SECONDS = 30.0  # for the ingress to listen on --port once Ray Serve says the application runs
 
 
 def register(command: Callable[..., argparse.ArgumentParser]) -> None:
@@ -109,7 +117,7 @@ def register(command: Callable[..., argparse.ArgumentParser]) -> None:
     replicas = parser.add_argument_group("replicas on Ray Serve (needs the ray extra: pip install 'punica-hf[ray]')")
     replicas.add_argument(
         "--replicas", type=positive_int, default=None, metavar="N",
-        help="serve N copies of the engine behind Ray Serve's HTTP proxy, each request routed to a replica that "
+        help="serve N copies of the engine on Ray Serve behind one HTTP ingress, each request routed to a replica that "
         "holds its adapter; with --tp K each replica is K ranks on one machine (without it: one engine, no Ray, "
         "unless --ray-address)",
     )
@@ -126,13 +134,13 @@ def register(command: Callable[..., argparse.ArgumentParser]) -> None:
         "--ray-throughput-optimized", choices=["on", "off"], default=None,
         help="start the local Ray cluster with Ray Serve's throughput-optimized mode "
         "(RAY_SERVE_THROUGHPUT_OPTIMIZED: gRPC between Serve's processes, the deployments' code on their main "
-        "event loop; default: on). With --ray-address the cluster's own setting holds: set the variable where its "
-        "nodes start",
+        "event loop, and the ingress itself on --port, without Ray Serve's proxy; default: on). With "
+        "--ray-address the cluster's own setting holds: set the variable where its nodes start",
     )
     replicas.add_argument(
         "--stream-interval-ms", type=milliseconds, default=50, metavar="MS",
         help="a replica sends a streamed answer's first token at once, then the tokens of each MS milliseconds "
-        "together: every item crosses two Ray hops, each far dearer than a token (default: 50; 0: each "
+        "together: every item crosses one or two Ray hops, each far dearer than a token (default: 50; 0: each "
         "token alone)",
     )
     limits = parser.add_argument_group("request limits (a request beyond is refused before it reaches the engine)")
@@ -356,15 +364,49 @@ def _stop_on_signals() -> None:
         signal.signal(signum, stop)
 
 
+def _ingress_on_port(args: argparse.Namespace) -> bool:
+    """Whether the ingress itself listens on ``--port``: on the local cluster in Ray Serve's throughput-optimized
+    mode, whose ingress replicas serve HTTP on ports of their own (Ray Serve's proxy then goes to another port)."""
+    return args.ray_address is None and args.ray_throughput_optimized != "off"
+
+
 def _local_cluster_environment(args: argparse.Namespace) -> dict[str, str]:
     """Ray Serve's settings for the local cluster, read from the environment of its processes (which inherit this
     one's when it starts)."""
-    return {
+    environment = {
         RAY_THROUGHPUT_VARIABLE: "0" if args.ray_throughput_optimized == "off" else "1",
         # In that mode the ingress drains 30 s before it stops, for load balancers to learn that it does: there is
         # none before the local cluster's, only the requests in flight to answer (which it waits for anyway).
         RAY_INGRESS_DRAIN_VARIABLE: os.environ.get(RAY_INGRESS_DRAIN_VARIABLE, "1"),
     }
+    if _ingress_on_port(args):
+        # The ingress's port range is --port alone: clients reach the ingress without Ray Serve's proxy, one hop
+        # fewer. An ingress replica that Ray Serve starts again takes the port back at once (no quarantine).
+        lowest, above = RAY_INGRESS_PORT_VARIABLES
+        environment.update({lowest: str(args.port), above: str(args.port + 1)})  # Ray Serve's range ends before MAX
+        environment[RAY_PORT_QUARANTINE_VARIABLE] = "0"
+    return environment
+
+
+def _free_port(host: str) -> int:
+    with bind_listener(host, 0) as listener:
+        return listener.getsockname()[1]
+
+
+def _wait_until_listening(host: str, port: int, timeout: float) -> None:
+    """Return once something accepts connections on ``host:port`` (a wildcard host: on this machine's loopback);
+    ``RuntimeError`` after ``timeout`` seconds."""
+    address = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(host, host)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            socket.create_connection((address, port), timeout=1).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"Ray Serve's ingress does not listen on {host}:{port}: see Ray Serve's logs") \
+                    from None
+            time.sleep(0.1)
 
 
 @contextmanager
@@ -391,7 +433,9 @@ def _run_on_ray(args: argparse.Namespace, console: Console) -> None:
     from ray import serve
 
     local = args.ray_address is None  # a cluster of this machine alone, reachable from it alone
-    with _signals_and_environment_restored((RAY_THROUGHPUT_VARIABLE, RAY_INGRESS_DRAIN_VARIABLE)):
+    if local:
+        bind_listener(args.host, args.port).close()  # a busy address fails now, not once the replicas have loaded
+    with _signals_and_environment_restored(RAY_CLUSTER_VARIABLES):
         started = deployed = False
         _stop_on_signals()
         try:
@@ -403,10 +447,14 @@ def _run_on_ray(args: argparse.Namespace, console: Console) -> None:
                 ray.init(address=args.ray_address, configure_logging=False)
             _stop_on_signals()  # again: Ray's start put its own SIGTERM handler in place, which aborts the process
             started = True
-            serve.start(http_options={"host": args.host, "port": args.port})
+            # with the ingress on --port, Ray Serve's proxy (which Ray Serve needs) takes another port
+            proxy_port = _free_port(args.host) if _ingress_on_port(args) else args.port
+            serve.start(http_options={"host": args.host, "port": proxy_port})
             with console.status(f"starting {args.replicas or 1} replica(s) of {args.model} on Ray Serve"):
                 deployed = True
                 serve.run(app, name=RAY_APP_NAME, route_prefix="/")
+                if _ingress_on_port(args):
+                    _wait_until_listening(args.host, args.port, INGRESS_WAIT_SECONDS)
             console.print(
                 f"serving [bold]{args.served_model_name or args.model}[/bold] with {args.replicas or 1} replica(s) "
                 f"on http://{args.host}:{args.port}/v1" + (" (API key required)" if args.api_key else ""),

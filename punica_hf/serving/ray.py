@@ -69,9 +69,10 @@ RETRY_PAUSE_SECONDS = 0.5
 # failed health checks in a row, so check often (the check reads flags, and polls the ranks' processes).
 HEALTH_CHECK_SECONDS = 2.0
 FOLLOWER_EXIT_SECONDS = 10.0  # how long a stopping replica waits for its ranks to leave before it kills them
-# Every item of a streamed answer crosses two Ray hops (replica to ingress, ingress to Ray Serve's proxy), each far
-# dearer than making a token: a replica sends its answer's first token at once, then what its server wrote during
-# each such interval, as one item (Ray Serve's own LLM deployments batch their streams the same way).
+# Every item of a streamed answer crosses a Ray hop (replica to ingress; and to Ray Serve's proxy where clients go
+# through it), each far dearer than making a token: a replica sends its answer's first token at once, then what its
+# server wrote during each such interval, as one item (Ray Serve's own LLM deployments batch their streams the same
+# way).
 STREAM_INTERVAL_SECONDS = 0.05
 # How long a stopping replica (and the ingress) may take to answer the requests in flight before Ray Serve kills it
 # (Ray Serve's default is 20 s: a queue of minutes would be cut).
