@@ -127,6 +127,13 @@ class MultiLoraModel(FollowsModuleMoves):
         update reads each token's routing on the host)."""
         return not self._injection.experts_hooks
 
+    def prepare_ops(self, device: torch.device | str) -> None:
+        """Decide the LoRA ops for tensors on ``device`` now (the CUDA kernels found or built, else the PyTorch
+        ops). The first eager forward with adapters does it too; a compiled forward must find it done, since finding
+        the kernels cannot be traced (a graph break, and then a compile per layer): the serving engine calls this
+        before its first step."""
+        self._injection.context.backend(torch.device(device))
+
     @property
     def layout_version(self) -> int:
         """Bumped whenever a LoRA hook or a device pool is added (or a hook removed): CUDA graphs captured before

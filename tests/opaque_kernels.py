@@ -3,9 +3,11 @@ compiles to one graph, as it does with the kernels (the PyTorch ops read tables 
 
 from __future__ import annotations
 
+import os
+
 import torch
 
-from punica_hf import MultiLoraModel
+from punica_hf import MultiLoraModel, ops
 from punica_hf.ops import build_segments
 
 
@@ -61,9 +63,20 @@ class OpaqueKernelBackend:
     lora_delta = lora_delta_unchecked
 
 
-def route_to_opaque_kernels(wrapped: MultiLoraModel, monkeypatch) -> OpaqueKernelBackend:
+def route_to_opaque_kernels(wrapped: MultiLoraModel, monkeypatch, decided: bool = True) -> OpaqueKernelBackend:
     """The hooks take their CUDA route, with the opaque CPU ops above standing in for the kernels; returns the
-    backend they call."""
+    backend they call. ``decided=False``: the backend is decided again at the next call that asks for it, as the
+    CUDA one is the first time, in a way Dynamo cannot trace (finding the built kernels reads files), so a decision
+    left to a compiled forward breaks its graph."""
     backend = OpaqueKernelBackend()
-    monkeypatch.setattr(wrapped._injection.context, "backend", lambda device: backend)
+    if decided:
+        monkeypatch.setattr(wrapped._injection.context, "backend", lambda device: backend)
+        return backend
+
+    def backend_for(device, requested, kernels):
+        os.stat(__file__)
+        return backend
+
+    monkeypatch.setattr(ops, "backend_for", backend_for)
+    monkeypatch.setattr(wrapped._injection.context, "_backends", {})
     return backend

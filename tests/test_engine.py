@@ -315,13 +315,15 @@ def test_compiled_steps_give_the_tokens_of_generate(tiny_model, monkeypatch):
     the compiled function. Every layer's attention (the cache write and the read, one op declaring what it writes)
     is in the graph: no graph break, so the whole forward is one graph per path (with and without adapters) for
     every step size up to 256 tokens (above, the LoRA calls of grouped projections split: one more), and the cache
-    it writes in place is the one the next step reads."""
+    it writes in place is the one the next step reads. The engine decides the LoRA ops before it compiles: decided
+    in the compiled forward, finding the kernels breaks the graph (then Dynamo compiles every layer apart, up to its
+    limit, and the engine took minutes to start on the GPU)."""
     from opaque_kernels import route_to_opaque_kernels
     from torch._dynamo.utils import counters
 
     plan = [(adapter, tiny_prompt(150 + i, 3 + 9 * i), 4 + 2 * i) for i, adapter in enumerate(["a", None, "c", "b"])]
     expected = [reference_tokens(tiny_model, prompt, adapter, n) for adapter, prompt, n in plan]
-    route_to_opaque_kernels(tiny_model, monkeypatch)
+    route_to_opaque_kernels(tiny_model, monkeypatch, decided=False)
     torch._dynamo.reset()
     counters.clear()
     config = EngineConfig(max_running=4, max_batch_tokens=192, compile_steps=True)
