@@ -2,7 +2,7 @@
 the same workload (issue 32's targets: throughput at saturation >= 0.95x, median TTFT overhead <= 10 ms).
 
 A model folder is saved once (random weights in bf16, the Llama-3.2-1B shape by default: the smallest model makes
-the most tokens per second, so the proxy's cost per token weighs the most; ``--shape llama-3-8b``; ``--model DIR``
+the most tokens per second, so Ray Serve's cost per token weighs the most; ``--shape llama-3-8b``; ``--model DIR``
 for an existing folder; ``--smoke``: the demo model on the CPU), with a word-level tokenizer covering its
 vocabulary, beside ``--adapters`` rank-16 PEFT adapter folders (random non-zero factors on q, k, v, o, gate, up,
 down). Then each system is started as a subprocess, waited for on ``/health``, measured and stopped (SIGTERM, then
@@ -22,7 +22,8 @@ generates exactly its length), adapters round-robin over the adapters and the ba
   of ``bench_serving.py``, seeded); throughput = generated tokens / wall time;
 - TTFT at low load: ``--ttft-requests`` single requests one after the other; TTFT = first streamed event - send.
   Through Ray, split by the replica's ``x-punica-replica-first-ms`` header into its time inside the replica (to
-  its answer's first batch) and the rest, outside it (Ray Serve's proxy, the ingress and their hops).
+  its answer's first batch) and the rest, outside it (the ingress, which takes the clients itself in the
+  throughput-optimized mode, Ray Serve's proxy before it in the standard mode, and their hops).
 
 Each system is warmed up first (one request per adapter and the base, then one concurrent burst). Writes JSON under
 benchmarks/results/ and prints a table with the ratios beside their targets. If a server does not come up, the

@@ -235,6 +235,8 @@ class LoraInjection:
     ) -> list[str]:
         """Hook each of ``module_names`` that has no hook yet, reading the tables of its device at its row; all or
         none. Returns the names hooked by this call."""
+        for device in tables:  # the LoRA ops of every device with LoRA, decided here: a compiled forward cannot
+            self.context.backend(device)  # (finding or building the kernels is not traceable)
         modules = dict(self.model.named_modules())
         if self.groups is None:  # once, with the first hook: every module's group, hooked or not
             linear = {

@@ -127,12 +127,13 @@ class MultiLoraModel(FollowsModuleMoves):
         update reads each token's routing on the host)."""
         return not self._injection.experts_hooks
 
-    def prepare_ops(self, device: torch.device | str) -> None:
-        """Decide the LoRA ops for tensors on ``device`` now (the CUDA kernels found or built, else the PyTorch
-        ops). The first eager forward with adapters does it too; a compiled forward must find it done, since finding
-        the kernels cannot be traced (a graph break, and then a compile per layer): the serving engine calls this
-        before its first step."""
-        self._injection.context.backend(torch.device(device))
+    def decide_backends(self) -> None:
+        """Decide the LoRA ops (the CUDA kernels found or built, else the PyTorch ops) of every device with LoRA
+        layers, where not decided yet. Loading adapters does it, but a copy of the model decides again where it runs:
+        call this before a ``torch.compile`` of a copy that no eager forward with adapters precedes, since finding
+        the kernels cannot be traced (a graph break at every layer). The serving engine calls it at its start."""
+        for device in self._store.pools:
+            self._injection.context.backend(device)
 
     @property
     def layout_version(self) -> int:

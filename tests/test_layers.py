@@ -323,6 +323,29 @@ def test_compiled_forward_follows_hooks_added_after_it_and_unwrap(base, tmp_path
         torch._dynamo.reset()
 
 
+def test_the_ops_are_decided_at_load_so_a_first_forward_compiles_whole(base, tmp_path, monkeypatch):
+    """Finding the CUDA kernels (file reads, stood in for here) cannot be traced: loading adapters decides the ops of
+    their device, so a model compiled before any eager forward is one graph; a copy, which decides again where it
+    runs, does so at ``decide_backends()``."""
+    wrapped = MultiLoraModel(copy.deepcopy(base), max_adapters=2, max_rank=8)
+    backend = route_to_opaque_kernels(wrapped, monkeypatch, decided=False)
+    wrapped.load_adapters({"a": save_peft_adapter(base, tmp_path / "a", r=4, target_modules=["q_proj", "o_proj"])})
+    assert wrapped._injection.context.backend(torch.device("cpu")) is backend
+    ids = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    slots = torch.tensor(wrapped.acquire(["a", None]).slots, dtype=torch.int32)
+    try:
+        for model in (wrapped, copy.deepcopy(wrapped)):
+            if model is not wrapped:
+                model.decide_backends()
+            compiled = torch.compile(model.model, backend="eager", fullgraph=True, dynamic=False)  # raises on a break
+            with torch.no_grad():
+                torch.testing.assert_close(compiled(input_ids=ids, adapter_ids=slots).logits,
+                                           model.model(input_ids=ids, adapter_ids=slots).logits, rtol=0, atol=0)
+            torch._dynamo.reset()
+    finally:
+        torch._dynamo.reset()
+
+
 def test_hooks_keep_no_instance_dict_and_survive_a_deep_copy(base, tmp_path):
     """A compiled forward guards every hook object at every call; an instance __dict__ adds a guard per method the
     hook calls (Dynamo checks it does not shadow the class's). Hooks and groups keep their state in slots, and a

@@ -4,6 +4,8 @@ runtime adapter loads (``create_app(on_adapters_changed=...)``), all or nothing.
 import importlib.util
 import os
 import socket
+import threading
+import time
 
 import pytest
 from fastapi.testclient import TestClient
@@ -12,8 +14,8 @@ from server_process import demo_lora_dir, free_port
 from punica_hf import MultiLoraModel, demo
 from punica_hf.cli import main
 from punica_hf.cli.serve import (
-    RAY_INGRESS_DRAIN_VARIABLE, RAY_INGRESS_PORT_VARIABLES, RAY_PORT_QUARANTINE_VARIABLE, RAY_THROUGHPUT_VARIABLE,
-    ray_app,
+    RAY_DIRECT_INGRESS_VARIABLE, RAY_INGRESS_DRAIN_VARIABLE, RAY_INGRESS_PORT_VARIABLES, RAY_PORT_QUARANTINE_VARIABLE,
+    RAY_THROUGHPUT_VARIABLE, _watch_listener, ray_app,
 )
 from punica_hf.serving import DemoTokenizer, Engine, EngineConfig
 from punica_hf.serving.app import create_app
@@ -38,7 +40,7 @@ def test_the_local_cluster_starts_in_the_ray_serve_mode_asked_for(monkeypatch, c
     def init(**options):  # the cluster's start: what its processes would inherit
         ports = tuple(os.environ.get(name) for name in RAY_INGRESS_PORT_VARIABLES)
         seen.append((os.environ.get(RAY_THROUGHPUT_VARIABLE), options.get("address"), ports,
-                     os.environ.get(RAY_PORT_QUARANTINE_VARIABLE)))
+                     os.environ.get(RAY_PORT_QUARANTINE_VARIABLE), os.environ.get(RAY_DIRECT_INGRESS_VARIABLE)))
         # no load balancer before the local ingress: it stops once the requests in flight are answered, not 30 s on
         assert os.environ.get(RAY_INGRESS_DRAIN_VARIABLE) == "1"
         raise ConnectionError("no cluster in this test")
@@ -49,17 +51,19 @@ def test_the_local_cluster_starts_in_the_ray_serve_mode_asked_for(monkeypatch, c
     for name in (RAY_INGRESS_DRAIN_VARIABLE, *RAY_INGRESS_PORT_VARIABLES, RAY_PORT_QUARANTINE_VARIABLE):
         monkeypatch.setenv(name, "-")
         monkeypatch.delenv(name)  # (set first, so that monkeypatch restores its absence)
+    monkeypatch.setenv(RAY_DIRECT_INGRESS_VARIABLE, "0")  # a user's: the ingress on --port needs it on
     port = free_port()
     assert main(["serve", "--model", "demo", "--replicas", "1", "--device", "cpu", "--port", str(port), *asked]) == 1
     assert "no cluster in this test" in capsys.readouterr().err
     # throughput-optimized: the ingress's own HTTP server takes --port (Ray Serve's range is MIN to MAX - 1), and
     # takes it back at once when Ray Serve starts it again
-    ingress = ((str(port), str(port + 1)), "0") if mode == "1" else ((None, None), None)
+    ingress = ((str(port), str(port + 1)), "0", "1") if mode == "1" else ((None, None), None, "0")
     assert seen == [(mode, "local", *ingress)]
     # and the environment is as it was for what runs in this process afterwards
     assert os.environ[RAY_THROUGHPUT_VARIABLE] == opposite
     for name in (RAY_INGRESS_DRAIN_VARIABLE, *RAY_INGRESS_PORT_VARIABLES, RAY_PORT_QUARANTINE_VARIABLE):
         assert name not in os.environ
+    assert os.environ[RAY_DIRECT_INGRESS_VARIABLE] == "0"
 
 
 def test_a_busy_port_fails_before_the_cluster_starts(monkeypatch, capsys):
@@ -73,6 +77,43 @@ def test_a_busy_port_fails_before_the_cluster_starts(monkeypatch, capsys):
                    "--port", str(port)]
         assert main(command) == 1
     assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
+    assert main([*command[:-1], "0"]) == 1  # a port the clients could not know
+    assert "--replicas needs a fixed --port (not 0)" in capsys.readouterr().err
+
+
+def test_the_command_stops_once_nothing_has_listened_on_its_port_for_long():
+    """Ray Serve gives up for good a port that its restarted ingress found taken: the command must not run on with
+    a dead port. A gap shorter than the limit (the ingress started again) is no loss."""
+    def listen(port: int = 0) -> socket.socket:
+        listener = socket.socket()
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", port))
+        listener.listen()
+        return listener
+
+    listener = listen()
+    port = listener.getsockname()[1]
+    stopped = []
+
+    def watch():
+        try:
+            _watch_listener("127.0.0.1", port, lost_after=0.8, poll=0.05)
+        except RuntimeError as error:
+            stopped.append((time.monotonic(), str(error)))
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    time.sleep(0.5)
+    listener.close()
+    time.sleep(0.2)
+    listener = listen(port)  # back within the limit
+    time.sleep(1.0)
+    assert watcher.is_alive() and not stopped
+    listener.close()
+    gone = time.monotonic()
+    watcher.join(5)
+    assert stopped, "the watch did not stop"
+    assert stopped[0][0] - gone >= 0.8 and f"nothing has listened on 127.0.0.1:{port} for 1 s" in stopped[0][1]
 
 
 def test_the_ray_serve_mode_of_a_cluster_that_runs_already_is_refused(capsys, monkeypatch):

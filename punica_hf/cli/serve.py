@@ -33,9 +33,13 @@ RAY_THROUGHPUT_VARIABLE = "RAY_SERVE_THROUGHPUT_OPTIMIZED"  # Ray Serve's switch
 RAY_INGRESS_PORT_VARIABLES = ("RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT", "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT")
 # How long Ray Serve keeps a port a replica gave up out of that range (for HAProxy, which the command does not run)
 RAY_PORT_QUARANTINE_VARIABLE = "RAY_SERVE_PORT_QUARANTINE_S"
+RAY_DIRECT_INGRESS_VARIABLE = "RAY_SERVE_ENABLE_DIRECT_INGRESS"  # on in that mode unless set otherwise
 RAY_CLUSTER_VARIABLES = (RAY_THROUGHPUT_VARIABLE, RAY_INGRESS_DRAIN_VARIABLE, *RAY_INGRESS_PORT_VARIABLES,
-                         RAY_PORT_QUARANTINE_VARIABLE)
+                         RAY_PORT_QUARANTINE_VARIABLE, RAY_DIRECT_INGRESS_VARIABLE)
 INGRESS_WAIT_SECONDS = 30.0  # for the ingress to listen on --port once Ray Serve says the application runs
+# Nothing on --port this long: the command stops. Ray Serve blocks for good a port that an ingress it starts again
+# finds taken (another process bound it meanwhile), and the clients' port would stay dead while the command runs.
+INGRESS_LOST_SECONDS = 60.0
 
 
 def register(command: Callable[..., argparse.ArgumentParser]) -> None:
@@ -385,6 +389,7 @@ def _local_cluster_environment(args: argparse.Namespace) -> dict[str, str]:
         lowest, above = RAY_INGRESS_PORT_VARIABLES
         environment.update({lowest: str(args.port), above: str(args.port + 1)})  # Ray Serve's range ends before MAX
         environment[RAY_PORT_QUARANTINE_VARIABLE] = "0"
+        environment[RAY_DIRECT_INGRESS_VARIABLE] = "1"
     return environment
 
 
@@ -393,20 +398,41 @@ def _free_port(host: str) -> int:
         return listener.getsockname()[1]
 
 
-def _wait_until_listening(host: str, port: int, timeout: float) -> None:
-    """Return once something accepts connections on ``host:port`` (a wildcard host: on this machine's loopback);
-    ``RuntimeError`` after ``timeout`` seconds."""
+def _listening(host: str, port: int) -> bool:
+    """Whether something accepts connections on ``host:port`` (a wildcard host: on this machine's loopback)."""
     address = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(host, host)
+    try:
+        socket.create_connection((address, port), timeout=1).close()
+        return True
+    except OSError:
+        return False
+
+
+def _wait_until_listening(host: str, port: int, timeout: float) -> None:
+    """Return once something listens on ``host:port``; ``RuntimeError`` after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
+    while not _listening(host, port):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"Ray Serve's ingress does not listen on {host}:{port}: see Ray Serve's logs "
+                               "(/tmp/ray/session_latest/logs/serve)")
+        time.sleep(0.1)
+
+
+def _watch_listener(host: str, port: int, lost_after: float, poll: float = 1.0) -> None:
+    """Return never while something listens on ``host:port`` (gaps shorter than ``lost_after`` seconds allowed: an
+    ingress that Ray Serve starts again); ``RuntimeError`` once nothing has for ``lost_after`` seconds."""
+    silent_since = None
     while True:
-        try:
-            socket.create_connection((address, port), timeout=1).close()
-            return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"Ray Serve's ingress does not listen on {host}:{port}: see Ray Serve's logs") \
-                    from None
-            time.sleep(0.1)
+        if _listening(host, port):
+            silent_since = None
+        elif silent_since is None:
+            silent_since = time.monotonic()
+        elif time.monotonic() - silent_since >= lost_after:
+            raise RuntimeError(
+                f"nothing has listened on {host}:{port} for {lost_after:.0f} s: Ray Serve could not start the ingress "
+                "there again (it gives up a port that another process took meanwhile); stopping"
+            )
+        time.sleep(poll)
 
 
 @contextmanager
@@ -434,6 +460,8 @@ def _run_on_ray(args: argparse.Namespace, console: Console) -> None:
 
     local = args.ray_address is None  # a cluster of this machine alone, reachable from it alone
     if local:
+        if args.port == 0:
+            raise ValueError("--replicas needs a fixed --port (not 0): the ingress and its clients need to know it")
         bind_listener(args.host, args.port).close()  # a busy address fails now, not once the replicas have loaded
     with _signals_and_environment_restored(RAY_CLUSTER_VARIABLES):
         started = deployed = False
@@ -452,7 +480,13 @@ def _run_on_ray(args: argparse.Namespace, console: Console) -> None:
             serve.start(http_options={"host": args.host, "port": proxy_port})
             with console.status(f"starting {args.replicas or 1} replica(s) of {args.model} on Ray Serve"):
                 deployed = True
-                serve.run(app, name=RAY_APP_NAME, route_prefix="/")
+                try:
+                    serve.run(app, name=RAY_APP_NAME, route_prefix="/")
+                except Exception as error:
+                    if not _ingress_on_port(args):
+                        raise
+                    raise RuntimeError(f"{error} (the ingress listens on {args.host}:{args.port} itself: is that port "
+                                       "free, and outside Ray's worker ports, 10002-19999 by default?)") from error
                 if _ingress_on_port(args):
                     _wait_until_listening(args.host, args.port, INGRESS_WAIT_SECONDS)
             console.print(
@@ -460,7 +494,10 @@ def _run_on_ray(args: argparse.Namespace, console: Console) -> None:
                 f"on http://{args.host}:{args.port}/v1" + (" (API key required)" if args.api_key else ""),
                 highlight=False,
             )
-            threading.Event().wait()  # until a signal raises StopRequested
+            if _ingress_on_port(args):  # until a signal raises StopRequested, or the ingress is lost for good
+                _watch_listener(args.host, args.port, INGRESS_LOST_SECONDS)
+            else:
+                threading.Event().wait()  # until a signal raises StopRequested
         except StopRequested:
             console.print("stopping: the replicas answer the requests in flight first", highlight=False)
         finally:

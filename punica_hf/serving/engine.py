@@ -113,7 +113,7 @@ class Engine(TensorParallelLoop):
             raise RuntimeError("the engine was started already")
         self.attention = attention.choose(self.hf_model)
         logger.info("attention: %s (%s)", self.attention.path, self.attention.reason)
-        self.model.prepare_ops(self.hf_model.device)  # before any step is compiled or captured
+        self.model.decide_backends()  # before any step is compiled or captured
         with torch.inference_mode():
             backend = transformers_cb.ContinuousBatchingBackend(
                 self.hf_model, self._cb_config(self.hf_model.device), eos_token_ids=sorted(self.eos_token_ids),
