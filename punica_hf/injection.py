@@ -230,13 +230,18 @@ class LoraInjection:
                 f"supported: {problem}"
             )
 
+    def decide_backends(self, devices: Iterable[torch.device]) -> None:
+        """Decide the LoRA ops of each of ``devices`` (eagerly, where not decided yet): a compiled forward cannot,
+        since finding or building the kernels is not traceable."""
+        for device in devices:
+            self.context.backend(device)
+
     def attach(
         self, module_names: Iterable[str], tables: Mapping[torch.device, DeviceTables], rows: Mapping[str, int]
     ) -> list[str]:
         """Hook each of ``module_names`` that has no hook yet, reading the tables of its device at its row; all or
         none. Returns the names hooked by this call."""
-        for device in tables:  # the LoRA ops of every device with LoRA, decided here: a compiled forward cannot
-            self.context.backend(device)  # (finding or building the kernels is not traceable)
+        self.decide_backends(tables)
         modules = dict(self.model.named_modules())
         if self.groups is None:  # once, with the first hook: every module's group, hooked or not
             linear = {

@@ -132,8 +132,7 @@ class MultiLoraModel(FollowsModuleMoves):
         layers, where not decided yet. Loading adapters does it, but a copy of the model decides again where it runs:
         call this before a ``torch.compile`` of a copy that no eager forward with adapters precedes, since finding
         the kernels cannot be traced (a graph break at every layer). The serving engine calls it at its start."""
-        for device in self._store.pools:
-            self._injection.context.backend(device)
+        self._injection.decide_backends(self._store.pools)
 
     @property
     def layout_version(self) -> int:

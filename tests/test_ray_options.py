@@ -15,7 +15,7 @@ from punica_hf import MultiLoraModel, demo
 from punica_hf.cli import main
 from punica_hf.cli.serve import (
     RAY_DIRECT_INGRESS_VARIABLE, RAY_INGRESS_DRAIN_VARIABLE, RAY_INGRESS_PORT_VARIABLES, RAY_PORT_QUARANTINE_VARIABLE,
-    RAY_THROUGHPUT_VARIABLE, _watch_listener, ray_app,
+    RAY_THROUGHPUT_VARIABLE, _watch_listener, bind_listener, ray_app,
 )
 from punica_hf.serving import DemoTokenizer, Engine, EngineConfig
 from punica_hf.serving.app import create_app
@@ -84,14 +84,7 @@ def test_a_busy_port_fails_before_the_cluster_starts(monkeypatch, capsys):
 def test_the_command_stops_once_nothing_has_listened_on_its_port_for_long():
     """Ray Serve gives up for good a port that its restarted ingress found taken: the command must not run on with
     a dead port. A gap shorter than the limit (the ingress started again) is no loss."""
-    def listen(port: int = 0) -> socket.socket:
-        listener = socket.socket()
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind(("127.0.0.1", port))
-        listener.listen()
-        return listener
-
-    listener = listen()
+    listener = bind_listener("127.0.0.1", 0)
     port = listener.getsockname()[1]
     stopped = []
 
@@ -106,7 +99,7 @@ def test_the_command_stops_once_nothing_has_listened_on_its_port_for_long():
     time.sleep(0.5)
     listener.close()
     time.sleep(0.2)
-    listener = listen(port)  # back within the limit
+    listener = bind_listener("127.0.0.1", port)  # back within the limit
     time.sleep(1.0)
     assert watcher.is_alive() and not stopped
     listener.close()

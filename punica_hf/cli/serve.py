@@ -459,6 +459,7 @@ def _run_on_ray(args: argparse.Namespace, console: Console) -> None:
     from ray import serve
 
     local = args.ray_address is None  # a cluster of this machine alone, reachable from it alone
+    direct = _ingress_on_port(args)
     if local:
         if args.port == 0:
             raise ValueError("--replicas needs a fixed --port (not 0): the ingress and its clients need to know it")
@@ -476,25 +477,16 @@ def _run_on_ray(args: argparse.Namespace, console: Console) -> None:
             _stop_on_signals()  # again: Ray's start put its own SIGTERM handler in place, which aborts the process
             started = True
             # with the ingress on --port, Ray Serve's proxy (which Ray Serve needs) takes another port
-            proxy_port = _free_port(args.host) if _ingress_on_port(args) else args.port
-            serve.start(http_options={"host": args.host, "port": proxy_port})
+            serve.start(http_options={"host": args.host, "port": _free_port(args.host) if direct else args.port})
             with console.status(f"starting {args.replicas or 1} replica(s) of {args.model} on Ray Serve"):
                 deployed = True
-                try:
-                    serve.run(app, name=RAY_APP_NAME, route_prefix="/")
-                except Exception as error:
-                    if not _ingress_on_port(args):
-                        raise
-                    raise RuntimeError(f"{error} (the ingress listens on {args.host}:{args.port} itself: is that port "
-                                       "free, and outside Ray's worker ports, 10002-19999 by default?)") from error
-                if _ingress_on_port(args):
-                    _wait_until_listening(args.host, args.port, INGRESS_WAIT_SECONDS)
+                _run_app(app, args, direct)
             console.print(
                 f"serving [bold]{args.served_model_name or args.model}[/bold] with {args.replicas or 1} replica(s) "
                 f"on http://{args.host}:{args.port}/v1" + (" (API key required)" if args.api_key else ""),
                 highlight=False,
             )
-            if _ingress_on_port(args):  # until a signal raises StopRequested, or the ingress is lost for good
+            if direct:  # until a signal raises StopRequested, or the ingress is lost for good
                 _watch_listener(args.host, args.port, INGRESS_LOST_SECONDS)
             else:
                 threading.Event().wait()  # until a signal raises StopRequested
@@ -504,6 +496,22 @@ def _run_on_ray(args: argparse.Namespace, console: Console) -> None:
             for signum in STOP_SIGNALS:  # the drain is not cut short by a second signal
                 signal.signal(signum, signal.SIG_IGN)
             _stop_ray(console, deployed=deployed, stop_serve=started and local)
+
+
+def _run_app(app, args: argparse.Namespace, direct: bool) -> None:
+    """Run ``app`` on Ray Serve; ``direct``: the ingress itself listens on ``--port``, and this returns once it
+    does."""
+    from ray import serve
+
+    try:
+        serve.run(app, name=RAY_APP_NAME, route_prefix="/")
+    except Exception as error:
+        if not direct:
+            raise
+        raise RuntimeError(f"{error} (the ingress listens on {args.host}:{args.port} itself: is that port free, and "
+                           "outside Ray's worker ports, 10002-19999 by default?)") from error
+    if direct:
+        _wait_until_listening(args.host, args.port, INGRESS_WAIT_SECONDS)
 
 
 def _stop_ray(console: Console, *, deployed: bool, stop_serve: bool) -> None:
