@@ -27,6 +27,7 @@
 #   GEN_FLAGS="..."                                 bench_generate.py flags (default below: every system, ~4 min)
 #   ADAPTER_FLAGS="..."                             bench_adapters.py flags (default: the issue-8 setup, ~2 min)
 #   RAY_FLAGS="--repeats 1"                         extra bench_ray.py flags
+#   WORKLOAD_FLAGS="--compile-steps"                extra bench_serving.py flags of the "workloads" part
 #   BUDGET_S=530                                    seconds for the whole call
 set -o pipefail
 export PYTHONUNBUFFERED=1 RAY_USAGE_STATS_ENABLED=0 PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PUNICA_HF_CACHE=${PUNICA_HF_CACHE:-/tmp/punica_hf_cache}
@@ -98,7 +99,7 @@ wanted compiled && part compiled 360 python3 benchmarks/bench_serving.py --adapt
     --rates "" --compiled-batches "" --no-transformers-cb --compile-steps --output "$OUT/bench_serving_compiled_h200.json"
 if wanted workloads; then
     for workload in ${WORKLOADS:-small-model mixed-ranks long-prompts shared-prefixes}; do
-        part "$workload" 300 python3 benchmarks/bench_serving.py "--$workload" \
+        part "$workload" 300 python3 benchmarks/bench_serving.py "--$workload" $WORKLOAD_FLAGS \
             --output "$OUT/bench_serving_${workload//-/_}_h200.json"
     done
 fi
