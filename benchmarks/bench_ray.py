@@ -29,6 +29,10 @@ Each system is warmed up first (one request per adapter and the base, then one c
 benchmarks/results/ and prints a table with the ratios beside their targets. If a server does not come up, the
 tail of its log says why.
 
+``--profile-replica PY_SPY`` records the Ray replica's threads with py-spy during the first saturation run of each
+Ray system (``thread_profile.py``: every thread's time, and which thread holds the GIL), into the JSON (the
+system's ``replica_profile``) and a printed table. ``--stream-interval-ms`` sets the Ray systems' interval.
+
     python benchmarks/bench_ray.py --output benchmarks/results/bench_ray_h200.json   # needs ray[serve] >= 2.60
     python benchmarks/bench_ray.py --smoke        # the demo model on the CPU, < 60 s
 """
@@ -58,6 +62,7 @@ import torch
 import transformers
 from bench_generate import TARGETS, build_llama, llama_3_2_1b_config, llama_config, random_adapter
 from bench_serving import FULL, LengthMix, make_requests, percentile
+from thread_profile import Recordings, descendants_of
 from peft import LoraConfig
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, models, pre_tokenizers
@@ -77,6 +82,7 @@ TTFT_OVERHEAD_TARGET_MS = 10.0  # Ray Serve - engine, median TTFT at low load, a
 SMOKE = dict(prompts=LengthMix(8, 0.5, 2, 20), outputs=LengthMix(8, 0.5, 2, 24))  # the demo model: 64 positions
 TTFT_NEW_TOKENS = 16  # a low-load request streams this many tokens at most: its first one is what is timed
 RAY_SYSTEM = "ray serve, 1 replica"
+REPLICA_PROCESS_MARKER = "EngineReplica"  # in the title of a Ray Serve replica's process (ray::ServeReplica:...)
 RAY_MODES = {"throughput": "on", "standard": "off"}  # --ray-modes name: serve's --ray-throughput-optimized
 SHAPES = {"llama-3.2-1b": llama_3_2_1b_config, "llama-3-8b": lambda: llama_config(32)}
 
@@ -209,18 +215,25 @@ def replicas_of(results: list[Streamed]) -> list[str]:
 
 
 def measure(base_url: str, saturation_calls: list[Call], ttft_calls: list[Call], clients: int, served: list[str],
-            repeats: int) -> dict:
+            repeats: int, start_profile=None) -> dict:
     """Warm-up, saturation ``repeats`` times (the run of median throughput is the result), then TTFT at low load,
-    against the server at ``base_url``."""
+    against the server at ``base_url``. ``start_profile``: called as the first saturation run starts, it returns
+    what to call once that run ends, which returns the profile (``replica_profile`` in the result)."""
     warm_up = [Call(saturation_calls[0].prompt, 2, model) for model in served]
     asyncio.run(run_one_by_one(base_url, warm_up))  # each adapter's first load (and a replica claims it)
     burst = [Call(c.prompt, min(c.new_tokens, TTFT_NEW_TOKENS), c.model) for c in saturation_calls[:clients]]
     asyncio.run(run_concurrently(base_url, burst, clients))
-    runs = [asyncio.run(run_concurrently(base_url, saturation_calls, clients)) for _ in range(repeats)]
+    runs, profile = [], None
+    for repeat in range(repeats):
+        finish_profile = start_profile() if start_profile is not None and repeat == 0 else None
+        runs.append(asyncio.run(run_concurrently(base_url, saturation_calls, clients)))
+        if finish_profile is not None:
+            profile = finish_profile()
     saturation = sorted(runs, key=lambda run: run["tokens_per_second"])[(repeats - 1) // 2]
     low_load = asyncio.run(run_one_by_one(base_url, ttft_calls))
-    return {"saturation": saturation, "saturation_tokens_per_second": [run["tokens_per_second"] for run in runs],
-            "low_load": low_load}
+    result = {"saturation": saturation, "saturation_tokens_per_second": [run["tokens_per_second"] for run in runs],
+              "low_load": low_load}
+    return result if profile is None else result | {"replica_profile": profile}
 
 
 class ServerProcess:
@@ -281,10 +294,20 @@ class ServerProcess:
         self.process.wait()
 
 
-def run_system(name: str, serve_args: list[str], workdir: Path, start_timeout: float, **workload) -> dict:
+def run_system(name: str, serve_args: list[str], workdir: Path, start_timeout: float, py_spy: str | None = None,
+               profile_seconds: float = 0, **workload) -> dict:
+    """Start system ``name``, measure it, stop it; ``py_spy``: record its Ray replica's threads (``--replicas``)."""
     server = ServerProcess(name, serve_args, workdir / f"{re.sub(r'[^a-z0-9]+', '_', name)}.log", start_timeout)
+
+    def start_profile():
+        replicas = descendants_of(server.process.pid, REPLICA_PROCESS_MARKER)
+        if len(replicas) != 1:
+            raise RuntimeError(f"{name}: expected one Ray Serve replica process to profile, found {replicas}")
+        return Recordings(py_spy, replicas[0], profile_seconds, workdir).finish
+
     try:
-        result = measure(server.base_url, **workload)
+        profiled = py_spy is not None and "--replicas" in serve_args
+        result = measure(server.base_url, start_profile=start_profile if profiled else None, **workload)
     except BaseException:
         print(f"{name} failed while measured; its log:\n{server.log_tail()}", flush=True)
         raise
@@ -339,6 +362,18 @@ def print_table(systems: dict, comparisons: dict) -> None:
               f"{'met' if comparison['ttft_met'] else 'missed'})")
 
 
+def print_profile(name: str, profile: dict) -> None:
+    """Each recording's threads by share of its samples, with their three largest frames."""
+    for mode, summary in profile.items():
+        print(f"\n{name}, replica's threads ({mode}: {summary.get('samples', 0)} samples)")
+        if "error" in summary:
+            print(f"  {summary['error']}")
+            continue
+        for thread in summary["threads"][:8]:
+            frames = "; ".join(f"{frame['frame']} {frame['share']:.0%}" for frame in thread["frames"][:3])
+            print(f"  {thread['share']:5.1%}  {thread['thread'][:40]:40s}  {frames[:160]}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     model = parser.add_mutually_exclusive_group()
@@ -366,6 +401,12 @@ def main() -> None:
                         "120 with --smoke)")
     parser.add_argument("--workdir", type=Path, help="where the model, adapters and server logs go (default: a "
                         "temporary folder, removed at the end unless a server failed)")
+    parser.add_argument("--stream-interval-ms", type=int, metavar="MS",
+                        help="the Ray systems' --stream-interval-ms (default: serve's)")
+    parser.add_argument("--profile-replica", metavar="PY_SPY",
+                        help="the py-spy executable: record the Ray replica's threads during the first saturation run")
+    parser.add_argument("--profile-seconds", type=float, default=8.0,
+                        help="seconds of that recording (default: 8; keep it within the run)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", type=Path, help="JSON path (default: results/bench_ray.json; "
                         "results/bench_ray_smoke.json with --smoke)")
@@ -383,6 +424,8 @@ def main() -> None:
     modes = [] if args.ray_address else (args.ray_modes or ",".join(RAY_MODES)).split(",")
     if any(mode not in RAY_MODES for mode in modes) or len(set(modes)) != len(modes):
         parser.error(f"--ray-modes: distinct names among {', '.join(RAY_MODES)}, got {args.ray_modes!r}")
+    if args.profile_replica and args.ray_address:
+        parser.error("--profile-replica records a replica of the local cluster: not with --ray-address")
     if smoke and args.ray_modes is None:
         modes = modes[:1]
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a time limit's SIGTERM still stops the servers
@@ -418,12 +461,16 @@ def main() -> None:
           f"load, {len(adapters)} adapters and the base model", flush=True)
 
     systems = {"engine": serve_args}
+    ray_args = [*serve_args, "--replicas", "1"]
+    if args.stream_interval_ms is not None:
+        ray_args += ["--stream-interval-ms", str(args.stream_interval_ms)]
     if args.ray_address:
-        systems[RAY_SYSTEM] = [*serve_args, "--replicas", "1", "--ray-address", args.ray_address]
+        systems[RAY_SYSTEM] = [*ray_args, "--ray-address", args.ray_address]
     for mode in modes:  # the first under the plain name: what `punica-hf serve --replicas` does unless told
         name = RAY_SYSTEM if mode == modes[0] else f"{RAY_SYSTEM}, {mode} mode"
-        systems[name] = [*serve_args, "--replicas", "1", "--ray-throughput-optimized", RAY_MODES[mode]]
-    results = {name: run_system(name, system_args, workdir, args.start_timeout, **workload)
+        systems[name] = [*ray_args, "--ray-throughput-optimized", RAY_MODES[mode]]
+    results = {name: run_system(name, system_args, workdir, args.start_timeout, py_spy=args.profile_replica,
+                                profile_seconds=args.profile_seconds, **workload)
                for name, system_args in systems.items()}
     engine = results["engine"]
     check_replicas(engine, 0, "engine")
@@ -446,6 +493,9 @@ def main() -> None:
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(report, indent=2))
     print_table(results, comparisons)
+    for name, result in results.items():
+        if "replica_profile" in result:
+            print_profile(name, result["replica_profile"])
     for name, result in results.items():
         if result["saturation"]["client_cpu_share"] > 0.8:
             print(f"note: the client process was busy {result['saturation']['client_cpu_share']:.0%} of the "

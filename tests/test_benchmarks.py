@@ -6,6 +6,7 @@ import copy
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -23,6 +24,7 @@ from punica_hf import MultiLoraModel
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from bench_generate import StepTimer, build_llama, factor_bytes, llama_config, random_adapter  # noqa: E402
 from bench_step_lora import CALLS, lora_floor_bytes  # noqa: E402
+from thread_profile import descendants_of, summarize  # noqa: E402
 
 
 class HostClockEvent:
@@ -167,6 +169,9 @@ def test_ray_benchmark_smoke_run_measures_both_servers_on_the_same_workload(tmp_
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_ray.py"
     output = tmp_path / "bench_ray.json"
     command = [sys.executable, str(script), "--smoke", "--output", str(output), "--workdir", str(tmp_path / "work")]
+    py_spy = shutil.which("py-spy") or shutil.which("py-spy", path=str(Path(sys.executable).parent))
+    if py_spy:  # the replica's threads recorded during the Ray system's saturation run
+        command += ["--profile-replica", py_spy, "--profile-seconds", "2"]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env())
     try:
         log, _ = process.communicate(timeout=300)  # about a minute on an idle machine of 2 cores
@@ -187,11 +192,62 @@ def test_ray_benchmark_smoke_run_measures_both_servers_on_the_same_workload(tmp_
     assert "in_replica_p50_ms" not in engine["low_load"]
     assert 0 < ray["low_load"]["in_replica_p50_ms"] and 0 < ray["low_load"]["outside_replica_p50_ms"]
     assert ray["low_load"]["in_replica_p50_ms"] < ray["low_load"]["ttft_p90_ms"]
+    assert "replica_profile" not in engine
+    if py_spy:
+        threads = ray["replica_profile"]["threads"]
+        assert threads["samples"] > 0 and sum(t["share"] for t in threads["threads"]) == pytest.approx(1)
+        assert "punica-hf-engine" in {t["thread"].split(": ")[-1] for t in threads["threads"]}
     comparison = report["comparison"]
     assert comparison["throughput_ratio"] == pytest.approx(
         ray["saturation"]["tokens_per_second"] / engine["saturation"]["tokens_per_second"])
     assert comparison["ttft_p50_overhead_ms"] == pytest.approx(
         ray["low_load"]["ttft_p50_ms"] - engine["low_load"]["ttft_p50_ms"])
+
+
+def test_thread_profile_gives_each_threads_share_and_where_its_samples_end():
+    """py-spy's collapsed stacks: a thread's share counts its samples whatever its id, and a sample is placed at its
+    innermost punica_hf frame (else its innermost frame), one entry per function whatever the line."""
+    raw = "\n".join([
+        "thread (11): punica-hf-engine;Thread.run (threading.py:982);Engine._loop (punica_hf/serving/engine.py:428)"
+        ";lora_add (punica_hf/ops/torch_ops.py:40);einsum (torch/functional.py:373) 5",
+        "thread (11): punica-hf-engine;Thread.run (threading.py:982);Engine._loop (punica_hf/serving/engine.py:431) 1",
+        "thread (12): punica-hf-engine;Thread.run (threading.py:982);Engine._loop (punica_hf/serving/engine.py:428) 2",
+        "thread (13): AsyncIO Thread: default;Thread.run (threading.py:982);packb (msgpack/__init__.py:35) 2",
+        "",
+        "not a stack line",
+    ])
+    summary = summarize(raw)
+    assert summary["samples"] == 10
+    engine, loop = summary["threads"]
+    assert (engine["thread"], engine["share"]) == ("thread: punica-hf-engine", pytest.approx(0.8))
+    assert engine["frames"] == [{"frame": "lora_add", "share": pytest.approx(0.5)},
+                                {"frame": "Engine._loop", "share": pytest.approx(0.3)}]
+    assert (loop["thread"], loop["share"], loop["frames"]) == (
+        "thread: AsyncIO Thread: default", pytest.approx(0.2), [{"frame": "packb", "share": pytest.approx(0.2)}])
+
+
+def test_thread_profile_finds_the_marked_processes_below_a_process_only():
+    """A Ray replica has a process group of its own: it is found as a descendant of the command, by its title."""
+    import signal
+
+    marker = f"marked-{os.getpid()}-{time.monotonic_ns()}"
+    parent = subprocess.Popen(  # its own command line lacks the marker; its child's has it
+        [sys.executable, "-c", "import os, subprocess, sys, time; child = subprocess.Popen([sys.executable, '-c', "
+         "'import time; time.sleep(60)', os.environ['MARK']]); print(child.pid, flush=True); time.sleep(60)"],
+        stdout=subprocess.PIPE, text=True, env={**os.environ, "MARK": marker})
+    outsider = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", marker])  # not below parent
+    child = None
+    try:
+        child = int(parent.stdout.readline())
+        assert descendants_of(parent.pid, marker) == [child]
+        assert descendants_of(os.getpid(), marker) == sorted([child, outsider.pid])
+        assert descendants_of(child, marker) == []
+    finally:
+        if child is not None:
+            os.kill(child, signal.SIGKILL)
+        for process in (parent, outsider):
+            process.kill()
+            process.wait()
 
 
 def test_adapter_kinds_benchmark_smoke_run_times_every_kind_with_its_feature_at_work(tmp_path):

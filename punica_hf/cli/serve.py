@@ -117,7 +117,7 @@ def register(command: Callable[..., argparse.ArgumentParser]) -> None:
                         "(default: on; never across adapters)")
     sizing.add_argument("--compile-steps", choices=["on", "off"], default="off",
                         help="compile each step's forward with torch.compile, fusing the work between the GEMMs "
-                        "(default: off; compiling takes minutes at start)")
+                        "(default: off; compiling takes minutes at start, more with more layers)")
     replicas = parser.add_argument_group("replicas on Ray Serve (needs the ray extra: pip install 'punica-hf[ray]')")
     replicas.add_argument(
         "--replicas", type=positive_int, default=None, metavar="N",

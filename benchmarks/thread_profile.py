@@ -1,0 +1,104 @@
+"""py-spy recordings of another process's threads, summarized per thread (``bench_ray.py --profile-replica``).
+
+Two recordings run side by side over the same seconds: every thread's samples, idle ones included (where each
+thread spends its time, waiting too), and only the samples of the thread holding the GIL (which thread the others
+wait for). Each is summarized as each thread's share of the recording's samples and, within a thread, the frames
+its samples end in: the innermost frame of ``punica_hf`` code when the stack has one, else the innermost frame.
+py-spy's ``--nonblocking`` mode reads the process without stopping it, so the recording does not slow it down.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from collections import Counter
+from pathlib import Path
+
+MODES = {"gil": ["--gil"], "threads": ["--idle"]}  # recording name: py-spy flags
+_THREAD_ID = re.compile(r"\s*\(\d+\)")  # py-spy's "thread (1234): name": the id differs between runs
+_LINE = re.compile(r"\s*\([^()]*:\d+\)$")  # a frame's "(file.py:12)", so one function is one entry
+
+
+def descendants_of(root: int, marker: str) -> list[int]:
+    """The processes descending from process ``root`` whose command line (a Ray worker's: its title) holds
+    ``marker`` (a Ray worker has a process group of its own, but descends from the command that started Ray)."""
+    parents, commands = {}, {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            status = (entry / "stat").read_text()
+            commands[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # gone meanwhile
+            continue
+        parents[int(entry.name)] = int(status[status.rindex(")") + 2:].split()[1])  # after "pid (name) state"
+
+    def descends(pid: int) -> bool:
+        seen = set()
+        while pid in parents and pid not in seen:
+            seen.add(pid)
+            pid = parents[pid]
+            if pid == root:
+                return True
+        return False
+
+    return sorted(pid for pid, command in commands.items() if marker in command and descends(pid))
+
+
+class Recordings:
+    """Both recordings of process ``pid`` for ``seconds``, started at once; ``finish()`` waits for them and returns
+    ``{mode: summary}`` (a failed recording: ``{"error": ...}``)."""
+
+    def __init__(self, py_spy: str, pid: int, seconds: float, folder: Path, rate: int = 200) -> None:
+        self.seconds = seconds
+        self.paths = {mode: folder / f"py_spy_{pid}_{mode}.txt" for mode in MODES}
+        self.processes = {
+            mode: subprocess.Popen(
+                [py_spy, "record", "--pid", str(pid), "--duration", str(max(1, round(seconds))), "--rate", str(rate),
+                 "--nonblocking", "--threads", "--format", "raw", "--output", str(self.paths[mode]), *flags],
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            for mode, flags in MODES.items()
+        }
+
+    def finish(self) -> dict:
+        summaries = {}
+        for mode, process in self.processes.items():
+            try:
+                log, _ = process.communicate(timeout=self.seconds + 60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                log, _ = process.communicate()
+            if process.returncode != 0 or not self.paths[mode].is_file():
+                summaries[mode] = {"error": f"py-spy exited with status {process.returncode}: {log[-500:]}"}
+            else:
+                summaries[mode] = summarize(self.paths[mode].read_text())
+        return summaries
+
+
+def summarize(raw: str, frames_per_thread: int = 8) -> dict:
+    """``{"samples": N, "threads": [{"thread", "share", "frames": [{"frame", "share"}]}]}`` of py-spy's raw
+    (collapsed stacks) output recorded with ``--threads``, threads by share, each share a fraction of all samples."""
+    threads: Counter = Counter()
+    frames: dict[str, Counter] = {}
+    total = 0
+    for line in raw.splitlines():
+        stack, _, count = line.rstrip().rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        count = int(count)
+        thread, *calls = stack.split(";")
+        thread = _THREAD_ID.sub("", thread)
+        ours = [call for call in calls if "punica_hf" in call]
+        frame = _LINE.sub("", (ours or calls or ["?"])[-1])
+        total += count
+        threads[thread] += count
+        frames.setdefault(thread, Counter())[frame] += count
+    return {
+        "samples": total,
+        "threads": [
+            {"thread": thread, "share": count / total,
+             "frames": [{"frame": frame, "share": n / total}
+                        for frame, n in frames[thread].most_common(frames_per_thread)]}
+            for thread, count in threads.most_common()
+        ],
+    }
