@@ -426,6 +426,12 @@ def main() -> None:
         parser.error(f"--ray-modes: distinct names among {', '.join(RAY_MODES)}, got {args.ray_modes!r}")
     if args.profile_replica and args.ray_address:
         parser.error("--profile-replica records a replica of the local cluster: not with --ray-address")
+    if args.profile_replica and not shutil.which(args.profile_replica):
+        parser.error(f"--profile-replica: no executable py-spy at {args.profile_replica!r}")
+    if not args.profile_seconds > 0:
+        parser.error(f"--profile-seconds must be positive, got {args.profile_seconds}")
+    if args.stream_interval_ms is not None and args.stream_interval_ms < 0:
+        parser.error(f"--stream-interval-ms must be 0 or more, got {args.stream_interval_ms}")
     if smoke and args.ray_modes is None:
         modes = modes[:1]
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a time limit's SIGTERM still stops the servers
