@@ -29,6 +29,10 @@ Each system is warmed up first (one request per adapter and the base, then one c
 benchmarks/results/ and prints a table with the ratios beside their targets. If a server does not come up, the
 tail of its log says why.
 
+Each saturation run also reads the engine's step and token counters from ``/metrics`` before and after it: tokens
+per engine step (how full its batches were) and milliseconds per step, which split a throughput gap into smaller
+batches and slower steps.
+
 ``--profile-replica PY_SPY`` records the Ray replica's threads with py-spy during the first saturation run of each
 Ray system (``thread_profile.py``: every thread's time, and which thread holds the GIL), into the JSON (the
 system's ``replica_profile``) and a printed table. ``--stream-interval-ms`` sets the Ray systems' interval.
@@ -82,6 +86,8 @@ TTFT_OVERHEAD_TARGET_MS = 10.0  # Ray Serve - engine, median TTFT at low load, a
 SMOKE = dict(prompts=LengthMix(8, 0.5, 2, 20), outputs=LengthMix(8, 0.5, 2, 24))  # the demo model: 64 positions
 TTFT_NEW_TOKENS = 16  # a low-load request streams this many tokens at most: its first one is what is timed
 RAY_SYSTEM = "ray serve, 1 replica"
+# /metrics counters that split a saturation run's throughput into steps per second and tokens per step
+STEP_COUNTERS = {"punica_engine_steps_total": "steps", "punica_generation_tokens_total": "tokens"}
 REPLICA_PROCESS_MARKER = "EngineReplica"  # in the title of a Ray Serve replica's process (ray::ServeReplica:...)
 RAY_MODES = {"throughput": "on", "standard": "off"}  # --ray-modes name: serve's --ray-throughput-optimized
 SHAPES = {"llama-3.2-1b": llama_3_2_1b_config, "llama-3-8b": lambda: llama_config(32)}
@@ -210,6 +216,29 @@ async def run_one_by_one(base_url: str, calls: list[Call]) -> dict:
     return summary
 
 
+def engine_counters(base_url: str) -> dict[str, float]:
+    """The engine's step and generated-token counters from the server's ``/metrics`` (through Ray Serve: the one
+    replica's)."""
+    text = httpx.get(f"{base_url}/metrics", timeout=30).text
+    counters = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in STEP_COUNTERS:
+            counters[STEP_COUNTERS[name]] = float(value)
+    if len(counters) != len(STEP_COUNTERS):
+        raise RuntimeError(f"{base_url}/metrics lacks {sorted(set(STEP_COUNTERS) - set(counters))}")
+    return counters
+
+
+def with_steps(run: dict, before: dict[str, float], after: dict[str, float]) -> dict:
+    """``run`` with the engine's steps over it: their number, the tokens each generated on average (how full the
+    batches were) and the run's time per step (steps and any idle time between them)."""
+    steps = after["steps"] - before["steps"]
+    tokens = after["tokens"] - before["tokens"]
+    return run | {"engine_steps": steps, "tokens_per_step": tokens / steps if steps else 0.0,
+                  "ms_per_step": 1e3 * run["seconds"] / steps if steps else 0.0}
+
+
 def replicas_of(results: list[Streamed]) -> list[str]:
     return sorted({result.replica for result in results if result.replica is not None})
 
@@ -226,7 +255,9 @@ def measure(base_url: str, saturation_calls: list[Call], ttft_calls: list[Call],
     runs, profile = [], None
     for repeat in range(repeats):
         finish_profile = start_profile() if start_profile is not None and repeat == 0 else None
-        runs.append(asyncio.run(run_concurrently(base_url, saturation_calls, clients)))
+        before = engine_counters(base_url)
+        run = asyncio.run(run_concurrently(base_url, saturation_calls, clients))
+        runs.append(with_steps(run, before, engine_counters(base_url)))
         if finish_profile is not None:
             profile = finish_profile()
     saturation = sorted(runs, key=lambda run: run["tokens_per_second"])[(repeats - 1) // 2]
@@ -314,7 +345,9 @@ def run_system(name: str, serve_args: list[str], workdir: Path, start_timeout: f
     finally:
         server.stop()
     runs = ", ".join(f"{tokens_per_second:.0f}" for tokens_per_second in result["saturation_tokens_per_second"])
-    print(f"{name}: {runs} tokens/s at saturation, TTFT p50 at low load {result['low_load']['ttft_p50_ms']:.1f} ms",
+    steps = result["saturation"]
+    print(f"{name}: {runs} tokens/s at saturation ({steps['tokens_per_step']:.1f} tokens per engine step, "
+          f"{steps['ms_per_step']:.2f} ms per step), TTFT p50 at low load {result['low_load']['ttft_p50_ms']:.1f} ms",
           flush=True)
     return result
 
