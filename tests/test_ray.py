@@ -703,8 +703,48 @@ def test_a_streamed_answer_goes_out_in_batches_the_first_token_at_once():
 
 
 def test_a_zero_interval_sends_each_message_as_it_comes():
+    """Each token alone once the app waits for its next one; the end, sent right after the last token without a
+    wait between, goes with it."""
     batches = _batches_of(_streaming_app([0.0] * 5), interval=0)
-    assert [len(batch) for _, batch in batches] == [2, 1, 1, 1, 1, 1]
+    assert [[m.get("body") for m in batch] for _, batch in batches] == [
+        [None, b"t0;"], [b"t1;"], [b"t2;"], [b"t3;"], [b"t4;"]]
+    assert [m["more_body"] for _, batch in batches for m in batch[-1:]] == [True] * 4 + [False]
+
+
+def test_what_the_app_sends_while_a_batch_is_out_follows_it_to_its_end():
+    """The ingress takes a while to pass each batch on: what the app sends meanwhile, its end included, all follows,
+    in order; an app that fails after some of its answer fails the stream once that part is out."""
+    request = {"method": "POST", "path": "/v1/completions", "query_string": b"", "headers": [], "body": b"{}"}
+
+    def app_of(tokens: int, failure: Exception | None = None):
+        async def app(scope, receive, send):
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            for index in range(tokens):
+                await send({"type": "http.response.body", "body": b"t%d;" % index, "more_body": True})
+                await asyncio.sleep(0)
+            if failure is not None:
+                raise failure
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        return app
+
+    async def slowly(app):
+        got = []
+        try:
+            async for batch in _asgi_batches(app, request, interval=0.01):
+                got.append(batch)
+                await asyncio.sleep(0.05)  # the app goes on, and ends, while this batch is out
+        except RuntimeError as error:
+            return got, error
+        return got, None
+
+    got, error = asyncio.run(slowly(app_of(20)))
+    assert error is None and len(got) >= 2
+    assert b"".join(m["body"] for batch in got for m in batch if m["type"] == "http.response.body") == b"".join(
+        b"t%d;" % i for i in range(20))
+    assert got[-1][-1]["more_body"] is False
+    got, error = asyncio.run(slowly(app_of(3, RuntimeError("the app failed"))))
+    assert str(error) == "the app failed"
+    assert b"".join(m["body"] for batch in got for m in batch if m["type"] == "http.response.body") == b"t0;t1;t2;"
 
 
 def test_a_plain_answer_is_one_batch():

@@ -456,7 +456,6 @@ async def _asgi_batches(app, request: dict, interval: float) -> AsyncIterator[li
     scope = {"type": "http", "asgi": {"version": "3.0"}, "root_path": "",
              **{key: value for key, value in request.items() if key != "body"}}
     scope.setdefault("raw_path", scope["path"].encode())
-    sent: asyncio.Queue = asyncio.Queue()
     gone = asyncio.Event()
     body_given = False
 
@@ -468,50 +467,83 @@ async def _asgi_batches(app, request: dict, interval: float) -> AsyncIterator[li
         await gone.wait()
         return {"type": "http.disconnect"}
 
+    batching = _Batching(interval)
+
     async def run() -> None:
         try:
-            await app(scope, receive, sent.put)
+            await app(scope, receive, batching.send)
         finally:
-            await sent.put(None)
+            batching.end()
 
-    loop = asyncio.get_running_loop()
     task = asyncio.create_task(run())
-    getter = None  # the wait for the app's next message, kept across a batch going out
-    batch = _Batch()
-    first_body = True
-    due = None  # when the batch goes out: set by its first message once the first body message has gone
     try:
         while True:
-            getter = getter or asyncio.ensure_future(sent.get())
-            done, _ = await asyncio.wait({getter}, timeout=None if due is None else max(0.0, due - loop.time()))
-            if done:
-                message, getter = getter.result(), None
-                if message is None:
-                    break
-                batch.add(message)
-                is_body = message["type"] == "http.response.body"
-                if is_body and not message.get("more_body", False):
-                    break  # the last one
-                if is_body and (first_body or interval <= 0):
-                    first_body = False
-                    due = loop.time()  # out now
-                elif due is None and not first_body:
-                    due = loop.time() + interval
-            if due is not None and loop.time() >= due:  # checked after every message: a backlog goes out in time
-                yield batch.take()
-                due = None
-        if batch:
-            yield batch.take()
+            await batching.due.wait()
+            if batching.ended and not batching:  # what came while the last batch was out has gone too
+                break
+            batch = batching.take()
+            if batch:
+                yield batch
         await task  # raises what the app raised
     finally:
-        if getter is not None:
-            getter.cancel()
+        batching.stop_timer()
         gone.set()
         if not task.done():
             try:
                 await asyncio.wait_for(task, timeout=5)
             except asyncio.TimeoutError:
                 pass
+
+
+class _Batching:
+    """The app's ``send``: each message joins the batch, and ``due`` is set when the batch should go out (the
+    response's first body message, every message with a zero interval, ``interval`` seconds after the first message
+    following a batch, the answer's end). One timer per batch, none per message: a replica streams every token of
+    its requests through here, beside the engine's host work in the same process."""
+
+    def __init__(self, interval: float) -> None:
+        self.interval = interval
+        self.due = asyncio.Event()
+        self.ended = False  # the answer's last message came, or the app returned
+        self._batch = _Batch()
+        self._first_body = True
+        self._timer: asyncio.TimerHandle | None = None
+
+    def __bool__(self) -> bool:
+        return bool(self._batch)
+
+    async def send(self, message: dict) -> None:
+        self._batch.add(message)
+        if message["type"] != "http.response.body":
+            if self._timer is None and not self._first_body:
+                self._start_timer()
+            return
+        if not message.get("more_body", False):
+            self.end()
+        elif self._first_body or self.interval <= 0:
+            self._first_body = False
+            self.due.set()
+        elif self._timer is None:
+            self._start_timer()
+
+    def end(self) -> None:
+        self.ended = True
+        self.due.set()
+
+    def take(self) -> list[dict]:
+        """The batch's messages; the next message starts the next interval."""
+        self.stop_timer()
+        if not self.ended:
+            self.due.clear()
+        return self._batch.take()
+
+    def stop_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _start_timer(self) -> None:
+        self._timer = asyncio.get_running_loop().call_later(self.interval, self.due.set)
 
 
 class _Batch:
