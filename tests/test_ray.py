@@ -6,6 +6,7 @@ One cluster for the module; it is shut down even when a test fails.
 
 import asyncio
 import json
+import logging
 import os
 import shutil
 import signal
@@ -745,6 +746,40 @@ def test_what_the_app_sends_while_a_batch_is_out_follows_it_to_its_end():
     got, error = asyncio.run(slowly(app_of(3, RuntimeError("the app failed"))))
     assert str(error) == "the app failed"
     assert b"".join(m["body"] for batch in got for m in batch if m["type"] == "http.response.body") == b"t0;t1;t2;"
+
+
+def test_an_answer_ends_at_its_last_message_and_a_failure_after_the_client_left_is_logged(caplog):
+    """A message the app sends after its answer's end goes nowhere (the end stays the last message); an app that
+    fails once its consumer has left (the client went away) has its error logged, and the consumer's close does
+    not raise it."""
+    request = {"method": "POST", "path": "/v1/completions", "query_string": b"", "headers": [], "body": b"{}"}
+
+    async def late(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"a", "more_body": False})
+        await send({"type": "http.response.body", "body": b"late", "more_body": True})
+
+    async def fails_on_disconnect(scope, receive, send):
+        await receive()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"t0;", "more_body": True})
+        if (await receive())["type"] == "http.disconnect":
+            raise OSError("the client went away")
+
+    async def first_batch_then_leave():
+        batches = _asgi_batches(fails_on_disconnect, request, interval=0.05)
+        first = await anext(batches)
+        await batches.aclose()
+        return first
+
+    [(_, batch)] = _batches_of(late, interval=0.05)
+    assert [(m["type"], m.get("body"), m.get("more_body")) for m in batch] == [
+        ("http.response.start", None, None), ("http.response.body", b"a", False)]
+    with caplog.at_level(logging.ERROR, logger="punica_hf.serving.ray"):
+        first = asyncio.run(first_batch_then_leave())
+    assert first[1]["body"] == b"t0;"
+    assert [r.getMessage() for r in caplog.records] == ["the app failed after the consumer of its answer had left"]
+    assert isinstance(caplog.records[0].exc_info[1], OSError)
 
 
 def test_a_plain_answer_is_one_batch():

@@ -476,6 +476,7 @@ async def _asgi_batches(app, request: dict, interval: float) -> AsyncIterator[li
             batching.end()
 
     task = asyncio.create_task(run())
+    answered = False  # the whole answer went out, and what the app raised goes to the consumer
     try:
         while True:
             await batching.due.wait()
@@ -484,15 +485,22 @@ async def _asgi_batches(app, request: dict, interval: float) -> AsyncIterator[li
             batch = batching.take()
             if batch:
                 yield batch
+        answered = True
         await task  # raises what the app raised
     finally:
+        batching.end()  # what the app sends from now on has no one to go to
         batching.stop_timer()
         gone.set()
-        if not task.done():
-            try:
+        # The consumer left early (its client went away): what the app raises then has only the log to go to.
+        try:
+            if not task.done():
                 await asyncio.wait_for(task, timeout=5)
-            except asyncio.TimeoutError:
-                pass
+            elif not answered and not task.cancelled() and task.exception() is not None:
+                raise task.exception()
+        except asyncio.TimeoutError:
+            pass
+        except Exception:
+            logger.exception("the app failed after the consumer of its answer had left")
 
 
 class _Batching:
@@ -513,6 +521,8 @@ class _Batching:
         return bool(self._batch)
 
     async def send(self, message: dict) -> None:
+        if self.ended:  # after the answer's last message (the consumer may have gone): nothing more goes out
+            return
         self._batch.add(message)
         if message["type"] != "http.response.body":
             if self._timer is None and not self._first_body:
