@@ -495,8 +495,8 @@ async def _asgi_batches(app, request: dict, interval: float) -> AsyncIterator[li
         try:
             if not task.done():
                 await asyncio.wait_for(task, timeout=5)
-            elif not answered and not task.cancelled() and task.exception() is not None:
-                raise task.exception()
+            elif not answered and not task.cancelled():
+                task.result()  # raises what the app raised
         except asyncio.TimeoutError:
             pass
         except Exception:
@@ -524,16 +524,13 @@ class _Batching:
         if self.ended:  # after the answer's last message (the consumer may have gone): nothing more goes out
             return
         self._batch.add(message)
-        if message["type"] != "http.response.body":
-            if self._timer is None and not self._first_body:
-                self._start_timer()
-            return
-        if not message.get("more_body", False):
+        is_body = message["type"] == "http.response.body"
+        if is_body and not message.get("more_body", False):
             self.end()
-        elif self._first_body or self.interval <= 0:
+        elif is_body and (self._first_body or self.interval <= 0):
             self._first_body = False
             self.due.set()
-        elif self._timer is None:
+        elif self._timer is None and not self._first_body:
             self._start_timer()
 
     def end(self) -> None:
