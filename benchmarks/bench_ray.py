@@ -33,9 +33,13 @@ Each saturation run also reads the engine's step and token counters from ``/metr
 per engine step (how full its batches were) and milliseconds per step, which split a throughput gap into smaller
 batches and slower steps.
 
-``--profile-replica PY_SPY`` records the Ray replica's threads with py-spy during the first saturation run of each
-Ray system (``thread_profile.py``: every thread's time, and which thread holds the GIL), into the JSON (the
-system's ``replica_profile``) and a printed table. ``--stream-interval-ms`` sets the Ray systems' interval.
+``--profile-servers PY_SPY`` records the threads of the process that runs the engine (the engine's server; a Ray
+system's replica) with py-spy during the first saturation run of each system (``thread_profile.py``: every
+thread's time, which thread holds the GIL, and how much of the time anyone does), into the JSON (the system's
+``server_profile``) and a printed table. ``--stream-interval-ms`` sets the Ray systems' interval; several values
+(``50,200``) make one Ray system each, measured against the same engine run.
+
+The JSON is written after each system, so a run cut short keeps the systems it measured.
 
     python benchmarks/bench_ray.py --output benchmarks/results/bench_ray_h200.json   # needs ray[serve] >= 2.60
     python benchmarks/bench_ray.py --smoke        # the demo model on the CPU, < 60 s
@@ -247,7 +251,7 @@ def measure(base_url: str, saturation_calls: list[Call], ttft_calls: list[Call],
             repeats: int, start_profile=None) -> dict:
     """Warm-up, saturation ``repeats`` times (the run of median throughput is the result), then TTFT at low load,
     against the server at ``base_url``. ``start_profile``: called as the first saturation run starts, it returns
-    what to call once that run ends, which returns the profile (``replica_profile`` in the result)."""
+    what to call once that run ends, which returns the profile (``server_profile`` in the result)."""
     warm_up = [Call(saturation_calls[0].prompt, 2, model) for model in served]
     asyncio.run(run_one_by_one(base_url, warm_up))  # each adapter's first load (and a replica claims it)
     burst = [Call(c.prompt, min(c.new_tokens, TTFT_NEW_TOKENS), c.model) for c in saturation_calls[:clients]]
@@ -264,7 +268,7 @@ def measure(base_url: str, saturation_calls: list[Call], ttft_calls: list[Call],
     low_load = asyncio.run(run_one_by_one(base_url, ttft_calls))
     result = {"saturation": saturation, "saturation_tokens_per_second": [run["tokens_per_second"] for run in runs],
               "low_load": low_load}
-    return result if profile is None else result | {"replica_profile": profile}
+    return result if profile is None else result | {"server_profile": profile}
 
 
 class ServerProcess:
@@ -327,20 +331,25 @@ class ServerProcess:
 
 def run_system(name: str, serve_args: list[str], workdir: Path, start_timeout: float, py_spy: str | None = None,
                profile_seconds: float = 0, **workload) -> dict:
-    """Start system ``name``, measure it, stop it; ``py_spy``: record its Ray replica's threads (``--replicas``)."""
+    """Start system ``name``, measure it, stop it; ``py_spy``: record the threads of the process that runs its
+    engine (the command's own, or its Ray replica's with ``--replicas``)."""
     server = ServerProcess(name, serve_args, workdir / f"{re.sub(r'[^a-z0-9]+', '_', name)}.log", start_timeout)
 
     def start_profile():
+        if "--replicas" not in serve_args:
+            return Recordings(py_spy, server.process.pid, profile_seconds, workdir).finish
         replicas = descendants_of(server.process.pid, REPLICA_PROCESS_MARKER)
         if len(replicas) != 1:
             raise RuntimeError(f"{name}: expected one Ray Serve replica process to profile, found {replicas}")
         return Recordings(py_spy, replicas[0], profile_seconds, workdir).finish
 
     try:
-        profiled = py_spy is not None and "--replicas" in serve_args
-        result = measure(server.base_url, start_profile=start_profile if profiled else None, **workload)
-    except BaseException:
+        result = measure(server.base_url, start_profile=start_profile if py_spy is not None else None, **workload)
+    except Exception:
         print(f"{name} failed while measured; its log:\n{server.log_tail()}", flush=True)
+        raise
+    except BaseException:  # a time limit's SIGTERM, or ^C: the log says nothing of it
+        print(f"{name}: stopped while measured", flush=True)
         raise
     finally:
         server.stop()
@@ -398,7 +407,8 @@ def print_table(systems: dict, comparisons: dict) -> None:
 def print_profile(name: str, profile: dict) -> None:
     """Each recording's threads by share of its samples, with their three largest frames."""
     for mode, summary in profile.items():
-        print(f"\n{name}, replica's threads ({mode}: {summary.get('samples', 0)} samples)")
+        held = f", the GIL held {summary['gil_held_share']:.0%} of the time" if "gil_held_share" in summary else ""
+        print(f"\n{name}, the engine process's threads ({mode}: {summary.get('samples', 0)} samples{held})")
         if "error" in summary:
             print(f"  {summary['error']}")
             continue
@@ -434,10 +444,11 @@ def main() -> None:
                         "120 with --smoke)")
     parser.add_argument("--workdir", type=Path, help="where the model, adapters and server logs go (default: a "
                         "temporary folder, removed at the end unless a server failed)")
-    parser.add_argument("--stream-interval-ms", type=int, metavar="MS",
-                        help="the Ray systems' --stream-interval-ms (default: serve's)")
-    parser.add_argument("--profile-replica", metavar="PY_SPY",
-                        help="the py-spy executable: record the Ray replica's threads during the first saturation run")
+    parser.add_argument("--stream-interval-ms", metavar="MS[,MS...]",
+                        help="the Ray systems' --stream-interval-ms; several: one Ray system each (default: serve's)")
+    parser.add_argument("--profile-servers", metavar="PY_SPY",
+                        help="the py-spy executable: record the threads of each system's engine process (the Ray "
+                        "replica's) during its first saturation run")
     parser.add_argument("--profile-seconds", type=float, default=8.0,
                         help="seconds of that recording (default: 8; keep it within the run)")
     parser.add_argument("--seed", type=int, default=0)
@@ -457,14 +468,15 @@ def main() -> None:
     modes = [] if args.ray_address else (args.ray_modes or ",".join(RAY_MODES)).split(",")
     if any(mode not in RAY_MODES for mode in modes) or len(set(modes)) != len(modes):
         parser.error(f"--ray-modes: distinct names among {', '.join(RAY_MODES)}, got {args.ray_modes!r}")
-    if args.profile_replica and args.ray_address:
-        parser.error("--profile-replica records a replica of the local cluster: not with --ray-address")
-    if args.profile_replica and not shutil.which(args.profile_replica):
-        parser.error(f"--profile-replica: no executable py-spy at {args.profile_replica!r}")
+    if args.profile_servers and args.ray_address:
+        parser.error("--profile-servers records a replica of the local cluster: not with --ray-address")
+    if args.profile_servers and not shutil.which(args.profile_servers):
+        parser.error(f"--profile-servers: no executable py-spy at {args.profile_servers!r}")
     if not args.profile_seconds > 0:
         parser.error(f"--profile-seconds must be positive, got {args.profile_seconds}")
-    if args.stream_interval_ms is not None and args.stream_interval_ms < 0:
-        parser.error(f"--stream-interval-ms must be 0 or more, got {args.stream_interval_ms}")
+    intervals = [None] if args.stream_interval_ms is None else args.stream_interval_ms.split(",")
+    if intervals != [None] and (not all(ms.isdigit() for ms in intervals) or len(set(intervals)) != len(intervals)):
+        parser.error(f"--stream-interval-ms: distinct whole milliseconds (0 or more), got {args.stream_interval_ms!r}")
     if smoke and args.ray_modes is None:
         modes = modes[:1]
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a time limit's SIGTERM still stops the servers
@@ -500,41 +512,42 @@ def main() -> None:
           f"load, {len(adapters)} adapters and the base model", flush=True)
 
     systems = {"engine": serve_args}
-    ray_args = [*serve_args, "--replicas", "1"]
-    if args.stream_interval_ms is not None:
-        ray_args += ["--stream-interval-ms", str(args.stream_interval_ms)]
-    if args.ray_address:
-        systems[RAY_SYSTEM] = [*ray_args, "--ray-address", args.ray_address]
-    for mode in modes:  # the first under the plain name: what `punica-hf serve --replicas` does unless told
-        name = RAY_SYSTEM if mode == modes[0] else f"{RAY_SYSTEM}, {mode} mode"
-        systems[name] = [*ray_args, "--ray-throughput-optimized", RAY_MODES[mode]]
-    results = {name: run_system(name, system_args, workdir, args.start_timeout, py_spy=args.profile_replica,
-                                profile_seconds=args.profile_seconds, **workload)
-               for name, system_args in systems.items()}
-    engine = results["engine"]
-    check_replicas(engine, 0, "engine")
-    comparisons = {}
-    for name in list(results)[1:]:
-        check_replicas(results[name], 1, name)
-        comparisons[name] = compare(results[name], engine)
-    comparison = comparisons[RAY_SYSTEM]
-    report = {
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() and not smoke else "cpu",
-        "versions": versions(),
-        "setup": {key: (str(value) if isinstance(value, Path) else value) for key, value in vars(args).items()},
-        "model": {"vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
-                  "layers": config.num_hidden_layers},
-        "systems": results,
-        "comparison": comparison,
-        "comparisons": comparisons,
-        "wall_seconds": time.perf_counter() - setup_start,
-    }
+    # Ray systems: the first under the plain name (what `punica-hf serve --replicas` does unless told), the others
+    # named by what differs
+    for interval in intervals:
+        ray_args = [*serve_args, "--replicas", "1"]
+        if interval is not None:
+            ray_args += ["--stream-interval-ms", interval]
+        variants = {"": [*ray_args, "--ray-address", args.ray_address]} if args.ray_address else {
+            "" if mode == modes[0] else f", {mode} mode": [*ray_args, "--ray-throughput-optimized", RAY_MODES[mode]]
+            for mode in modes}
+        for suffix, system_args in variants.items():
+            systems[RAY_SYSTEM + ("" if interval == intervals[0] else f", {interval} ms stream interval") + suffix] = \
+                system_args
+    results, comparisons = {}, {}
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(report, indent=2))
+    for name, system_args in systems.items():
+        results[name] = result = run_system(name, system_args, workdir, args.start_timeout,
+                                            py_spy=args.profile_servers, profile_seconds=args.profile_seconds,
+                                            **workload)
+        check_replicas(result, 0 if name == "engine" else 1, name)
+        if name != "engine":
+            comparisons[name] = compare(result, results["engine"])
+        if "server_profile" in result:
+            print_profile(name, result["server_profile"])
+        report = {
+            "device": torch.cuda.get_device_name() if torch.cuda.is_available() and not smoke else "cpu",
+            "versions": versions(),
+            "setup": {key: (str(value) if isinstance(value, Path) else value) for key, value in vars(args).items()},
+            "model": {"vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
+                      "layers": config.num_hidden_layers},
+            "systems": results,
+            "comparison": comparisons.get(RAY_SYSTEM),
+            "comparisons": comparisons,
+            "wall_seconds": time.perf_counter() - setup_start,
+        }
+        args.output.write_text(json.dumps(report, indent=2))  # after every system: a run cut short keeps these
     print_table(results, comparisons)
-    for name, result in results.items():
-        if "replica_profile" in result:
-            print_profile(name, result["replica_profile"])
     for name, result in results.items():
         if result["saturation"]["client_cpu_share"] > 0.8:
             print(f"note: the client process was busy {result['saturation']['client_cpu_share']:.0%} of the "

@@ -1,9 +1,10 @@
-"""py-spy recordings of another process's threads, summarized per thread (``bench_ray.py --profile-replica``).
+"""py-spy recordings of another process's threads, summarized per thread (``bench_ray.py --profile-servers``).
 
 Two recordings run side by side over the same seconds: every thread's samples, idle ones included (where each
 thread spends its time, waiting too), and only the samples of the thread holding the GIL (which thread the others
-wait for). Each is summarized as each thread's share of the recording's samples and, within a thread, the frames
-its samples end in: the innermost frame of ``punica_hf`` code when the stack has one, else the innermost frame.
+wait for; and, against the first, how much of the time any thread held it). Each is summarized as each thread's
+share of the recording's samples and, within a thread, the frames its samples end in: the innermost frame of
+``punica_hf`` code when the stack has one, else the innermost frame.
 py-spy's ``--nonblocking`` mode reads the process without stopping it, so the recording does not slow it down.
 """
 
@@ -72,6 +73,12 @@ class Recordings:
                 summaries[mode] = {"error": f"py-spy exited with status {process.returncode}: {log[-500:]}"}
             else:
                 summaries[mode] = summarize(self.paths[mode].read_text())
+        gil, threads = summaries["gil"], summaries["threads"]
+        if "error" not in gil and "error" not in threads and threads["threads"]:
+            # With --idle every sample holds each thread that was there: the most sampled thread's count is the
+            # number of samples taken, of which the GIL recording kept those where some thread held it.
+            taken = max(thread["share"] for thread in threads["threads"]) * threads["samples"]
+            gil["gil_held_share"] = min(1.0, gil["samples"] / taken)
         return summaries
 
 

@@ -170,8 +170,8 @@ def test_ray_benchmark_smoke_run_measures_both_servers_on_the_same_workload(tmp_
     output = tmp_path / "bench_ray.json"
     command = [sys.executable, str(script), "--smoke", "--output", str(output), "--workdir", str(tmp_path / "work")]
     py_spy = shutil.which("py-spy") or shutil.which("py-spy", path=str(Path(sys.executable).parent))
-    if py_spy:  # the replica's threads recorded during the Ray system's saturation run
-        command += ["--profile-replica", py_spy, "--profile-seconds", "2"]
+    if py_spy:  # the engine process's threads recorded during each system's saturation run
+        command += ["--profile-servers", py_spy, "--profile-seconds", "2"]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env())
     try:
         log, _ = process.communicate(timeout=300)  # about a minute on an idle machine of 2 cores
@@ -197,11 +197,11 @@ def test_ray_benchmark_smoke_run_measures_both_servers_on_the_same_workload(tmp_
     assert "in_replica_p50_ms" not in engine["low_load"]
     assert 0 < ray["low_load"]["in_replica_p50_ms"] and 0 < ray["low_load"]["outside_replica_p50_ms"]
     assert ray["low_load"]["in_replica_p50_ms"] < ray["low_load"]["ttft_p90_ms"]
-    assert "replica_profile" not in engine
-    if py_spy:
-        threads = ray["replica_profile"]["threads"]
+    for system in (engine, ray) if py_spy else ():
+        threads, gil = system["server_profile"]["threads"], system["server_profile"]["gil"]
         assert threads["samples"] > 0 and sum(t["share"] for t in threads["threads"]) == pytest.approx(1)
         assert "punica-hf-engine" in {t["thread"].split(": ")[-1] for t in threads["threads"]}
+        assert 0 < gil["gil_held_share"] <= 1
     comparison = report["comparison"]
     assert comparison["throughput_ratio"] == pytest.approx(
         ray["saturation"]["tokens_per_second"] / engine["saturation"]["tokens_per_second"])
