@@ -74,19 +74,20 @@ class Recordings:
             else:
                 summaries[mode] = summarize(self.paths[mode].read_text())
         gil, threads = summaries["gil"], summaries["threads"]
-        if "error" not in gil and "error" not in threads and threads["threads"]:
-            # With --idle every sample holds each thread that was there: the most sampled thread's count is the
-            # number of samples taken, of which the GIL recording kept those where some thread held it.
-            taken = max(thread["share"] for thread in threads["threads"]) * threads["samples"]
-            gil["gil_held_share"] = min(1.0, gil["samples"] / taken)
+        if "error" not in gil and "error" not in threads and threads["most_of_one_thread"]:
+            # With --idle every sample holds each thread that was there: a thread that lived through the recording
+            # was in every one, of which the GIL recording kept those where some thread held the GIL.
+            gil["gil_held_share"] = min(1.0, gil["samples"] / threads["most_of_one_thread"])
         return summaries
 
 
 def summarize(raw: str, frames_per_thread: int = 8) -> dict:
-    """``{"samples": N, "threads": [{"thread", "share", "frames": [{"frame", "share"}]}]}`` of py-spy's raw
-    (collapsed stacks) output recorded with ``--threads``, threads by share, each share a fraction of all samples."""
+    """``{"samples": N, "most_of_one_thread": M, "threads": [{"thread", "share", "frames": [{"frame", "share"}]}]}``
+    of py-spy's raw (collapsed stacks) output recorded with ``--threads``: threads by share, each share a fraction of
+    all samples (threads of one name together); M, the samples of the most sampled single thread."""
     threads: Counter = Counter()
     frames: dict[str, Counter] = {}
+    by_id: Counter = Counter()  # threads of one name (a pool's) apart
     total = 0
     for line in raw.splitlines():
         stack, _, count = line.rstrip().rpartition(" ")
@@ -94,6 +95,7 @@ def summarize(raw: str, frames_per_thread: int = 8) -> dict:
             continue
         count = int(count)
         thread, *calls = stack.split(";")
+        by_id[thread] += count
         thread = _THREAD_ID.sub("", thread)
         ours = [call for call in calls if "punica_hf" in call]
         frame = _LINE.sub("", (ours or calls or ["?"])[-1])
@@ -102,6 +104,7 @@ def summarize(raw: str, frames_per_thread: int = 8) -> dict:
         frames.setdefault(thread, Counter())[frame] += count
     return {
         "samples": total,
+        "most_of_one_thread": max(by_id.values(), default=0),  # one thread's samples, the most sampled one's
         "threads": [
             {"thread": thread, "share": count / total,
              "frames": [{"frame": frame, "share": n / total}

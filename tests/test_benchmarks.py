@@ -223,6 +223,7 @@ def test_thread_profile_gives_each_threads_share_and_where_its_samples_end():
     ])
     summary = summarize(raw)
     assert summary["samples"] == 10
+    assert summary["most_of_one_thread"] == 6  # thread 11: two threads of one name are two threads here
     engine, loop = summary["threads"]
     assert (engine["thread"], engine["share"]) == ("thread: punica-hf-engine", pytest.approx(0.8))
     assert engine["frames"] == [{"frame": "lora_add", "share": pytest.approx(0.5)},

@@ -148,6 +148,21 @@ def test_several_prompts_give_one_choice_each(client, demo_answers):
     assert [c.text for c in response.choices] == [demo_answers["upper"][word] for word in WORDS]
 
 
+def test_several_prompts_stream_one_choice_each(client, demo_answers):
+    """The choices' pieces come interleaved as they are made; each index's pieces add up to its answer."""
+    stream = client.completions.create(
+        model="upper", prompt=[demo.make_prompt(word) for word in WORDS], max_tokens=12, temperature=0, stream=True
+    )
+    texts, finishes = {}, {}
+    for chunk in stream:
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+            if choice.finish_reason:
+                finishes[choice.index] = choice.finish_reason
+    assert texts == {index: demo_answers["upper"][word] for index, word in enumerate(WORDS)}
+    assert finishes == {index: "stop" for index in range(len(WORDS))}
+
+
 @pytest.mark.parametrize(
     ("options", "text", "finish_reason"),
     [

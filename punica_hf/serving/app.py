@@ -507,6 +507,11 @@ def _event_stream(events: AsyncIterator[str], handles: list[RequestHandle]) -> S
 
 async def _merged(handles: list[RequestHandle]) -> AsyncIterator[tuple[int, Delta]]:
     """``(choice index, delta)`` of several requests as they come."""
+    if len(handles) == 1:  # the usual case, every token of it: no task and queue between the handle and the stream
+        async with aclosing(aiter(handles[0])) as deltas:
+            async for delta in deltas:
+                yield 0, delta
+        return
     pieces: asyncio.Queue = asyncio.Queue()
 
     async def pump(index: int, handle: RequestHandle) -> None:
