@@ -191,6 +191,7 @@ def test_ray_benchmark_smoke_run_measures_both_servers_on_the_same_workload(tmp_
         assert run["engine_steps"] > 0 and 0 < run["tokens_per_step"] <= 4  # 4 clients
         assert run["engine_steps"] * run["tokens_per_step"] == pytest.approx(run["tokens"])
         assert run["ms_per_step"] == pytest.approx(1e3 * run["seconds"] / run["engine_steps"])
+        assert system["saturation_ms_per_step"] == [run["ms_per_step"]]  # one run: the median one
     assert engine["saturation"]["replicas"] == engine["low_load"]["replicas"] == []
     assert len(ray["saturation"]["replicas"]) == 1 and ray["low_load"]["replicas"] == ray["saturation"]["replicas"]
     # through Ray, each TTFT splits into its time inside the replica and outside it; the engine's server has no split
