@@ -434,6 +434,99 @@ async def _texts(handle) -> str:
     return "".join([delta.text async for delta in handle])
 
 
+def _paced_reading(publish, interval: float, wakeups: list | None = None) -> list[tuple[float, object]]:
+    """What ``RequestHandle.pieces(interval)`` yields while ``publish(handle)`` runs in another thread, each piece
+    with the seconds since the reading started; ``wakeups`` gets the times the thread woke the event loop."""
+    import asyncio
+
+    from punica_hf.serving.handles import RequestHandle
+
+    handle = RequestHandle(lambda request_id: None, "r", None, ())
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        call_soon_threadsafe = loop.call_soon_threadsafe
+
+        def counted(*args, **kwargs):
+            if wakeups is not None:
+                wakeups.append(loop.time() - started)
+            return call_soon_threadsafe(*args, **kwargs)
+
+        loop.call_soon_threadsafe = counted
+        worker = threading.Thread(target=publish, args=(handle,))
+        worker.start()
+        try:
+            return [(loop.time() - started, delta) async for delta in handle.pieces(interval)]
+        finally:
+            await asyncio.to_thread(worker.join)
+
+    return asyncio.run(main())
+
+
+def _ended(handle, reason: str, tokens: int) -> None:
+    from punica_hf.serving.types import Completion
+
+    handle._publish(None, Completion("r", None, (), (), "", reason, tokens, 0.0, None, 1.0))
+
+
+def test_paced_pieces_go_out_first_at_once_then_joined_per_interval_and_the_end_without_waiting():
+    """With an interval, a reader gets the first piece alone and at once, then what came in each interval as one
+    piece (tokens and text in order), the finish reason on the last piece only; the request's end goes out as it
+    comes, not at the interval's end."""
+    from punica_hf.serving.types import Delta
+
+    def publish(handle):
+        for step in range(30):  # 30 pieces, one per 10 ms: ~300 ms
+            handle._publish(Delta((step,), f"{step};", "length" if step == 29 else None))
+            time.sleep(0.01)
+        time.sleep(0.05)
+        _ended(handle, "length", 30)
+
+    wakeups = []
+    pieces = _paced_reading(publish, 0.1, wakeups)
+    deltas = [delta for _, delta in pieces]
+    assert [token for delta in deltas for token in delta.token_ids] == list(range(30))
+    assert "".join(delta.text for delta in deltas) == "".join(f"{step};" for step in range(30))
+    assert [delta.finish_reason for delta in deltas] == [None] * (len(deltas) - 1) + ["length"]
+    assert deltas[0].token_ids == (0,) and pieces[0][0] < 0.05  # the first token at once
+    assert 3 <= len(deltas) <= 8, [delta.token_ids for delta in deltas]  # ~300 ms in 100 ms intervals
+    gaps = [later - earlier for (earlier, _), (later, _) in zip(pieces[1:], pieces[2:])]
+    assert all(gap > 0.07 for gap in gaps), gaps  # one piece per interval at most
+    # the reader is woken by the first piece after each piece out and by the end, not by the pieces between
+    assert len(wakeups) <= len(deltas) + 2, (len(wakeups), len(deltas))
+
+    def publish_then_end(handle):  # the end comes 10 ms after the first piece, well inside the interval
+        handle._publish(Delta((0,), "a"))
+        time.sleep(0.2)
+        handle._publish(Delta((1,), "b"))
+        time.sleep(0.01)
+        _ended(handle, "stop", 2)
+
+    pieces = _paced_reading(publish_then_end, 5.0)
+    assert [(delta.text, delta.finish_reason) for _, delta in pieces] == [("a", None), ("b", None)]
+    assert pieces[-1][0] < 1.0  # not 5 s: the end does not wait for the interval
+
+
+def test_paced_pieces_keep_a_failure_apart_and_no_interval_gives_every_piece():
+    """A failure's piece is never joined to the text before it (the server streams that text, then the error);
+    without an interval every piece goes out as it was made."""
+    from punica_hf.serving.types import Delta
+
+    def publish(handle):
+        handle._publish(Delta((0,), "a"))
+        time.sleep(0.05)
+        for step in (1, 2):
+            handle._publish(Delta((step,), "bc"[step - 1]))
+        handle._publish(Delta((), "", "error"))
+        _ended(handle, "error", 3)
+
+    paced = [delta for _, delta in _paced_reading(publish, 0.2)]
+    assert [(delta.text, delta.finish_reason) for delta in paced] == [("a", None), ("bc", None), ("", "error")]
+    unpaced = [delta for _, delta in _paced_reading(publish, 0.0)]
+    assert [delta.text for delta in unpaced] == ["a", "b", "c", ""]
+
+
 @pytest.mark.parametrize(
     ("params", "text", "reason"),
     [
