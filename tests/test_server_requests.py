@@ -4,7 +4,6 @@ Hub repo id, paths with a NUL byte; and concurrent load/unload/complete churn an
 any characters, and load errors that show the client's path only, are checked on the app in this process.
 """
 
-import json
 import random
 import re
 import shutil
@@ -221,39 +220,3 @@ def test_a_refused_request_with_several_prompts_counts_nothing(prompts):
     assert 'punica_requests_total{finish_reason="cancelled"} 0.0' in metrics
     assert "punica_request_latency_seconds_count 1.0" in metrics
 
-
-
-def test_a_stream_interval_sends_a_streams_tokens_in_fewer_events_with_the_same_text():
-    """``create_app(stream_interval=...)``: the first token's event at once, then the tokens of each interval as one
-    event; the text, the finish reason and the usage are those of the stream without it."""
-    body = {"model": "demo", "prompt": demo.make_prompt("punica"), "max_tokens": 12, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}}
-
-    def events(client, path, request):
-        with client.stream("POST", path, json=request) as response:
-            assert response.status_code == 200
-            return [json.loads(line[6:]) for line in response.iter_lines()
-                    if line.startswith("data: ") and line != "data: [DONE]"]
-
-    def text_of(chunks):
-        return "".join(choice["text"] for chunk in chunks for choice in chunk["choices"])
-
-    streamed = {}
-    for interval in (0.0, 5.0):
-        with in_process_client(stream_interval=interval) as client:
-            streamed[interval] = events(client, "/v1/completions", body)
-    every, paced = streamed[0.0], streamed[5.0]
-    assert text_of(paced) == text_of(every) != ""
-    assert paced[-1]["usage"] == every[-1]["usage"]
-    finishes = [[c["finish_reason"] for chunk in chunks for c in chunk["choices"] if c["finish_reason"]]
-                for chunks in (every, paced)]
-    assert finishes[0] == finishes[1] and len(finishes[1]) == 1
-    # a 5 s interval outlasts the request: its first token, then the rest and its end at once, then the usage
-    assert len(every) > 4 and len(paced) == 3, [chunk["choices"] for chunk in paced]
-
-
-@pytest.mark.parametrize("interval", [-0.1, 11, "0.05", True, float("nan")])
-def test_a_bad_stream_interval_is_refused(interval):
-    model = MultiLoraModel(demo.load_base_model(), max_adapters=2)
-    with pytest.raises(ValueError, match="stream_interval must be a number of seconds in"):
-        create_app(Engine(model, DemoTokenizer()), "demo", stream_interval=interval)

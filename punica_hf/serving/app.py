@@ -133,7 +133,6 @@ def create_app(
     lora_dirs: Sequence[str | Path] | None = None,
     limits: RequestLimits | None = None,
     on_adapters_changed: Callable[[str, str | None], None] | None = None,
-    stream_interval: float = 0.0,
 ) -> FastAPI:
     """The server of ``engine`` (not started yet: the app starts it, and drains it on shutdown).
 
@@ -143,15 +142,9 @@ def create_app(
     (``path`` None after an unload) and before the client is answered, so that other copies of the server (Ray
     Serve replicas) can follow; if it raises, a load is undone and the client gets a 503, or a 409 with its message
     for a ``ValueError`` (the others refuse the change: another copy changed that name first).
-    ``stream_interval``: seconds over which a streamed answer's tokens go out as one event, after its first token,
-    which goes at once (0: an event per piece the engine makes); fewer events cost the server less per token, where
-    each one costs more (a Ray Serve replica's).
     """
-    if isinstance(stream_interval, bool) or not isinstance(stream_interval, (int, float)) or not (
-            0 <= stream_interval <= 10):
-        raise ValueError(f"stream_interval must be a number of seconds in [0, 10], got {stream_interval!r}")
     limits = limits or RequestLimits()
-    server = _Server(engine, model_name, lora_dirs, on_adapters_changed, float(stream_interval))
+    server = _Server(engine, model_name, lora_dirs, on_adapters_changed)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -277,10 +270,8 @@ class _Server:
     """The state behind the routes: the engine, the base model's name, the allowed adapter directories, metrics."""
 
     def __init__(self, engine: Engine, model_name: str, lora_dirs: Sequence[str | Path] | None,
-                 on_adapters_changed: Callable[[str, str | None], None] | None = None,
-                 stream_interval: float = 0.0) -> None:
+                 on_adapters_changed: Callable[[str, str | None], None] | None = None) -> None:
         self.engine = engine
-        self.stream_interval = stream_interval
         self.on_adapters_changed = on_adapters_changed
         self.model_name = model_name
         self.lora_dirs = None if lora_dirs is None else [Path(os.path.realpath(d)) for d in lora_dirs]
@@ -412,7 +403,7 @@ class _Server:
         return handles
 
     async def stream_completion(self, response_id: str, model: str, handles: list[RequestHandle]) -> AsyncIterator[str]:
-        async with aclosing(_merged(handles, self.stream_interval)) as pieces:
+        async with aclosing(_merged(handles)) as pieces:
             async for index, delta in pieces:
                 if delta.finish_reason == "error":
                     yield _error_event(handles[index])
@@ -429,7 +420,7 @@ class _Server:
             return _event(ChatCompletionChunk(id=response_id, model=model, choices=[choice]))
 
         yield chunk(ChatDelta(role="assistant", content=""))
-        async with aclosing(handle.pieces(self.stream_interval)) as pieces:
+        async with aclosing(aiter(handle)) as pieces:
             async for delta in pieces:
                 if delta.finish_reason == "error":
                     yield _error_event(handle)
@@ -514,17 +505,17 @@ def _event_stream(events: AsyncIterator[str], handles: list[RequestHandle]) -> S
     return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
-async def _merged(handles: list[RequestHandle], interval: float) -> AsyncIterator[tuple[int, Delta]]:
-    """``(choice index, delta)`` of several requests as they come (``RequestHandle.pieces(interval)``)."""
+async def _merged(handles: list[RequestHandle]) -> AsyncIterator[tuple[int, Delta]]:
+    """``(choice index, delta)`` of several requests as they come."""
     if len(handles) == 1:  # the usual case, every token of it: no task and queue between the handle and the stream
-        async with aclosing(handles[0].pieces(interval)) as deltas:
+        async with aclosing(aiter(handles[0])) as deltas:
             async for delta in deltas:
                 yield 0, delta
         return
     pieces: asyncio.Queue = asyncio.Queue()
 
     async def pump(index: int, handle: RequestHandle) -> None:
-        async for delta in handle.pieces(interval):
+        async for delta in handle:
             await pieces.put((index, delta))
         await pieces.put((index, None))
 

@@ -23,7 +23,7 @@ class RequestHandle:
         self._deltas: list[Delta] = []
         self._completion: Completion | None = None
         self._condition = threading.Condition()
-        self._async_wakers: list[_Waker] = []
+        self._async_wakers: list[tuple[_LoopWakeups, asyncio.Event]] = []
 
     @property
     def done(self) -> bool:
@@ -61,43 +61,24 @@ class RequestHandle:
             if finished and index == len(self._deltas):
                 return
 
-    def __aiter__(self) -> AsyncIterator[Delta]:
-        return self.pieces()
-
-    async def pieces(self, interval: float = 0.0) -> AsyncIterator[Delta]:
-        """The request's pieces as they come (``async for delta in handle``); with ``interval`` > 0 seconds, the
-        first at once, then what came in each ``interval`` after the last one out, joined into one piece (but a
-        failure's piece alone, after what came before it), and the end as soon as it comes: a stream of many
-        requests wakes its reader once per interval, not once per token. Only the last piece has a finish reason."""
-        loop = asyncio.get_running_loop()
-        waker = _Waker(_wakeups_of(loop))
+    async def __aiter__(self) -> AsyncIterator[Delta]:
+        waker = (_wakeups_of(asyncio.get_running_loop()), asyncio.Event())
+        woken = waker[1]
         with self._condition:
             self._async_wakers.append(waker)
         try:
-            index, last_out = 0, None
+            index = 0
             while True:
-                waker.event.clear()  # before reading: a delta published after this read sets it again
+                woken.clear()  # before reading: a delta published after this read sets it again
                 with self._condition:
                     pending, finished = self._deltas[index:], self._completion is not None
-                if pending and not finished and interval > 0 and last_out is not None:
-                    wait = last_out + interval - loop.time()
-                    if wait > 0:  # more may come meanwhile: woken by the interval's end, or the request's
-                        await waker.sleep(wait)
-                        continue
-                if interval > 0 and pending:
-                    head = pending[:-1] if pending[-1].finish_reason == "error" else pending
-                    out = [*([Delta.joined(head)] if head else []), *pending[len(head):]]
-                else:
-                    out = pending
-                for delta in out:
+                for delta in pending:
                     yield delta
                 index += len(pending)
-                if pending:
-                    last_out = loop.time()
                 if finished and index == len(self._deltas):
                     return
                 if not pending:
-                    await waker.event.wait()
+                    await woken.wait()
         finally:
             with self._condition:
                 self._async_wakers.remove(waker)
@@ -111,29 +92,8 @@ class RequestHandle:
                 self._completion = completion
             self._condition.notify_all()
             wakers = list(self._async_wakers)
-        for waker in wakers:
-            if completion is not None or not waker.ends_only:
-                waker.wakeups.set(waker.event)
-
-
-class _Waker:
-    """An ``async for`` reader of a request, waiting on ``event`` in its event loop (set through ``wakeups``);
-    while ``ends_only``, a new piece does not wake it, the request's end does."""
-
-    def __init__(self, wakeups: _LoopWakeups) -> None:
-        self.wakeups = wakeups
-        self.event = asyncio.Event()
-        self.ends_only = False
-
-    async def sleep(self, seconds: float) -> None:
-        """Wait ``seconds``, or less if the request ends meanwhile."""
-        self.ends_only = True
-        timer = asyncio.get_running_loop().call_later(seconds, self.event.set)
-        try:
-            await self.event.wait()
-        finally:
-            timer.cancel()
-            self.ends_only = False
+        for wakeups, woken in wakers:
+            wakeups.set(woken)
 
 
 class _LoopWakeups:

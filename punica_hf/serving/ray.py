@@ -110,8 +110,8 @@ def build_app(
     ``LOCAL_RANK``): it joins the group, builds the same engine and follows rank 0's steps until rank 0 shuts down
     (``punica-hf serve ... --as-tp-rank`` does).
 
-    ``stream_interval``: seconds a replica gathers a streamed answer's tokens before it sends them on as one event
-    of its server (``create_app``'s) and one Ray item (after the first, sent at once); 0 sends each as it comes.
+    ``stream_interval``: seconds a replica gathers a streamed answer's tokens before it sends them on (after the
+    first, sent at once); 0 sends each as it comes.
     """
     if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
         raise ValueError(f"replicas must be a positive integer, got {replicas!r}")
@@ -194,8 +194,9 @@ class EngineReplica:
         try:
             self.engine = make_engine() if self.followers is None else self.followers.join_and(make_engine)
             self.catalog = catalog
+            self.stream_interval = stream_interval
             self.app = create_app(self.engine, model_name, api_key=api_key, lora_dirs=lora_dirs, limits=limits,
-                                  on_adapters_changed=self._record_in_catalog, stream_interval=stream_interval)
+                                  on_adapters_changed=self._record_in_catalog)
             self.name = serve.get_replica_context().replica_id.unique_id
             self.version: CatalogVersion = ("", 0)  # the catalog version this replica has caught up to
             self.applied: dict[str, CatalogVersion] = {}  # name -> the catalog change of it made here last
@@ -225,9 +226,7 @@ class EngineReplica:
             if adapter and adapter in self.engine.model.adapters:
                 await self.hold_adapter(adapter)
             app = self.app
-        # The server gathers a stream's tokens over the interval itself (an event per interval, not per token):
-        # each message it sends goes on at once.
-        async for batch in _asgi_batches(app, request, 0):
+        async for batch in _asgi_batches(app, request, self.stream_interval):
             if batch[0]["type"] == "http.response.start":
                 first_ms = f"{1e3 * (time.perf_counter() - taken):.3f}"
                 headers = [*batch[0].get("headers", []), (REPLICA_HEADER.encode(), self.name.encode()),

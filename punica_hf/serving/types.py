@@ -4,7 +4,6 @@ the engine's counters, and its errors. They hold no engine state, so the server 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
@@ -137,14 +136,6 @@ class Delta:
     token_ids: tuple[int, ...]
     text: str
     finish_reason: str | None = None
-
-    @staticmethod
-    def joined(pieces: Sequence[Delta]) -> Delta:
-        """Consecutive pieces as one: their tokens and text in order, the last one's ``finish_reason``."""
-        if len(pieces) == 1:
-            return pieces[0]
-        return Delta(tuple(token for piece in pieces for token in piece.token_ids),
-                     "".join(piece.text for piece in pieces), pieces[-1].finish_reason)
 
 
 @dataclass(frozen=True)
