@@ -39,6 +39,10 @@ thread's time, which thread holds the GIL, and how much of the time anyone does)
 ``server_profile``) and a printed table. ``--stream-interval-ms`` sets the Ray systems' interval; several values
 (``50,200``) make one Ray system each, measured against the same engine run.
 
+The CPU time of the server's process and of every process below it (a local Ray cluster's: the replica, the
+ingress, Ray's own) over the first saturation run is in the JSON (``process_cpu``, each a share of one core) and
+printed: what a system runs beside its engine on the same CPUs.
+
 The JSON is written after each system, so a run cut short keeps the systems it measured.
 
     python benchmarks/bench_ray.py --output benchmarks/results/bench_ray_h200.json   # needs ray[serve] >= 2.60
@@ -70,7 +74,7 @@ import torch
 import transformers
 from bench_generate import TARGETS, build_llama, llama_3_2_1b_config, llama_config, random_adapter
 from bench_serving import FULL, LengthMix, make_requests, percentile
-from thread_profile import Recordings, descendants_of
+from thread_profile import Recordings, cpu_of_tree, cpu_shares, descendants_of
 from peft import LoraConfig
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, models, pre_tokenizers
@@ -248,19 +252,25 @@ def replicas_of(results: list[Streamed]) -> list[str]:
 
 
 def measure(base_url: str, saturation_calls: list[Call], ttft_calls: list[Call], clients: int, served: list[str],
-            repeats: int, start_profile=None) -> dict:
+            repeats: int, start_profile=None, process_root: int | None = None) -> dict:
     """Warm-up, saturation ``repeats`` times (the run of median throughput is the result), then TTFT at low load,
     against the server at ``base_url``. ``start_profile``: called as the first saturation run starts, it returns
-    what to call once that run ends, which returns the profile (``server_profile`` in the result)."""
+    what to call once that run ends, which returns the profile (``server_profile`` in the result).
+    ``process_root``: the server's process; the CPU time of it and every process below it over the first
+    saturation run (``process_cpu``: each one's share of a core; a system that runs more beside its engine shows
+    here)."""
     warm_up = [Call(saturation_calls[0].prompt, 2, model) for model in served]
     asyncio.run(run_one_by_one(base_url, warm_up))  # each adapter's first load (and a replica claims it)
     burst = [Call(c.prompt, min(c.new_tokens, TTFT_NEW_TOKENS), c.model) for c in saturation_calls[:clients]]
     asyncio.run(run_concurrently(base_url, burst, clients))
-    runs, profile = [], None
+    runs, profile, process_cpu = [], None, None
     for repeat in range(repeats):
         finish_profile = start_profile() if start_profile is not None and repeat == 0 else None
+        cpu_before = cpu_of_tree(process_root) if process_root is not None and repeat == 0 else None
         before = engine_counters(base_url)
         run = asyncio.run(run_concurrently(base_url, saturation_calls, clients))
+        if cpu_before is not None:
+            process_cpu = cpu_shares(cpu_before, cpu_of_tree(process_root), run["seconds"])
         runs.append(with_steps(run, before, engine_counters(base_url)))
         if finish_profile is not None:
             profile = finish_profile()
@@ -270,6 +280,8 @@ def measure(base_url: str, saturation_calls: list[Call], ttft_calls: list[Call],
     result = {"saturation": saturation, "saturation_tokens_per_second": [run["tokens_per_second"] for run in runs],
               "saturation_ms_per_step": [run["ms_per_step"] for run in runs],
               "low_load": low_load}
+    if process_cpu is not None:
+        result["process_cpu"] = process_cpu
     return result if profile is None else result | {"server_profile": profile}
 
 
@@ -346,7 +358,8 @@ def run_system(name: str, serve_args: list[str], workdir: Path, start_timeout: f
         return Recordings(py_spy, replicas[0], profile_seconds, workdir).finish
 
     try:
-        result = measure(server.base_url, start_profile=start_profile if py_spy is not None else None, **workload)
+        result = measure(server.base_url, start_profile=start_profile if py_spy is not None else None,
+                         process_root=server.process.pid, **workload)
     except Exception:
         print(f"{name} failed while measured; its log:\n{server.log_tail()}", flush=True)
         raise
@@ -360,6 +373,9 @@ def run_system(name: str, serve_args: list[str], workdir: Path, start_timeout: f
     print(f"{name}: {runs} tokens/s at saturation ({result['saturation']['tokens_per_step']:.1f} tokens per engine "
           f"step in the median run; {step_ms} ms per step), TTFT p50 at low load "
           f"{result['low_load']['ttft_p50_ms']:.1f} ms", flush=True)
+    shares = result["process_cpu"]
+    print(f"{name}: CPU over the first saturation run, in cores: {sum(s['cpu_share'] for s in shares):.2f} in all; "
+          + "; ".join(f"{share['cpu_share']:.2f} {share['process']}" for share in shares[:6]), flush=True)
     return result
 
 

@@ -1,4 +1,5 @@
-"""py-spy recordings of another process's threads, summarized per thread (``bench_ray.py --profile-servers``).
+"""Where a serving system's CPU time goes (``bench_ray.py``): py-spy recordings of a process's threads, summarized
+per thread (``--profile-servers``), and the CPU time of every process of a command's tree, Ray's included.
 
 Two recordings run side by side over the same seconds: every thread's samples, idle ones included (where each
 thread spends its time, waiting too), and only the samples of the thread holding the GIL (which thread the others
@@ -10,6 +11,7 @@ py-spy's ``--nonblocking`` mode reads the process without stopping it, so the re
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 from collections import Counter
@@ -20,30 +22,59 @@ _THREAD_ID = re.compile(r"\s*\(\d+\)")  # py-spy's "thread (1234): name": the id
 _LINE = re.compile(r"\s*\([^()]*:\d+\)$")  # a frame's "(file.py:12)", so one function is one entry
 
 
-def descendants_of(root: int, marker: str) -> list[int]:
-    """The processes descending from process ``root`` whose command line (a Ray worker's: its title) holds
-    ``marker`` (a Ray worker has a process group of its own, but descends from the command that started Ray)."""
-    parents, commands = {}, {}
+def _processes() -> dict[int, tuple[int, str, float]]:
+    """Every process of this machine: ``{pid: (parent pid, command line, CPU seconds used so far)}``."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    found = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
             status = (entry / "stat").read_text()
-            commands[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
         except OSError:  # gone meanwhile
             continue
-        parents[int(entry.name)] = int(status[status.rindex(")") + 2:].split()[1])  # after "pid (name) state"
+        fields = status[status.rindex(")") + 2:].split()  # after "pid (name) ": state, parent, ...
+        found[int(entry.name)] = (int(fields[1]), command, (int(fields[11]) + int(fields[12])) / ticks)
+    return found
 
+
+def _below(root: int, processes: dict[int, tuple[int, str, float]]) -> list[int]:
+    """The processes descending from ``root``."""
     def descends(pid: int) -> bool:
         seen = set()
-        while pid in parents and pid not in seen:
+        while pid in processes and pid not in seen:
             seen.add(pid)
-            pid = parents[pid]
+            pid = processes[pid][0]
             if pid == root:
                 return True
         return False
 
-    return sorted(pid for pid, command in commands.items() if marker in command and descends(pid))
+    return sorted(pid for pid in processes if descends(pid))
+
+
+def descendants_of(root: int, marker: str) -> list[int]:
+    """The processes descending from process ``root`` whose command line (a Ray worker's: its title) holds
+    ``marker`` (a Ray worker has a process group of its own, but descends from the command that started Ray)."""
+    processes = _processes()
+    return [pid for pid in _below(root, processes) if marker in processes[pid][1]]
+
+
+def cpu_of_tree(root: int) -> dict[int, tuple[str, float]]:
+    """Process ``root`` and its descendants (a local Ray cluster's too): ``{pid: (command line, CPU seconds used
+    so far)}``."""
+    processes = _processes()
+    return {pid: processes[pid][1:] for pid in [root, *_below(root, processes)] if pid in processes}
+
+
+def cpu_shares(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]], seconds: float,
+               title_chars: int = 60) -> list[dict]:
+    """Each process's CPU time between two ``cpu_of_tree`` readings, as a share of one core over ``seconds``
+    (1.0: a core busy all along), largest first; a process started between them counts from 0."""
+    shares = [{"process": f"{pid} {command[:title_chars]}",
+               "cpu_share": (used - before.get(pid, ("", 0.0))[1]) / seconds}
+              for pid, (command, used) in after.items()]
+    return sorted(shares, key=lambda share: -share["cpu_share"])
 
 
 class Recordings:

@@ -6,6 +6,7 @@ import copy
 import importlib.util
 import json
 import os
+import signal
 import shutil
 import subprocess
 import sys
@@ -24,7 +25,7 @@ from punica_hf import MultiLoraModel
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from bench_generate import StepTimer, build_llama, factor_bytes, llama_config, random_adapter  # noqa: E402
 from bench_step_lora import CALLS, lora_floor_bytes  # noqa: E402
-from thread_profile import descendants_of, summarize  # noqa: E402
+from thread_profile import cpu_of_tree, cpu_shares, descendants_of, summarize  # noqa: E402
 
 
 class HostClockEvent:
@@ -198,6 +199,11 @@ def test_ray_benchmark_smoke_run_measures_both_servers_on_the_same_workload(tmp_
     assert "in_replica_p50_ms" not in engine["low_load"]
     assert 0 < ray["low_load"]["in_replica_p50_ms"] and 0 < ray["low_load"]["outside_replica_p50_ms"]
     assert ray["low_load"]["in_replica_p50_ms"] < ray["low_load"]["ttft_p90_ms"]
+    for system in (engine, ray):  # the CPU time of the server's process tree over the first saturation run
+        shares = system["process_cpu"]
+        assert shares == sorted(shares, key=lambda share: -share["cpu_share"]) and shares[0]["cpu_share"] > 0
+    assert len(engine["process_cpu"]) == 1  # the server's own process, nothing below it
+    assert any("EngineReplica" in share["process"] and share["cpu_share"] > 0 for share in ray["process_cpu"])
     for system in (engine, ray) if py_spy else ():
         threads, gil = system["server_profile"]["threads"], system["server_profile"]["gil"]
         assert threads["samples"] > 0 and sum(t["share"] for t in threads["threads"]) == pytest.approx(1)
@@ -233,10 +239,39 @@ def test_thread_profile_gives_each_threads_share_and_where_its_samples_end():
         "thread: AsyncIO Thread: default", pytest.approx(0.2), [{"frame": "packb", "share": pytest.approx(0.2)}])
 
 
+def test_process_cpu_counts_the_time_each_process_of_a_tree_used_between_two_readings():
+    """A child that spins shows about a core's share of the time between two readings; one that sleeps, nearly
+    none; a process outside the tree, not at all."""
+    spin = "import time\nend = time.monotonic() + 30\nwhile time.monotonic() < end: pass"
+    parent = subprocess.Popen(
+        [sys.executable, "-c", "import subprocess, sys, time; children = [subprocess.Popen([sys.executable, '-c', "
+         "code]) for code in (sys.argv[1], 'import time; time.sleep(30)')]; print(*[c.pid for c in children], "
+         "flush=True); time.sleep(30)", spin], stdout=subprocess.PIPE, text=True)
+    outsider = subprocess.Popen([sys.executable, "-c", spin])
+    children = []
+    try:
+        children = [int(pid) for pid in parent.stdout.readline().split()]
+        spinner, sleeper = children
+        before = cpu_of_tree(parent.pid)
+        start = time.monotonic()
+        time.sleep(1.0)
+        shares = {int(share["process"].split()[0]): share["cpu_share"]
+                  for share in cpu_shares(before, cpu_of_tree(parent.pid), time.monotonic() - start)}
+        assert set(shares) == {parent.pid, spinner, sleeper}
+        assert shares[spinner] > 0.5 and shares[sleeper] < 0.1 and shares[parent.pid] < 0.1, shares
+    finally:
+        for pid in children:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for process in (parent, outsider):
+            process.kill()
+            process.wait()
+
+
 def test_thread_profile_finds_the_marked_processes_below_a_process_only():
     """A Ray replica has a process group of its own: it is found as a descendant of the command, by its title."""
-    import signal
-
     marker = f"marked-{os.getpid()}-{time.monotonic_ns()}"
     parent = subprocess.Popen(  # its own command line lacks the marker; its child's has it
         [sys.executable, "-c", "import os, subprocess, sys, time; child = subprocess.Popen([sys.executable, '-c', "
