@@ -81,6 +81,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
 
 from punica_hf import demo
+from punica_hf.cli.common import milliseconds
 
 try:
     from punica_hf.serving.ray import FIRST_BATCH_HEADER, REPLICA_HEADER
@@ -266,11 +267,12 @@ def measure(base_url: str, saturation_calls: list[Call], ttft_calls: list[Call],
     runs, profile, process_cpu = [], None, None
     for repeat in range(repeats):
         finish_profile = start_profile() if start_profile is not None and repeat == 0 else None
-        cpu_before = cpu_of_tree(process_root) if process_root is not None and repeat == 0 else None
         before = engine_counters(base_url)
+        cpu_before = cpu_of_tree(process_root) if process_root is not None and repeat == 0 else None
+        read_at = time.perf_counter()
         run = asyncio.run(run_concurrently(base_url, saturation_calls, clients))
         if cpu_before is not None:
-            process_cpu = cpu_shares(cpu_before, cpu_of_tree(process_root), run["seconds"])
+            process_cpu = cpu_shares(cpu_before, cpu_of_tree(process_root), time.perf_counter() - read_at)
         runs.append(with_steps(run, before, engine_counters(base_url)))
         if finish_profile is not None:
             profile = finish_profile()
@@ -360,11 +362,11 @@ def run_system(name: str, serve_args: list[str], workdir: Path, start_timeout: f
     try:
         result = measure(server.base_url, start_profile=start_profile if py_spy is not None else None,
                          process_root=server.process.pid, **workload)
-    except Exception:
-        print(f"{name} failed while measured; its log:\n{server.log_tail()}", flush=True)
-        raise
-    except BaseException:  # a time limit's SIGTERM, or ^C: the log says nothing of it
+    except (KeyboardInterrupt, SystemExit):  # ^C, or a time limit's SIGTERM: the log says nothing of it
         print(f"{name}: stopped while measured", flush=True)
+        raise
+    except BaseException:
+        print(f"{name} failed while measured; its log:\n{server.log_tail()}", flush=True)
         raise
     finally:
         server.stop()
@@ -492,9 +494,14 @@ def main() -> None:
         parser.error(f"--profile-servers: no executable py-spy at {args.profile_servers!r}")
     if not args.profile_seconds > 0:
         parser.error(f"--profile-seconds must be positive, got {args.profile_seconds}")
-    intervals = [None] if args.stream_interval_ms is None else args.stream_interval_ms.split(",")
-    if intervals != [None] and (not all(ms.isdigit() for ms in intervals) or len(set(intervals)) != len(intervals)):
-        parser.error(f"--stream-interval-ms: distinct whole milliseconds (0 or more), got {args.stream_interval_ms!r}")
+    intervals: list[int | None] = [None]
+    if args.stream_interval_ms is not None:  # as serve reads each, checked before any system runs
+        try:
+            intervals = [milliseconds(ms) for ms in args.stream_interval_ms.split(",")]
+        except (argparse.ArgumentTypeError, ValueError) as error:
+            parser.error(f"--stream-interval-ms: {error}")
+        if len(set(intervals)) != len(intervals):
+            parser.error(f"--stream-interval-ms: distinct values, got {args.stream_interval_ms!r}")
     if smoke and args.ray_modes is None:
         modes = modes[:1]
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a time limit's SIGTERM still stops the servers
@@ -535,7 +542,7 @@ def main() -> None:
     for interval in intervals:
         ray_args = [*serve_args, "--replicas", "1"]
         if interval is not None:
-            ray_args += ["--stream-interval-ms", interval]
+            ray_args += ["--stream-interval-ms", str(interval)]
         variants = {"": [*ray_args, "--ray-address", args.ray_address]} if args.ray_address else {
             "" if mode == modes[0] else f", {mode} mode": [*ray_args, "--ray-throughput-optimized", RAY_MODES[mode]]
             for mode in modes}
@@ -560,6 +567,7 @@ def main() -> None:
             "model": {"vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
                       "layers": config.num_hidden_layers},
             "systems": results,
+            "planned_systems": list(systems),  # more than in "systems": the run was cut short
             "comparison": comparisons.get(RAY_SYSTEM),
             "comparisons": comparisons,
             "wall_seconds": time.perf_counter() - setup_start,

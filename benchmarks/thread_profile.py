@@ -3,7 +3,7 @@ per thread (``--profile-servers``), and the CPU time of every process of a comma
 
 Two recordings run side by side over the same seconds: every thread's samples, idle ones included (where each
 thread spends its time, waiting too), and only the samples of the thread holding the GIL (which thread the others
-wait for; and, against the first, how much of the time any thread held it). Each is summarized as each thread's
+wait for; and, against the samples asked for, how much of the time any thread held it). Each is summarized as each thread's
 share of the recording's samples and, within a thread, the frames its samples end in: the innermost frame of
 ``punica_hf`` code when the stack has one, else the innermost frame.
 py-spy's ``--nonblocking`` mode reads the process without stopping it, so the recording does not slow it down.
@@ -22,8 +22,9 @@ _THREAD_ID = re.compile(r"\s*\(\d+\)")  # py-spy's "thread (1234): name": the id
 _LINE = re.compile(r"\s*\([^()]*:\d+\)$")  # a frame's "(file.py:12)", so one function is one entry
 
 
-def _processes() -> dict[int, tuple[int, str, float]]:
-    """Every process of this machine: ``{pid: (parent pid, command line, CPU seconds used so far)}``."""
+def _processes() -> dict[int, tuple[int, str, float, int]]:
+    """Every process of this machine: ``{pid: (parent pid, command line, CPU seconds used so far, start time)}``
+    (the start time in clock ticks since boot: a pid used again is another process)."""
     ticks = os.sysconf("SC_CLK_TCK")
     found = {}
     for entry in Path("/proc").iterdir():
@@ -35,11 +36,12 @@ def _processes() -> dict[int, tuple[int, str, float]]:
         except OSError:  # gone meanwhile
             continue
         fields = status[status.rindex(")") + 2:].split()  # after "pid (name) ": state, parent, ...
-        found[int(entry.name)] = (int(fields[1]), command, (int(fields[11]) + int(fields[12])) / ticks)
+        found[int(entry.name)] = (int(fields[1]), command, (int(fields[11]) + int(fields[12])) / ticks,
+                                  int(fields[19]))
     return found
 
 
-def _below(root: int, processes: dict[int, tuple[int, str, float]]) -> list[int]:
+def _below(root: int, processes: dict[int, tuple[int, str, float, int]]) -> list[int]:
     """The processes descending from ``root``."""
     def descends(pid: int) -> bool:
         seen = set()
@@ -60,20 +62,24 @@ def descendants_of(root: int, marker: str) -> list[int]:
     return [pid for pid in _below(root, processes) if marker in processes[pid][1]]
 
 
-def cpu_of_tree(root: int) -> dict[int, tuple[str, float]]:
-    """Process ``root`` and its descendants (a local Ray cluster's too): ``{pid: (command line, CPU seconds used
-    so far)}``."""
+def cpu_of_tree(root: int) -> dict[tuple[int, int], tuple[str, float]]:
+    """Process ``root`` and its descendants (a local Ray cluster's too): ``{(pid, start time): (command line, CPU
+    seconds used so far)}``."""
     processes = _processes()
-    return {pid: processes[pid][1:] for pid in [root, *_below(root, processes)] if pid in processes}
+    return {(pid, processes[pid][3]): processes[pid][1:3] for pid in [root, *_below(root, processes)]
+            if pid in processes}
 
 
-def cpu_shares(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]], seconds: float,
-               title_chars: int = 60) -> list[dict]:
-    """Each process's CPU time between two ``cpu_of_tree`` readings, as a share of one core over ``seconds``
-    (1.0: a core busy all along), largest first; a process started between them counts from 0."""
+def cpu_shares(before: dict[tuple[int, int], tuple[str, float]], after: dict[tuple[int, int], tuple[str, float]],
+               seconds: float, title_chars: int = 60) -> list[dict]:
+    """Each process's CPU time between two ``cpu_of_tree`` readings ``seconds`` apart, as a share of one core
+    (1.0: a core busy all along), largest first. A process started between them counts from 0; one that ended
+    between them is not counted (its time is gone with it)."""
+    if not seconds > 0:
+        raise ValueError(f"seconds must be positive, got {seconds}")
     shares = [{"process": f"{pid} {command[:title_chars]}",
-               "cpu_share": (used - before.get(pid, ("", 0.0))[1]) / seconds}
-              for pid, (command, used) in after.items()]
+               "cpu_share": (used - before.get((pid, started), ("", 0.0))[1]) / seconds}
+              for (pid, started), (command, used) in after.items()]
     return sorted(shares, key=lambda share: -share["cpu_share"])
 
 
@@ -83,6 +89,7 @@ class Recordings:
 
     def __init__(self, py_spy: str, pid: int, seconds: float, folder: Path, rate: int = 200) -> None:
         self.seconds = seconds
+        self.expected_samples = rate * max(1, round(seconds))
         self.paths = {mode: folder / f"py_spy_{pid}_{mode}.txt" for mode in MODES}
         self.processes = {
             mode: subprocess.Popen(
@@ -104,11 +111,16 @@ class Recordings:
                 summaries[mode] = {"error": f"py-spy exited with status {process.returncode}: {log[-500:]}"}
             else:
                 summaries[mode] = summarize(self.paths[mode].read_text())
-        gil, threads = summaries["gil"], summaries["threads"]
-        if "error" not in gil and "error" not in threads and threads["most_of_one_thread"]:
-            # With --idle every sample holds each thread that was there: a thread that lived through the recording
-            # was in every one, of which the GIL recording kept those where some thread held the GIL.
-            gil["gil_held_share"] = min(1.0, gil["samples"] / threads["most_of_one_thread"])
+        # py-spy falls behind on a busy machine, the --idle recording (every thread's stack at every sample) the
+        # most: its ``samples_taken`` (a thread there all along is in every sample) of ``samples_asked`` says how
+        # far. The GIL recording keeps the samples where some thread held the GIL: over the samples asked for, how
+        # much of the time it was held (a floor, if that recording fell behind too).
+        threads, gil = summaries["threads"], summaries["gil"]
+        if "error" not in threads:
+            threads |= {"samples_asked": self.expected_samples, "samples_taken": threads["most_of_one_thread"]}
+        if "error" not in gil:
+            gil |= {"samples_asked": self.expected_samples,
+                    "gil_held_share": min(1.0, gil["samples"] / self.expected_samples)}
         return summaries
 
 

@@ -270,6 +270,44 @@ def test_process_cpu_counts_the_time_each_process_of_a_tree_used_between_two_rea
             process.wait()
 
 
+def test_process_cpu_tells_a_reused_pid_from_the_process_it_had_and_refuses_no_time():
+    reading = {(100, 5): ("old", 50.0)}
+    assert cpu_shares(reading, {(100, 9): ("new", 0.5)}, 1.0) == [{"process": "100 new", "cpu_share": 0.5}]
+    assert cpu_shares(reading, {(100, 5): ("old", 50.5)}, 2.0) == [{"process": "100 old", "cpu_share": 0.25}]
+    with pytest.raises(ValueError, match="seconds must be positive"):
+        cpu_shares(reading, reading, 0.0)
+
+
+def test_the_gil_share_is_counted_against_the_samples_asked_for(tmp_path):
+    """py-spy's --idle recording falls behind on a busy machine: the GIL's share is the GIL recording's samples
+    over those asked for (rate x seconds), not over what the other recording managed to take."""
+    from thread_profile import Recordings
+
+    fake = tmp_path / "py-spy"  # writes 40 GIL samples, or 2 threads x 60 samples (of 100 asked for)
+    fake.write_text("#!" + sys.executable + "\nimport sys\nargs = sys.argv\n"
+                    "out = open(args[args.index('--output') + 1], 'w')\n"
+                    "if '--gil' in args:\n    out.write('thread (1): main;f (a.py:1) 40\\n')\n"
+                    "else:\n    out.write('thread (1): main;f (a.py:1) 60\\nthread (2): pool;g (b.py:2) 60\\n')\n")
+    fake.chmod(0o755)
+    gil, threads = (Recordings(str(fake), os.getpid(), 1.0, tmp_path, rate=100).finish()[mode]
+                    for mode in ("gil", "threads"))
+    assert gil["gil_held_share"] == pytest.approx(0.4) and gil["samples_asked"] == 100
+    assert (threads["samples_taken"], threads["samples_asked"]) == (60, 100)
+
+
+@pytest.mark.parametrize("intervals", ["20000", "50,050", "50,abc", ""])
+def test_bad_stream_intervals_are_refused_before_anything_runs(intervals, monkeypatch, capsys):
+    """Each value is read as serve reads it, and the values must differ: a bad one used to fail only when its
+    system's server refused it, after the systems before it had been measured."""
+    import bench_ray
+
+    monkeypatch.setattr(sys, "argv", ["bench_ray.py", "--smoke", "--stream-interval-ms", intervals])
+    monkeypatch.setattr(bench_ray, "run_system", lambda *args, **kwargs: pytest.fail("a system ran"))
+    with pytest.raises(SystemExit) as exit_:
+        bench_ray.main()
+    assert exit_.value.code == 2 and "--stream-interval-ms" in capsys.readouterr().err
+
+
 def test_thread_profile_finds_the_marked_processes_below_a_process_only():
     """A Ray replica has a process group of its own: it is found as a descendant of the command, by its title."""
     marker = f"marked-{os.getpid()}-{time.monotonic_ns()}"

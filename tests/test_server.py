@@ -148,6 +148,32 @@ def test_several_prompts_give_one_choice_each(client, demo_answers):
     assert [c.text for c in response.choices] == [demo_answers["upper"][word] for word in WORDS]
 
 
+@pytest.mark.parametrize("choices", [1, 2])
+def test_a_stream_whose_request_fails_to_read_raises_rather_than_waiting_forever(choices):
+    """The pieces of one or several requests merged into one stream: a request whose pieces cannot be read (its
+    iterator raises) fails the stream; with several, it used to leave the stream waiting for its end forever."""
+    from punica_hf.serving.app import _merged
+    from punica_hf.serving.types import Delta
+
+    class Breaks:
+        async def __aiter__(self):
+            yield Delta((1,), "a")
+            raise RuntimeError("the pieces cannot be read")
+
+    class Fine:
+        async def __aiter__(self):
+            yield Delta((2,), "b", "stop")
+
+    async def read():
+        got = []
+        async for piece in _merged([Breaks(), Fine()][:choices]):
+            got.append(piece)
+        return got
+
+    with pytest.raises(RuntimeError, match="the pieces cannot be read"):
+        asyncio.run(asyncio.wait_for(read(), timeout=10))
+
+
 def test_several_prompts_stream_one_choice_each(client, demo_answers):
     """The choices' pieces come interleaved as they are made; each index's pieces add up to its answer."""
     stream = client.completions.create(

@@ -515,8 +515,12 @@ async def _merged(handles: list[RequestHandle]) -> AsyncIterator[tuple[int, Delt
     pieces: asyncio.Queue = asyncio.Queue()
 
     async def pump(index: int, handle: RequestHandle) -> None:
-        async for delta in handle:
-            await pieces.put((index, delta))
+        try:
+            async for delta in handle:
+                await pieces.put((index, delta))
+        except Exception as error:  # to the stream, which would otherwise wait for this request's end forever
+            await pieces.put((index, error))
+            return
         await pieces.put((index, None))
 
     pumps = [asyncio.create_task(pump(index, handle)) for index, handle in enumerate(handles)]
@@ -524,6 +528,8 @@ async def _merged(handles: list[RequestHandle]) -> AsyncIterator[tuple[int, Delt
         running = len(handles)
         while running:
             index, delta = await pieces.get()
+            if isinstance(delta, Exception):
+                raise delta
             if delta is None:
                 running -= 1
             else:
