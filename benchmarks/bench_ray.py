@@ -352,12 +352,13 @@ def run_system(name: str, serve_args: list[str], workdir: Path, start_timeout: f
     server = ServerProcess(name, serve_args, workdir / f"{re.sub(r'[^a-z0-9]+', '_', name)}.log", start_timeout)
 
     def start_profile():
-        if "--replicas" not in serve_args:
-            return Recordings(py_spy, server.process.pid, profile_seconds, workdir).finish
-        replicas = descendants_of(server.process.pid, REPLICA_PROCESS_MARKER)
-        if len(replicas) != 1:
-            raise RuntimeError(f"{name}: expected one Ray Serve replica process to profile, found {replicas}")
-        return Recordings(py_spy, replicas[0], profile_seconds, workdir).finish
+        pid = server.process.pid
+        if "--replicas" in serve_args:
+            replicas = descendants_of(pid, REPLICA_PROCESS_MARKER)
+            if len(replicas) != 1:
+                raise RuntimeError(f"{name}: expected one Ray Serve replica process to profile, found {replicas}")
+            pid = replicas[0]
+        return Recordings(py_spy, pid, profile_seconds, workdir).finish
 
     try:
         result = measure(server.base_url, start_profile=start_profile if py_spy is not None else None,
@@ -543,13 +544,23 @@ def main() -> None:
         ray_args = [*serve_args, "--replicas", "1"]
         if interval is not None:
             ray_args += ["--stream-interval-ms", str(interval)]
-        variants = {"": [*ray_args, "--ray-address", args.ray_address]} if args.ray_address else {
-            "" if mode == modes[0] else f", {mode} mode": [*ray_args, "--ray-throughput-optimized", RAY_MODES[mode]]
-            for mode in modes}
-        for suffix, system_args in variants.items():
-            systems[RAY_SYSTEM + ("" if interval == intervals[0] else f", {interval} ms stream interval") + suffix] = \
-                system_args
+        name = RAY_SYSTEM if interval == intervals[0] else f"{RAY_SYSTEM}, {interval} ms stream interval"
+        if args.ray_address:
+            systems[name] = [*ray_args, "--ray-address", args.ray_address]
+        for mode in modes:  # none with --ray-address
+            systems[name if mode == modes[0] else f"{name}, {mode} mode"] = [
+                *ray_args, "--ray-throughput-optimized", RAY_MODES[mode]]
     results, comparisons = {}, {}
+    report = {
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() and not smoke else "cpu",
+        "versions": versions(),
+        "setup": {key: (str(value) if isinstance(value, Path) else value) for key, value in vars(args).items()},
+        "model": {"vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
+                  "layers": config.num_hidden_layers},
+        "systems": results,
+        "planned_systems": list(systems),  # more than in "systems": the run was cut short
+        "comparisons": comparisons,
+    }
     args.output.parent.mkdir(parents=True, exist_ok=True)
     for name, system_args in systems.items():
         results[name] = result = run_system(name, system_args, workdir, args.start_timeout,
@@ -560,18 +571,7 @@ def main() -> None:
             comparisons[name] = compare(result, results["engine"])
         if "server_profile" in result:
             print_profile(name, result["server_profile"])
-        report = {
-            "device": torch.cuda.get_device_name() if torch.cuda.is_available() and not smoke else "cpu",
-            "versions": versions(),
-            "setup": {key: (str(value) if isinstance(value, Path) else value) for key, value in vars(args).items()},
-            "model": {"vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
-                      "layers": config.num_hidden_layers},
-            "systems": results,
-            "planned_systems": list(systems),  # more than in "systems": the run was cut short
-            "comparison": comparisons.get(RAY_SYSTEM),
-            "comparisons": comparisons,
-            "wall_seconds": time.perf_counter() - setup_start,
-        }
+        report |= {"comparison": comparisons.get(RAY_SYSTEM), "wall_seconds": time.perf_counter() - setup_start}
         args.output.write_text(json.dumps(report, indent=2))  # after every system: a run cut short keeps these
     print_table(results, comparisons)
     for name, result in results.items():

@@ -3,9 +3,9 @@ per thread (``--profile-servers``), and the CPU time of every process of a comma
 
 Two recordings run side by side over the same seconds: every thread's samples, idle ones included (where each
 thread spends its time, waiting too), and only the samples of the thread holding the GIL (which thread the others
-wait for; and, against the samples asked for, how much of the time any thread held it). Each is summarized as each thread's
-share of the recording's samples and, within a thread, the frames its samples end in: the innermost frame of
-``punica_hf`` code when the stack has one, else the innermost frame.
+wait for; and, against the samples asked for, how much of the time any thread held it). Each is summarized as each
+thread's share of the recording's samples and, within a thread, the frames its samples end in: the innermost frame
+of ``punica_hf`` code when the stack has one, else the innermost frame.
 py-spy's ``--nonblocking`` mode reads the process without stopping it, so the recording does not slow it down.
 """
 
@@ -16,15 +16,22 @@ import re
 import subprocess
 from collections import Counter
 from pathlib import Path
+from typing import NamedTuple
 
 MODES = {"gil": ["--gil"], "threads": ["--idle"]}  # recording name: py-spy flags
 _THREAD_ID = re.compile(r"\s*\(\d+\)")  # py-spy's "thread (1234): name": the id differs between runs
 _LINE = re.compile(r"\s*\([^()]*:\d+\)$")  # a frame's "(file.py:12)", so one function is one entry
 
 
-def _processes() -> dict[int, tuple[int, str, float, int]]:
-    """Every process of this machine: ``{pid: (parent pid, command line, CPU seconds used so far, start time)}``
-    (the start time in clock ticks since boot: a pid used again is another process)."""
+class _Process(NamedTuple):
+    parent: int
+    command: str  # its command line (a Ray worker's: its title)
+    cpu_seconds: float  # user and system time used so far
+    started: int  # clock ticks since boot: a pid used again is another process
+
+
+def _processes() -> dict[int, _Process]:
+    """Every process of this machine, by pid."""
     ticks = os.sysconf("SC_CLK_TCK")
     found = {}
     for entry in Path("/proc").iterdir():
@@ -36,18 +43,18 @@ def _processes() -> dict[int, tuple[int, str, float, int]]:
         except OSError:  # gone meanwhile
             continue
         fields = status[status.rindex(")") + 2:].split()  # after "pid (name) ": state, parent, ...
-        found[int(entry.name)] = (int(fields[1]), command, (int(fields[11]) + int(fields[12])) / ticks,
-                                  int(fields[19]))
+        found[int(entry.name)] = _Process(int(fields[1]), command, (int(fields[11]) + int(fields[12])) / ticks,
+                                          int(fields[19]))
     return found
 
 
-def _below(root: int, processes: dict[int, tuple[int, str, float, int]]) -> list[int]:
+def _below(root: int, processes: dict[int, _Process]) -> list[int]:
     """The processes descending from ``root``."""
     def descends(pid: int) -> bool:
         seen = set()
         while pid in processes and pid not in seen:
             seen.add(pid)
-            pid = processes[pid][0]
+            pid = processes[pid].parent
             if pid == root:
                 return True
         return False
@@ -59,15 +66,15 @@ def descendants_of(root: int, marker: str) -> list[int]:
     """The processes descending from process ``root`` whose command line (a Ray worker's: its title) holds
     ``marker`` (a Ray worker has a process group of its own, but descends from the command that started Ray)."""
     processes = _processes()
-    return [pid for pid in _below(root, processes) if marker in processes[pid][1]]
+    return [pid for pid in _below(root, processes) if marker in processes[pid].command]
 
 
 def cpu_of_tree(root: int) -> dict[tuple[int, int], tuple[str, float]]:
     """Process ``root`` and its descendants (a local Ray cluster's too): ``{(pid, start time): (command line, CPU
     seconds used so far)}``."""
     processes = _processes()
-    return {(pid, processes[pid][3]): processes[pid][1:3] for pid in [root, *_below(root, processes)]
-            if pid in processes}
+    return {(pid, process.started): (process.command, process.cpu_seconds)
+            for pid in [root, *_below(root, processes)] if (process := processes.get(pid)) is not None}
 
 
 def cpu_shares(before: dict[tuple[int, int], tuple[str, float]], after: dict[tuple[int, int], tuple[str, float]],
