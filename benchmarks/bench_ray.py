@@ -37,11 +37,13 @@ batches and slower steps.
 system's replica) with py-spy during the first saturation run of each system (``thread_profile.py``: every
 thread's time, which thread holds the GIL, and how much of the time anyone does), into the JSON (the system's
 ``server_profile``) and a printed table. ``--stream-interval-ms`` sets the Ray systems' interval; several values
-(``50,200``) make one Ray system each, measured against the same engine run.
+(``50,200``) make one Ray system each, measured against the same engine run; so do several
+``--ray-worker-niceness`` values (the local cluster's ``RAY_worker_niceness``: ``0,15`` measures serve's priority
+for Ray's workers against Ray's own).
 
 The CPU time of the server's process and of every process below it (a local Ray cluster's: the replica, the
 ingress, Ray's own) over the first saturation run is in the JSON (``process_cpu``, each a share of one core) and
-printed: what a system runs beside its engine on the same CPUs.
+printed: what a system runs beside its engine on the same CPUs, and at which priority (nice value).
 
 The JSON is written after each system, so a run cut short keeps the systems it measured.
 
@@ -54,6 +56,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib.metadata
+import itertools
 import json
 import os
 import platform
@@ -82,6 +85,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, PreTrain
 
 from punica_hf import demo
 from punica_hf.cli.common import milliseconds
+from punica_hf.cli.serve import RAY_WORKER_NICENESS_VARIABLE
 
 try:
     from punica_hf.serving.ray import FIRST_BATCH_HEADER, REPLICA_HEADER
@@ -291,14 +295,15 @@ class ServerProcess:
     """``python -m punica_hf serve ARGS`` in its own process group on a free port of 127.0.0.1; ``stop()`` ends
     it and everything it started (a local Ray cluster's processes join the command's group)."""
 
-    def __init__(self, name: str, args: list[str], log_path: Path, start_timeout: float) -> None:
+    def __init__(self, name: str, args: list[str], log_path: Path, start_timeout: float,
+                 environment: dict[str, str] | None = None) -> None:
         self.name, self.log_path = name, log_path
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             self.port = probe.getsockname()[1]
         self.base_url = f"http://127.0.0.1:{self.port}"
         command = [sys.executable, "-m", "punica_hf", "serve", *args, "--host", "127.0.0.1", "--port", str(self.port)]
-        environment = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0",
+        environment = {**os.environ, **(environment or {}), "RAY_USAGE_STATS_ENABLED": "0",
                        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPOSITORY), os.environ.get("PYTHONPATH")]))}
         with open(log_path, "w") as log:
             self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=environment,
@@ -346,10 +351,12 @@ class ServerProcess:
 
 
 def run_system(name: str, serve_args: list[str], workdir: Path, start_timeout: float, py_spy: str | None = None,
-               profile_seconds: float = 0, **workload) -> dict:
-    """Start system ``name``, measure it, stop it; ``py_spy``: record the threads of the process that runs its
-    engine (the command's own, or its Ray replica's with ``--replicas``)."""
-    server = ServerProcess(name, serve_args, workdir / f"{re.sub(r'[^a-z0-9]+', '_', name)}.log", start_timeout)
+               profile_seconds: float = 0, environment: dict[str, str] | None = None, **workload) -> dict:
+    """Start system ``name`` (its command's ``environment`` added to this one's), measure it, stop it; ``py_spy``:
+    record the threads of the process that runs its engine (the command's own, or its Ray replica's with
+    ``--replicas``)."""
+    server = ServerProcess(name, serve_args, workdir / f"{re.sub(r'[^a-z0-9]+', '_', name)}.log", start_timeout,
+                           environment)
 
     def start_profile():
         pid = server.process.pid
@@ -378,7 +385,9 @@ def run_system(name: str, serve_args: list[str], workdir: Path, start_timeout: f
           f"{result['low_load']['ttft_p50_ms']:.1f} ms", flush=True)
     shares = result["process_cpu"]
     print(f"{name}: CPU over the first saturation run, in cores: {sum(s['cpu_share'] for s in shares):.2f} in all; "
-          + "; ".join(f"{share['cpu_share']:.2f} {share['process']}" for share in shares[:6]), flush=True)
+          + "; ".join(f"{share['cpu_share']:.2f} {share['process']}" + (f" (nice {share['nice']})" if share['nice']
+                                                                           else "") for share in shares[:6]),
+          flush=True)
     return result
 
 
@@ -467,6 +476,9 @@ def main() -> None:
                         "temporary folder, removed at the end unless a server failed)")
     parser.add_argument("--stream-interval-ms", metavar="MS[,MS...]",
                         help="the Ray systems' --stream-interval-ms; several: one Ray system each (default: serve's)")
+    parser.add_argument("--ray-worker-niceness", metavar="N[,N...]",
+                        help="the local Ray cluster's worker priority (RAY_worker_niceness; serve's default: 0, Ray's "
+                        "own: 15); several: one Ray system each")
     parser.add_argument("--profile-servers", metavar="PY_SPY",
                         help="the py-spy executable: record the threads of each system's engine process (the Ray "
                         "replica's) during its first saturation run")
@@ -503,6 +515,16 @@ def main() -> None:
             parser.error(f"--stream-interval-ms: {error}")
         if len(set(intervals)) != len(intervals):
             parser.error(f"--stream-interval-ms: distinct values, got {args.stream_interval_ms!r}")
+    nice_values: list[int | None] = [None]
+    if args.ray_worker_niceness is not None:
+        try:
+            nice_values = [int(value) for value in args.ray_worker_niceness.split(",")]
+        except ValueError:
+            parser.error(f"--ray-worker-niceness: integers, got {args.ray_worker_niceness!r}")
+        if len(set(nice_values)) != len(nice_values) or not all(-20 <= value <= 19 for value in nice_values):
+            parser.error(f"--ray-worker-niceness: distinct values in [-20, 19], got {args.ray_worker_niceness!r}")
+        if args.ray_address:
+            parser.error("--ray-worker-niceness sets the local cluster's: not with --ray-address")
     if smoke and args.ray_modes is None:
         modes = modes[:1]
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a time limit's SIGTERM still stops the servers
@@ -537,19 +559,21 @@ def main() -> None:
           f"({sum(c.new_tokens for c in workload['saturation_calls'])} output tokens), {args.ttft_requests} at low "
           f"load, {len(adapters)} adapters and the base model", flush=True)
 
-    systems = {"engine": serve_args}
+    systems = {"engine": (serve_args, None)}  # name -> (serve's arguments, environment added)
     # Ray systems: the first under the plain name (what `punica-hf serve --replicas` does unless told), the others
     # named by what differs
-    for interval in intervals:
+    for interval, nice in itertools.product(intervals, nice_values):
         ray_args = [*serve_args, "--replicas", "1"]
         if interval is not None:
             ray_args += ["--stream-interval-ms", str(interval)]
-        name = RAY_SYSTEM if interval == intervals[0] else f"{RAY_SYSTEM}, {interval} ms stream interval"
+        environment = None if nice is None else {RAY_WORKER_NICENESS_VARIABLE: str(nice)}
+        name = RAY_SYSTEM + (f", {interval} ms stream interval" if interval != intervals[0] else "") + (
+            f", workers at nice {nice}" if nice != nice_values[0] else "")
         if args.ray_address:
-            systems[name] = [*ray_args, "--ray-address", args.ray_address]
+            systems[name] = ([*ray_args, "--ray-address", args.ray_address], None)
         for mode in modes:  # none with --ray-address
-            systems[name if mode == modes[0] else f"{name}, {mode} mode"] = [
-                *ray_args, "--ray-throughput-optimized", RAY_MODES[mode]]
+            systems[name if mode == modes[0] else f"{name}, {mode} mode"] = (
+                [*ray_args, "--ray-throughput-optimized", RAY_MODES[mode]], environment)
     results, comparisons = {}, {}
     report = {
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() and not smoke else "cpu",
@@ -562,10 +586,10 @@ def main() -> None:
         "comparisons": comparisons,
     }
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    for name, system_args in systems.items():
+    for name, (system_args, environment) in systems.items():
         results[name] = result = run_system(name, system_args, workdir, args.start_timeout,
                                             py_spy=args.profile_servers, profile_seconds=args.profile_seconds,
-                                            **workload)
+                                            environment=environment, **workload)
         check_replicas(result, 0 if name == "engine" else 1, name)
         if name != "engine":
             comparisons[name] = compare(result, results["engine"])

@@ -28,6 +28,7 @@ class _Process(NamedTuple):
     command: str  # its command line (a Ray worker's: its title)
     cpu_seconds: float  # user and system time used so far
     started: int  # clock ticks since boot: a pid used again is another process
+    nice: int  # its main thread's scheduling priority (Ray starts its workers at 15)
 
 
 def _processes() -> dict[int, _Process]:
@@ -44,7 +45,7 @@ def _processes() -> dict[int, _Process]:
             continue
         fields = status[status.rindex(")") + 2:].split()  # after "pid (name) ": state, parent, ...
         found[int(entry.name)] = _Process(int(fields[1]), command, (int(fields[11]) + int(fields[12])) / ticks,
-                                          int(fields[19]))
+                                          int(fields[19]), int(fields[16]))
     return found
 
 
@@ -69,24 +70,26 @@ def descendants_of(root: int, marker: str) -> list[int]:
     return [pid for pid in _below(root, processes) if marker in processes[pid].command]
 
 
-def cpu_of_tree(root: int) -> dict[tuple[int, int], tuple[str, float]]:
+Reading = dict[tuple[int, int], tuple[str, float, int]]  # (pid, start time) -> (command line, CPU seconds, nice)
+
+
+def cpu_of_tree(root: int) -> Reading:
     """Process ``root`` and its descendants (a local Ray cluster's too): ``{(pid, start time): (command line, CPU
-    seconds used so far)}``."""
+    seconds used so far, nice value)}``."""
     processes = _processes()
-    return {(pid, process.started): (process.command, process.cpu_seconds)
+    return {(pid, process.started): (process.command, process.cpu_seconds, process.nice)
             for pid in [root, *_below(root, processes)] if (process := processes.get(pid)) is not None}
 
 
-def cpu_shares(before: dict[tuple[int, int], tuple[str, float]], after: dict[tuple[int, int], tuple[str, float]],
-               seconds: float, title_chars: int = 60) -> list[dict]:
+def cpu_shares(before: Reading, after: Reading, seconds: float, title_chars: int = 60) -> list[dict]:
     """Each process's CPU time between two ``cpu_of_tree`` readings ``seconds`` apart, as a share of one core
-    (1.0: a core busy all along), largest first. A process started between them counts from 0; one that ended
-    between them is not counted (its time is gone with it)."""
+    (1.0: a core busy all along), largest first, with its nice value at the second. A process started between them
+    counts from 0; one that ended between them is not counted (its time is gone with it)."""
     if not seconds > 0:
         raise ValueError(f"seconds must be positive, got {seconds}")
     shares = [{"process": f"{pid} {command[:title_chars]}",
-               "cpu_share": (used - before.get((pid, started), ("", 0.0))[1]) / seconds}
-              for (pid, started), (command, used) in after.items()]
+               "cpu_share": (used - before.get((pid, started), ("", 0.0, 0))[1]) / seconds, "nice": nice}
+              for (pid, started), (command, used, nice) in after.items()]
     return sorted(shares, key=lambda share: -share["cpu_share"])
 
 

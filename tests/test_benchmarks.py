@@ -241,24 +241,31 @@ def test_thread_profile_gives_each_threads_share_and_where_its_samples_end():
 
 def test_process_cpu_counts_the_time_each_process_of_a_tree_used_between_two_readings():
     """A child that spins shows about a core's share of the time between two readings; one that sleeps, nearly
-    none; a process outside the tree, not at all."""
+    none; a process outside the tree, not at all. Each with its nice value."""
     spin = "import time\nend = time.monotonic() + 30\nwhile time.monotonic() < end: pass"
     parent = subprocess.Popen(
         [sys.executable, "-c", "import subprocess, sys, time; children = [subprocess.Popen([sys.executable, '-c', "
-         "code]) for code in (sys.argv[1], 'import time; time.sleep(30)')]; print(*[c.pid for c in children], "
+         "code]) for code in (sys.argv[1], 'import os, time; os.nice(7); time.sleep(30)')]; "
+         "print(*[c.pid for c in children], "
          "flush=True); time.sleep(30)", spin], stdout=subprocess.PIPE, text=True)
     outsider = subprocess.Popen([sys.executable, "-c", spin])
     children = []
     try:
         children = [int(pid) for pid in parent.stdout.readline().split()]
         spinner, sleeper = children
+        deadline = time.monotonic() + 30
+        while not any(key[0] == sleeper and nice == 7 for key, (_, _, nice) in cpu_of_tree(parent.pid).items()):
+            assert time.monotonic() < deadline, "the sleeping child never ran"
+            time.sleep(0.05)
         before = cpu_of_tree(parent.pid)
         start = time.monotonic()
         time.sleep(1.0)
-        shares = {int(share["process"].split()[0]): share["cpu_share"]
-                  for share in cpu_shares(before, cpu_of_tree(parent.pid), time.monotonic() - start)}
+        readings = {int(share["process"].split()[0]): share
+                    for share in cpu_shares(before, cpu_of_tree(parent.pid), time.monotonic() - start)}
+        shares = {pid: share["cpu_share"] for pid, share in readings.items()}
         assert set(shares) == {parent.pid, spinner, sleeper}
         assert shares[spinner] > 0.5 and shares[sleeper] < 0.1 and shares[parent.pid] < 0.1, shares
+        assert (readings[sleeper]["nice"], readings[spinner]["nice"]) == (7, os.nice(0))
     finally:
         for pid in children:
             try:
@@ -271,9 +278,11 @@ def test_process_cpu_counts_the_time_each_process_of_a_tree_used_between_two_rea
 
 
 def test_process_cpu_tells_a_reused_pid_from_the_process_it_had_and_refuses_no_time():
-    reading = {(100, 5): ("old", 50.0)}
-    assert cpu_shares(reading, {(100, 9): ("new", 0.5)}, 1.0) == [{"process": "100 new", "cpu_share": 0.5}]
-    assert cpu_shares(reading, {(100, 5): ("old", 50.5)}, 2.0) == [{"process": "100 old", "cpu_share": 0.25}]
+    reading = {(100, 5): ("old", 50.0, 0)}
+    assert cpu_shares(reading, {(100, 9): ("new", 0.5, 15)}, 1.0) == [
+        {"process": "100 new", "cpu_share": 0.5, "nice": 15}]
+    assert cpu_shares(reading, {(100, 5): ("old", 50.5, 0)}, 2.0) == [
+        {"process": "100 old", "cpu_share": 0.25, "nice": 0}]
     with pytest.raises(ValueError, match="seconds must be positive"):
         cpu_shares(reading, reading, 0.0)
 

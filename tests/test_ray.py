@@ -284,6 +284,11 @@ def test_the_ingress_killed_takes_its_port_back(tmp_path):
         wait_for_health(process, base, tmp_path / "serve.log")
         ingress = psutil.Process(_listening_pid(port))
         assert "ServeReplica:punica-hf:Router" in " ".join(ingress.cmdline())
+        # the local cluster's workers run at normal priority (Ray's own default is nice 15): the replica's process
+        # runs the engine's host work
+        replicas = [child for child in psutil.Process(process.pid).children(recursive=True)
+                    if "ServeReplica:punica-hf:EngineReplica" in " ".join(child.cmdline())]
+        assert len(replicas) == 1 and replicas[0].nice() == 0 and ingress.nice() == 0
         ingress.kill()
         ingress.wait(10)
         deadline = time.monotonic() + 60

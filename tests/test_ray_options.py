@@ -15,7 +15,7 @@ from punica_hf import MultiLoraModel, demo
 from punica_hf.cli import main
 from punica_hf.cli.serve import (
     RAY_DIRECT_INGRESS_VARIABLE, RAY_INGRESS_DRAIN_VARIABLE, RAY_INGRESS_PORT_VARIABLES, RAY_PORT_QUARANTINE_VARIABLE,
-    RAY_THROUGHPUT_VARIABLE, _watch_listener, bind_listener, ray_app,
+    RAY_THROUGHPUT_VARIABLE, RAY_WORKER_NICENESS_VARIABLE, _watch_listener, bind_listener, ray_app,
 )
 from punica_hf.serving import DemoTokenizer, Engine, EngineConfig
 from punica_hf.serving.app import create_app
@@ -43,12 +43,14 @@ def test_the_local_cluster_starts_in_the_ray_serve_mode_asked_for(monkeypatch, c
                      os.environ.get(RAY_PORT_QUARANTINE_VARIABLE), os.environ.get(RAY_DIRECT_INGRESS_VARIABLE)))
         # no load balancer before the local ingress: it stops once the requests in flight are answered, not 30 s on
         assert os.environ.get(RAY_INGRESS_DRAIN_VARIABLE) == "1"
+        assert os.environ.get(RAY_WORKER_NICENESS_VARIABLE) == "0"  # the replicas at normal priority, not Ray's 15
         raise ConnectionError("no cluster in this test")
 
     monkeypatch.setattr(ray, "init", init)
     opposite = "0" if mode == "1" else "1"
     monkeypatch.setenv(RAY_THROUGHPUT_VARIABLE, opposite)  # set beforehand
-    for name in (RAY_INGRESS_DRAIN_VARIABLE, *RAY_INGRESS_PORT_VARIABLES, RAY_PORT_QUARANTINE_VARIABLE):
+    for name in (RAY_INGRESS_DRAIN_VARIABLE, *RAY_INGRESS_PORT_VARIABLES, RAY_PORT_QUARANTINE_VARIABLE,
+                 RAY_WORKER_NICENESS_VARIABLE):
         monkeypatch.setenv(name, "-")
         monkeypatch.delenv(name)  # (set first, so that monkeypatch restores its absence)
     monkeypatch.setenv(RAY_DIRECT_INGRESS_VARIABLE, "0")  # a user's: the ingress on --port needs it on
@@ -61,9 +63,26 @@ def test_the_local_cluster_starts_in_the_ray_serve_mode_asked_for(monkeypatch, c
     assert seen == [(mode, "local", *ingress)]
     # and the environment is as it was for what runs in this process afterwards
     assert os.environ[RAY_THROUGHPUT_VARIABLE] == opposite
-    for name in (RAY_INGRESS_DRAIN_VARIABLE, *RAY_INGRESS_PORT_VARIABLES, RAY_PORT_QUARANTINE_VARIABLE):
+    for name in (RAY_INGRESS_DRAIN_VARIABLE, *RAY_INGRESS_PORT_VARIABLES, RAY_PORT_QUARANTINE_VARIABLE,
+                 RAY_WORKER_NICENESS_VARIABLE):
         assert name not in os.environ
     assert os.environ[RAY_DIRECT_INGRESS_VARIABLE] == "0"
+
+
+def test_the_operators_worker_priority_stands(monkeypatch, capsys):
+    """An operator who set Ray's worker niceness for the command keeps it: the command only changes Ray's default."""
+    ray = pytest.importorskip("ray", reason="needs the ray extra")
+    seen = []
+
+    def init(**options):
+        seen.append(os.environ.get(RAY_WORKER_NICENESS_VARIABLE))
+        raise ConnectionError("no cluster in this test")
+
+    monkeypatch.setattr(ray, "init", init)
+    monkeypatch.setenv(RAY_WORKER_NICENESS_VARIABLE, "5")
+    assert main(["serve", "--model", "demo", "--replicas", "1", "--device", "cpu", "--port", str(free_port())]) == 1
+    assert "no cluster in this test" in capsys.readouterr().err
+    assert seen == ["5"] and os.environ[RAY_WORKER_NICENESS_VARIABLE] == "5"
 
 
 def test_a_busy_port_fails_before_the_cluster_starts(monkeypatch, capsys):

@@ -34,8 +34,11 @@ RAY_INGRESS_PORT_VARIABLES = ("RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT", "RAY_SER
 # How long Ray Serve keeps a port a replica gave up out of that range (for HAProxy, which the command does not run)
 RAY_PORT_QUARANTINE_VARIABLE = "RAY_SERVE_PORT_QUARANTINE_S"
 RAY_DIRECT_INGRESS_VARIABLE = "RAY_SERVE_ENABLE_DIRECT_INGRESS"  # on in that mode unless set otherwise
+# The scheduling priority (nice value) Ray gives its worker processes, 15 unless set: the replicas' processes run the
+# engines' host work, which sets their step time whenever the GPU waits for it.
+RAY_WORKER_NICENESS_VARIABLE = "RAY_worker_niceness"
 RAY_CLUSTER_VARIABLES = (RAY_THROUGHPUT_VARIABLE, RAY_INGRESS_DRAIN_VARIABLE, *RAY_INGRESS_PORT_VARIABLES,
-                         RAY_PORT_QUARANTINE_VARIABLE, RAY_DIRECT_INGRESS_VARIABLE)
+                         RAY_PORT_QUARANTINE_VARIABLE, RAY_DIRECT_INGRESS_VARIABLE, RAY_WORKER_NICENESS_VARIABLE)
 INGRESS_WAIT_SECONDS = 30.0  # for the ingress to listen on --port once Ray Serve says the application runs
 # Nothing on --port this long: the command stops. Ray Serve blocks for good a port that an ingress it starts again
 # finds taken (another process bound it meanwhile), and the clients' port would stay dead while the command runs.
@@ -382,6 +385,9 @@ def _local_cluster_environment(args: argparse.Namespace) -> dict[str, str]:
         # In that mode the ingress drains 30 s before it stops, for load balancers to learn that it does: there is
         # none before the local cluster's, only the requests in flight to answer (which it waits for anyway).
         RAY_INGRESS_DRAIN_VARIABLE: os.environ.get(RAY_INGRESS_DRAIN_VARIABLE, "1"),
+        # Ray runs its workers below every other process of the machine (nice 15), for a driver's sake; here the
+        # workers are the server: the replicas at normal priority, unless the operator's environment says otherwise.
+        RAY_WORKER_NICENESS_VARIABLE: os.environ.get(RAY_WORKER_NICENESS_VARIABLE, "0"),
     }
     if _ingress_on_port(args):
         # The ingress's port range is --port alone: clients reach the ingress without Ray Serve's proxy, one hop
