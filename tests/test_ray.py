@@ -225,17 +225,20 @@ def test_a_killed_replica_is_replaced_and_the_other_keeps_answering(base_url, an
     assert all(set(demo.TASKS) <= set(models) for models in seen.values())
 
 
-@pytest.mark.parametrize("mode", ["on", "off"])
-def test_sigterm_answers_the_requests_in_flight_then_stops_the_whole_local_cluster(tmp_path, mode):
+@pytest.mark.parametrize("mode, choices", [("on", 2), ("off", 1)])
+def test_sigterm_answers_the_requests_in_flight_then_stops_the_whole_local_cluster(tmp_path, mode, choices):
     """``punica-hf serve --replicas 1 --max-running 1`` given SIGTERM while it streams an answer, with a queue behind
-    it longer than Ray Serve's default 20 s of draining: every answer goes on to its end, the command exits 0, and no
+    it longer than Ray Serve's default 20 s of draining (with two prompts per request, longer than the 60 s that
+    ``serve.delete`` waits for an application to go): every answer goes on to its end, the command exits 0, and no
     process of the Ray cluster it started is left. It used to drop the answers (Ray Serve stopped before the
-    application drained, and then killed replicas after 20 s) and, in Ray Serve's standard mode, to abort while
-    leaving Ray's processes running."""
-    port, backlog = free_port(), 150  # about 0.25 s each on 2 cores: a queue of over 30 s
+    application drained, and then killed replicas after 20 s; later, the command stopped Ray Serve once
+    ``serve.delete`` gave up after 60 s) and, in Ray Serve's standard mode, to abort while leaving Ray's processes
+    running."""
+    port, backlog = free_port(), 150  # a choice takes about 0.25 s on 2 cores: a queue of over 30 s per choice
     base = f"http://127.0.0.1:{port}"
     command = [sys.executable, "-m", "punica_hf", "serve", "--model", "demo", "--replicas", "1", "--device", "cpu",
-               "--max-running", "1", "--host", "127.0.0.1", "--port", str(port), "--ray-throughput-optimized", mode]
+               "--max-running", "1", "--max-queue", "512", "--host", "127.0.0.1", "--port", str(port),
+               "--ray-throughput-optimized", mode]
     with open(tmp_path / "serve.log", "w") as log:  # its own process group: the cluster's processes join it
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                    env={**child_env(), "RAY_USAGE_STATS_ENABLED": "0"})
@@ -244,21 +247,22 @@ def test_sigterm_answers_the_requests_in_flight_then_stops_the_whole_local_clust
         # throughput-optimized: the ingress itself takes the clients on --port (one Ray hop fewer); standard: the proxy
         assert ("ServeReplica:punica-hf:Router" if mode == "on" else "ProxyActor") in _listening_on(port)
         body = {**_body("upper", WORDS[1]), "max_tokens": 48, "ignore_eos": True}
+        body["prompt"] = [body["prompt"]] * choices  # one choice per prompt
         with ThreadPoolExecutor(backlog) as pool, \
                 httpx.stream("POST", f"{base}/v1/completions", json={**body, "stream": True}, timeout=60) as stream:
             events = stream.iter_lines()
             first = next(line for line in events if line.startswith("data: "))  # running: the queue goes behind it
             queued = [pool.submit(httpx.post, f"{base}/v1/completions", json=body, timeout=300) for _ in range(backlog)]
-            _wait_for_requests_in_the_engine(base, backlog + 1)
+            _wait_for_requests_in_the_engine(base, choices * (backlog + 1))
             process.send_signal(signal.SIGTERM)
             rest = [line for line in events if line.startswith("data: ")]
             answers = [future.result() for future in queued]
         pieces = [json.loads(line[len("data: "):]) for line in [first, *rest[:-1]]]
         reasons = [choice["finish_reason"] for piece in pieces for choice in piece["choices"]
                    if choice.get("finish_reason")]
-        assert rest[-1] == "data: [DONE]" and reasons == ["length"], rest[-3:]
+        assert rest[-1] == "data: [DONE]" and reasons == ["length"] * choices, rest[-3:]
         assert [(a.status_code, a.json()["usage"]["completion_tokens"] if a.status_code == 200 else a.text)
-                for a in answers] == [(200, 48)] * backlog
+                for a in answers] == [(200, 48 * choices)] * backlog
         assert process.wait(timeout=60) == 0, (tmp_path / "serve.log").read_text()[-3000:]
         deadline = time.monotonic() + 20
         while _group_alive(process.pid):

@@ -43,6 +43,8 @@ INGRESS_WAIT_SECONDS = 30.0  # for the ingress to listen on --port once Ray Serv
 # Nothing on --port this long: the command stops. Ray Serve blocks for good a port that an ingress it starts again
 # finds taken (another process bound it meanwhile), and the clients' port would stay dead while the command runs.
 INGRESS_LOST_SECONDS = 60.0
+# Beyond the replicas' drain, how long the command waits for Ray Serve to remove the application when it stops
+APPLICATION_STOP_MARGIN_SECONDS = 60.0
 
 
 def register(command: Callable[..., argparse.ArgumentParser]) -> None:
@@ -528,13 +530,32 @@ def _stop_ray(console: Console, *, deployed: bool, stop_serve: bool) -> None:
 
     try:
         if deployed:
-            serve.delete(RAY_APP_NAME)
+            _delete_application()
     except Exception as error:  # Ray Serve failed: what stops next goes on
         console.print(f"stopping the application on Ray Serve: {error}", style="red", highlight=False)
     finally:
         if stop_serve:
             serve.shutdown()
         ray.shutdown()
+
+
+def _delete_application(poll: float = 0.5) -> None:
+    """Remove the application and wait until its replicas have answered the requests in flight. Ray Serve's own
+    wait (``serve.delete``) gives up after 60 s, and Ray Serve would then be stopped under replicas still draining
+    a longer queue: wait as long as they may drain."""
+    from ray import serve
+    from ray.serve.schema import ApplicationStatus
+
+    from ..serving.ray import DRAIN_SECONDS
+
+    serve.delete(RAY_APP_NAME, _blocking=False)
+    limit = DRAIN_SECONDS + APPLICATION_STOP_MARGIN_SECONDS
+    deadline = time.monotonic() + limit
+    while (application := serve.status().applications.get(RAY_APP_NAME)) is not None and \
+            application.status != ApplicationStatus.NOT_STARTED:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the application was not removed within {limit:.0f} s")
+        time.sleep(poll)
 
 
 def bind_listener(host: str, port: int) -> socket.socket:
