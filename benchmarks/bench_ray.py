@@ -447,6 +447,28 @@ def print_profile(name: str, profile: dict) -> None:
             print(f"  {thread['share']:5.1%}  {thread['thread'][:40]:40s}  {frames[:160]}")
 
 
+def plan_systems(serve_args: list[str], intervals: list[int | None], nice_values: list[int | None],
+                 modes: list[str], ray_address: str | None) -> dict[str, tuple[list[str], dict[str, str] | None]]:
+    """``{name: (serve's arguments, environment added)}`` of every system, the engine's own server first: one Ray
+    system per stream interval, worker niceness and Ray Serve mode (None: serve's default), the first under the
+    plain name (what ``punica-hf serve --replicas`` does unless told), the others named by what differs. With
+    ``ray_address``: that cluster in its own mode and priority."""
+    systems = {"engine": (serve_args, None)}
+    for interval, nice in itertools.product(intervals, nice_values):
+        ray_args = [*serve_args, "--replicas", "1"]
+        if interval is not None:
+            ray_args += ["--stream-interval-ms", str(interval)]
+        environment = None if nice is None else {RAY_WORKER_NICENESS_VARIABLE: str(nice)}
+        name = RAY_SYSTEM + (f", {interval} ms stream interval" if interval != intervals[0] else "") + (
+            f", workers at nice {nice}" if nice != nice_values[0] else "")
+        if ray_address:
+            systems[name] = ([*ray_args, "--ray-address", ray_address], None)
+        for mode in modes:  # none with ray_address
+            systems[name if mode == modes[0] else f"{name}, {mode} mode"] = (
+                [*ray_args, "--ray-throughput-optimized", RAY_MODES[mode]], environment)
+    return systems
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     model = parser.add_mutually_exclusive_group()
@@ -559,21 +581,7 @@ def main() -> None:
           f"({sum(c.new_tokens for c in workload['saturation_calls'])} output tokens), {args.ttft_requests} at low "
           f"load, {len(adapters)} adapters and the base model", flush=True)
 
-    systems = {"engine": (serve_args, None)}  # name -> (serve's arguments, environment added)
-    # Ray systems: the first under the plain name (what `punica-hf serve --replicas` does unless told), the others
-    # named by what differs
-    for interval, nice in itertools.product(intervals, nice_values):
-        ray_args = [*serve_args, "--replicas", "1"]
-        if interval is not None:
-            ray_args += ["--stream-interval-ms", str(interval)]
-        environment = None if nice is None else {RAY_WORKER_NICENESS_VARIABLE: str(nice)}
-        name = RAY_SYSTEM + (f", {interval} ms stream interval" if interval != intervals[0] else "") + (
-            f", workers at nice {nice}" if nice != nice_values[0] else "")
-        if args.ray_address:
-            systems[name] = ([*ray_args, "--ray-address", args.ray_address], None)
-        for mode in modes:  # none with --ray-address
-            systems[name if mode == modes[0] else f"{name}, {mode} mode"] = (
-                [*ray_args, "--ray-throughput-optimized", RAY_MODES[mode]], environment)
+    systems = plan_systems(serve_args, intervals, nice_values, modes, args.ray_address)
     results, comparisons = {}, {}
     report = {
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() and not smoke else "cpu",

@@ -304,17 +304,40 @@ def test_the_gil_share_is_counted_against_the_samples_asked_for(tmp_path):
     assert (threads["samples_taken"], threads["samples_asked"]) == (60, 100)
 
 
-@pytest.mark.parametrize("intervals", ["20000", "50,050", "50,abc", ""])
-def test_bad_stream_intervals_are_refused_before_anything_runs(intervals, monkeypatch, capsys):
-    """Each value is read as serve reads it, and the values must differ: a bad one used to fail only when its
-    system's server refused it, after the systems before it had been measured."""
+@pytest.mark.parametrize("option, values", [
+    ("--stream-interval-ms", "20000"), ("--stream-interval-ms", "50,050"), ("--stream-interval-ms", "50,abc"),
+    ("--stream-interval-ms", ""), ("--ray-worker-niceness", "0,0"), ("--ray-worker-niceness", "20"),
+    ("--ray-worker-niceness", "x"),
+])
+def test_bad_system_lists_are_refused_before_anything_runs(option, values, monkeypatch, capsys):
+    """Each stream interval is read as serve reads it, each nice value as the kernel takes it, and the values must
+    differ: a bad one used to fail only when its system's server refused it, after the systems before it had been
+    measured."""
     import bench_ray
 
-    monkeypatch.setattr(sys, "argv", ["bench_ray.py", "--smoke", "--stream-interval-ms", intervals])
+    monkeypatch.setattr(sys, "argv", ["bench_ray.py", "--smoke", option, values])
     monkeypatch.setattr(bench_ray, "run_system", lambda *args, **kwargs: pytest.fail("a system ran"))
     with pytest.raises(SystemExit) as exit_:
         bench_ray.main()
-    assert exit_.value.code == 2 and "--stream-interval-ms" in capsys.readouterr().err
+    assert exit_.value.code == 2 and option in capsys.readouterr().err
+
+
+def test_each_ray_system_gets_its_interval_priority_and_mode():
+    from bench_ray import RAY_SYSTEM, plan_systems
+
+    systems = plan_systems(["--model", "m"], [None, 200], [0, 15], ["throughput"], None)
+    assert list(systems) == ["engine", RAY_SYSTEM, f"{RAY_SYSTEM}, workers at nice 15",
+                             f"{RAY_SYSTEM}, 200 ms stream interval", f"{RAY_SYSTEM}, 200 ms stream interval, "
+                             "workers at nice 15"]
+    assert systems["engine"] == (["--model", "m"], None)
+    args, environment = systems[f"{RAY_SYSTEM}, 200 ms stream interval, workers at nice 15"]
+    assert args == ["--model", "m", "--replicas", "1", "--stream-interval-ms", "200", "--ray-throughput-optimized",
+                    "on"] and environment == {"RAY_worker_niceness": "15"}
+    assert systems[RAY_SYSTEM][1] == {"RAY_worker_niceness": "0"}
+    # another cluster: its own mode and priority
+    assert plan_systems(["--model", "m"], [None], [None], [], "10.0.0.1:6379") == {
+        "engine": (["--model", "m"], None),
+        RAY_SYSTEM: (["--model", "m", "--replicas", "1", "--ray-address", "10.0.0.1:6379"], None)}
 
 
 def test_thread_profile_finds_the_marked_processes_below_a_process_only():
