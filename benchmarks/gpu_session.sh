@@ -69,6 +69,8 @@ part() {
 log "gpu"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu,power.draw,memory.used \
     --format=csv 2>&1 | tee -a "$LOG"
+# whether the kernel groups processes by session (a nice value then counts only within its session): Ray's workers
+echo "CPUs $(nproc), sched_autogroup_enabled $(cat /proc/sys/kernel/sched_autogroup_enabled 2>&1)" | tee -a "$LOG"
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'CUDA', torch.version.cuda,
 'transformers', transformers.__version__)" 2>&1 | tee -a "$LOG"
 

@@ -387,8 +387,9 @@ def _local_cluster_environment(args: argparse.Namespace) -> dict[str, str]:
         # In that mode the ingress drains 30 s before it stops, for load balancers to learn that it does: there is
         # none before the local cluster's, only the requests in flight to answer (which it waits for anyway).
         RAY_INGRESS_DRAIN_VARIABLE: os.environ.get(RAY_INGRESS_DRAIN_VARIABLE, "1"),
-        # Ray runs its workers below every other process of the machine (nice 15), for a driver's sake; here the
-        # workers are the server: the replicas at normal priority, unless the operator's environment says otherwise.
+        # Ray runs its workers at nice 15, below its own raylet and GCS (and, where the kernel does not group
+        # processes by session, below every other process): here the workers are the server, so the replicas run at
+        # normal priority, unless the operator's environment says otherwise.
         RAY_WORKER_NICENESS_VARIABLE: os.environ.get(RAY_WORKER_NICENESS_VARIABLE, "0"),
     }
     if _ingress_on_port(args):

@@ -201,8 +201,8 @@ class EngineReplica:
             self.name = serve.get_replica_context().replica_id.unique_id
             niceness = os.getpriority(os.PRIO_PROCESS, 0)
             if niceness > 0:  # Ray's default for its workers
-                logger.warning("replica %s runs at nice %d: its engine's host work waits behind the machine's other "
-                               "processes (start the cluster's nodes with RAY_worker_niceness=0)", self.name, niceness)
+                logger.warning("replica %s runs at nice %d: its engine's host work yields to processes of normal "
+                               "priority (start the cluster's nodes with RAY_worker_niceness=0)", self.name, niceness)
             self.version: CatalogVersion = ("", 0)  # the catalog version this replica has caught up to
             self.applied: dict[str, CatalogVersion] = {}  # name -> the catalog change of it made here last
             self.superseded: set[str] = set()  # epochs of catalogs that died: a router may still carry one
