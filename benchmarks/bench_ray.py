@@ -69,6 +69,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -447,6 +448,25 @@ def print_profile(name: str, profile: dict) -> None:
             print(f"  {thread['share']:5.1%}  {thread['thread'][:40]:40s}  {frames[:160]}")
 
 
+def nice_value(text: str) -> int:
+    value = int(text)
+    if not -20 <= value <= 19:
+        raise ValueError(f"a nice value is in [-20, 19], got {value}")
+    return value
+
+
+def distinct_values(parser: argparse.ArgumentParser, option: str, text: str, parse: Callable[[str], int]) -> list:
+    """``option``'s comma-separated values, each read by ``parse``; the parser's error (exit 2) for a bad or repeated
+    one, before any system runs."""
+    try:
+        values = [parse(value) for value in text.split(",")]
+    except (argparse.ArgumentTypeError, ValueError) as error:
+        parser.error(f"{option}: {error}")
+    if len(set(values)) != len(values):
+        parser.error(f"{option}: distinct values, got {text!r}")
+    return values
+
+
 def plan_systems(serve_args: list[str], intervals: list[int | None], nice_values: list[int | None],
                  modes: list[str], ray_address: str | None) -> dict[str, tuple[list[str], dict[str, str] | None]]:
     """``{name: (serve's arguments, environment added)}`` of every system, the engine's own server first: one Ray
@@ -531,22 +551,12 @@ def main() -> None:
         parser.error(f"--profile-seconds must be positive, got {args.profile_seconds}")
     intervals: list[int | None] = [None]
     if args.stream_interval_ms is not None:  # as serve reads each, checked before any system runs
-        try:
-            intervals = [milliseconds(ms) for ms in args.stream_interval_ms.split(",")]
-        except (argparse.ArgumentTypeError, ValueError) as error:
-            parser.error(f"--stream-interval-ms: {error}")
-        if len(set(intervals)) != len(intervals):
-            parser.error(f"--stream-interval-ms: distinct values, got {args.stream_interval_ms!r}")
+        intervals = distinct_values(parser, "--stream-interval-ms", args.stream_interval_ms, milliseconds)
     nice_values: list[int | None] = [None]
     if args.ray_worker_niceness is not None:
-        try:
-            nice_values = [int(value) for value in args.ray_worker_niceness.split(",")]
-        except ValueError:
-            parser.error(f"--ray-worker-niceness: integers, got {args.ray_worker_niceness!r}")
-        if len(set(nice_values)) != len(nice_values) or not all(-20 <= value <= 19 for value in nice_values):
-            parser.error(f"--ray-worker-niceness: distinct values in [-20, 19], got {args.ray_worker_niceness!r}")
         if args.ray_address:
             parser.error("--ray-worker-niceness sets the local cluster's: not with --ray-address")
+        nice_values = distinct_values(parser, "--ray-worker-niceness", args.ray_worker_niceness, nice_value)
     if smoke and args.ray_modes is None:
         modes = modes[:1]
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a time limit's SIGTERM still stops the servers
