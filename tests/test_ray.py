@@ -84,15 +84,24 @@ def _complete(base_url, adapter, word) -> httpx.Response:
     return httpx.post(f"{base_url}/v1/completions", json=_body(adapter, word), timeout=60)
 
 
-def _replicas_seen(base_url, tries: int = 40) -> dict[str, list[str]]:
-    """Each replica that answered ``GET /v1/models`` (requests without an adapter go to either) -> its models."""
-    seen = {}
-    for _ in range(tries):
-        response = httpx.get(f"{base_url}/v1/models", timeout=30).raise_for_status()
-        seen[response.headers[REPLICA_HEADER]] = sorted(card["id"] for card in response.json()["data"])
-        if len(seen) == 2:
-            break
-    return seen
+def _each_replica(base_url, path: str, seconds: float = 60) -> dict[str, httpx.Response]:
+    """``GET path`` asked until each of the two replicas answered (requests without an adapter go to either), for
+    ``seconds`` at most: each replica -> its last answer. Ray Serve sends such a request to the replica with the
+    shorter queue, so while one replica is busy every ask lands on the other: the asks pause and go on, rather
+    than count."""
+    answers = {}
+    deadline = time.monotonic() + seconds
+    while len(answers) < 2 and time.monotonic() < deadline:
+        response = httpx.get(f"{base_url}{path}", timeout=30).raise_for_status()
+        answers[response.headers[REPLICA_HEADER]] = response
+        time.sleep(0.05)
+    return answers
+
+
+def _replicas_seen(base_url, seconds: float = 60) -> dict[str, list[str]]:
+    """Each replica that answered ``GET /v1/models`` within ``seconds`` -> its models."""
+    return {replica: sorted(card["id"] for card in response.json()["data"])
+            for replica, response in _each_replica(base_url, "/v1/models", seconds).items()}
 
 
 def test_concurrent_requests_are_exact_and_each_adapter_stays_on_one_replica(base_url, answers):
@@ -151,14 +160,8 @@ def test_a_runtime_load_and_unload_reach_both_replicas(base_url, lora_dir, answe
 
 
 def _finished_by_reason(base_url) -> dict[str, float]:
-    """The engines' finished requests by finish reason, summed over both replicas (``/metrics`` goes to either: asked
-    until both answered)."""
-    counts = {}
-    for _ in range(40):
-        response = httpx.get(f"{base_url}/metrics", timeout=30).raise_for_status()
-        counts[response.headers[REPLICA_HEADER]] = metric_samples(response.text)
-        if len(counts) == 2:
-            break
+    """The engines' finished requests by finish reason, summed over both replicas (``/metrics`` goes to either)."""
+    counts = {replica: metric_samples(answer.text) for replica, answer in _each_replica(base_url, "/metrics").items()}
     assert len(counts) == 2, counts
     return {reason: sum(c[f'punica_requests_total{{finish_reason="{reason}"}}'] for c in counts.values())
             for reason in ("length", "cancelled")}
@@ -214,13 +217,8 @@ def test_a_killed_replica_is_replaced_and_the_other_keeps_answering(base_url, an
             response = _complete(base_url, adapter, word)
             assert response.status_code == 200, response.text
             assert response.json()["choices"][0]["text"] == answers[adapter][word]
-    deadline = time.monotonic() + 60
-    while True:
-        seen = _replicas_seen(base_url, tries=10)
-        if len(seen) == 2:
-            break
-        assert time.monotonic() < deadline, f"no second replica within 60 s: {seen}"
-        time.sleep(1)
+    seen = _replicas_seen(base_url, seconds=60)
+    assert len(seen) == 2, f"no second replica within 60 s: {seen}"
     assert victim not in seen  # a new replica, serving every adapter again
     assert all(set(demo.TASKS) <= set(models) for models in seen.values())
 
