@@ -4,6 +4,8 @@ runtime adapter loads (``create_app(on_adapters_changed=...)``), all or nothing.
 import importlib.util
 import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -83,6 +85,25 @@ def test_the_operators_worker_priority_stands(monkeypatch, capsys):
     assert main(["serve", "--model", "demo", "--replicas", "1", "--device", "cpu", "--port", str(free_port())]) == 1
     assert "no cluster in this test" in capsys.readouterr().err
     assert seen == ["5"] and os.environ[RAY_WORKER_NICENESS_VARIABLE] == "5"
+
+
+@pytest.mark.parametrize("node_nice, worker_nice", [(0, 0), (4, 0), (0, 3), (4, 3)])
+def test_a_replica_measures_its_priority_against_the_process_that_started_it(node_nice, worker_nice):
+    """Ray adds its worker niceness to the raylet's nice value: a node started niced as a whole gives its workers
+    that priority, which is the operator's choice and no reason to warn; only the levels Ray added are. A process
+    started at ``node_nice`` starts a worker that lowers itself by ``worker_nice`` as Ray's do, and the worker reads
+    how far below its parent it runs."""
+    pytest.importorskip("ray", reason="needs the ray extra")
+    worker = ("import os, sys; os.nice(int(sys.argv[1])); "
+              "from punica_hf.serving.ray import _priority_below_parent; print(_priority_below_parent())")
+    node = ("import os, subprocess, sys; os.nice(int(sys.argv[1])); "
+            "print(subprocess.run([sys.executable, '-c', sys.argv[2], sys.argv[3]], capture_output=True, text=True, "
+            "check=True).stdout, end='')")
+    if os.getpriority(os.PRIO_PROCESS, 0) + node_nice + worker_nice > 19:
+        pytest.skip("this test runs too niced to lower two processes further")
+    out = subprocess.run([sys.executable, "-c", node, str(node_nice), worker, str(worker_nice)],
+                         capture_output=True, text=True, timeout=120, check=True).stdout
+    assert int(out) == worker_nice
 
 
 def test_a_busy_port_fails_before_the_cluster_starts(monkeypatch, capsys):

@@ -34,8 +34,8 @@ RAY_INGRESS_PORT_VARIABLES = ("RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT", "RAY_SER
 # How long Ray Serve keeps a port a replica gave up out of that range (for HAProxy, which the command does not run)
 RAY_PORT_QUARANTINE_VARIABLE = "RAY_SERVE_PORT_QUARANTINE_S"
 RAY_DIRECT_INGRESS_VARIABLE = "RAY_SERVE_ENABLE_DIRECT_INGRESS"  # on in that mode unless set otherwise
-# The scheduling priority (nice value) Ray gives its worker processes, 15 unless set: the replicas' processes run the
-# engines' host work, which sets their step time whenever the GPU waits for it.
+# How many nice levels Ray puts its worker processes below the raylet that starts them, 15 unless set: the replicas'
+# processes run the engines' host work, which sets their step time whenever the GPU waits for it.
 RAY_WORKER_NICENESS_VARIABLE = "RAY_worker_niceness"
 RAY_CLUSTER_VARIABLES = (RAY_THROUGHPUT_VARIABLE, RAY_INGRESS_DRAIN_VARIABLE, *RAY_INGRESS_PORT_VARIABLES,
                          RAY_PORT_QUARANTINE_VARIABLE, RAY_DIRECT_INGRESS_VARIABLE, RAY_WORKER_NICENESS_VARIABLE)
@@ -387,9 +387,9 @@ def _local_cluster_environment(args: argparse.Namespace) -> dict[str, str]:
         # In that mode the ingress drains 30 s before it stops, for load balancers to learn that it does: there is
         # none before the local cluster's, only the requests in flight to answer (which it waits for anyway).
         RAY_INGRESS_DRAIN_VARIABLE: os.environ.get(RAY_INGRESS_DRAIN_VARIABLE, "1"),
-        # Ray runs its workers at nice 15, below its own raylet and GCS (and, where the kernel does not group
-        # processes by session, below every other process): here the workers are the server, so the replicas run at
-        # normal priority, unless the operator's environment says otherwise.
+        # Ray runs its workers 15 nice levels below its own raylet and GCS (and, where the kernel does not group
+        # processes by session, below every other process of the command's priority): here the workers are the
+        # server, so the replicas run at the command's priority, unless the operator's environment says otherwise.
         RAY_WORKER_NICENESS_VARIABLE: os.environ.get(RAY_WORKER_NICENESS_VARIABLE, "0"),
     }
     if _ingress_on_port(args):

@@ -199,10 +199,12 @@ class EngineReplica:
             self.app = create_app(self.engine, model_name, api_key=api_key, lora_dirs=lora_dirs, limits=limits,
                                   on_adapters_changed=self._record_in_catalog)
             self.name = serve.get_replica_context().replica_id.unique_id
-            niceness = os.getpriority(os.PRIO_PROCESS, 0)
-            if niceness > 0:  # Ray's default for its workers
-                logger.warning("replica %s runs at nice %d: its engine's host work yields to processes of normal "
-                               "priority (start the cluster's nodes with RAY_worker_niceness=0)", self.name, niceness)
+            lowered = _priority_below_parent()
+            if lowered > 0:  # Ray's default for its workers: 15
+                logger.warning("replica %s runs %d nice levels below the Ray process that started it: its engine's "
+                               "host work yields to Ray's own processes, and to other processes of the priority "
+                               "the node runs at (start the cluster's nodes with RAY_worker_niceness=0)",
+                               self.name, lowered)
             self.version: CatalogVersion = ("", 0)  # the catalog version this replica has caught up to
             self.applied: dict[str, CatalogVersion] = {}  # name -> the catalog change of it made here last
             self.superseded: set[str] = set()  # epochs of catalogs that died: a router may still carry one
@@ -313,6 +315,17 @@ class EngineReplica:
             raise TimeoutError(f"the adapter catalog did not answer within {CATALOG_SECONDS:.0f} s") from None
         except NameChangedElsewhere as error:  # Ray's copy, with the catalog's traceback: the server answers 409
             raise ValueError(str(getattr(error, "cause", error))) from None
+
+
+def _priority_below_parent() -> int:
+    """How many nice levels this process runs below its parent (a Ray worker's: the raylet that started it). Ray
+    adds ``RAY_worker_niceness`` to the raylet's nice value rather than setting one, so a node started niced as a
+    whole (``nice``, systemd's ``Nice=``) gives its workers that priority too: only the difference is Ray's doing.
+    0 where the parent cannot be read."""
+    try:
+        return os.getpriority(os.PRIO_PROCESS, 0) - os.getpriority(os.PRIO_PROCESS, os.getppid())
+    except OSError:  # the parent is gone
+        return 0
 
 
 class Router:
