@@ -169,26 +169,27 @@ def _finished_by_reason(base_url) -> dict[str, float]:
 
 def test_clients_that_disconnect_have_their_requests_cancelled_in_the_replica(base_url):
     """Streams whose clients go away before their answers end must not run to their end: the replica cancels them
-    (their queue places and KV blocks freed). 24 streams of one adapter queue on its replica (8 run at once); every
-    client hangs up 0.3 s after sending."""
+    (their KV blocks freed). 24 streams of one adapter queue on its replica (8 run at once); every client hangs up
+    once its first piece came, the request running in an engine then. (A client that hangs up after a fixed time
+    instead may leave before its request reached any engine, on a busy machine: nothing is left to cancel then, and
+    nothing counts it.)"""
     before = _finished_by_reason(base_url)
     body = {**_body("upper", WORDS[0], stream=True), "max_tokens": 48, "ignore_eos": True}
 
     async def hang_up(client: httpx.AsyncClient) -> None:
-        async def read():
-            async with client.stream("POST", f"{base_url}/v1/completions", json=body) as response:
-                async for _ in response.aiter_bytes():
-                    pass
-        with pytest.raises(asyncio.TimeoutError):
-            await asyncio.wait_for(read(), timeout=0.3)
+        async with client.stream("POST", f"{base_url}/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            async for piece in response.aiter_bytes():
+                if piece:
+                    break  # leaving the block closes the connection with the rest of the answer unread
 
     async def run() -> None:
         async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=32)) as client:
-            await asyncio.gather(*(hang_up(client) for _ in range(24)))
+            await asyncio.wait_for(asyncio.gather(*(hang_up(client) for _ in range(24))), timeout=120)
 
     asyncio.run(run())
     deadline = time.monotonic() + 30
-    while True:  # every request ends: those cancelled at once, those already running when they finish
+    while True:  # every request ends: cancelled, or run to its end where the cancel came too late
         after = _finished_by_reason(base_url)
         ended = {reason: after[reason] - before[reason] for reason in after}
         if sum(ended.values()) >= 24 or time.monotonic() > deadline:
