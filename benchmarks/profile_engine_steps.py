@@ -1,5 +1,7 @@
 """Where the serving engine's time goes with adapters: device kernels of ``bench_serving.py``'s saturation run
 (Llama-3-8B shape, 160 requests at once, 32 rank-16 adapters), then the same requests on the base model.
+``--mixed-ranks``: its ``--mixed-ranks`` workload instead (120 adapters of ranks 8-64 over 64 GPU slots, Zipf
+popularity, 256 requests at once), whose adapter loads while serving show as host-to-device copies.
 
 For each system a window of the run (``--skip`` seconds after the requests arrive, ``--window`` seconds long) is
 traced with torch.profiler (CUDA kernels, also those replayed from CUDA graphs); the kernels are summed by kind:
@@ -9,6 +11,8 @@ Times are per engine step of the window (steps counted by the engine's step list
 mixed steps by the listener's records.
 
     python benchmarks/profile_engine_steps.py --output benchmarks/results/profile_engine_steps_h200.json
+    python benchmarks/profile_engine_steps.py --mixed-ranks --skip 3 --window 5 \
+        --output benchmarks/results/profile_engine_steps_mixed_ranks_h200.json
 """
 
 from __future__ import annotations
@@ -26,11 +30,13 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from bench_serving import FULL, build_model, make_requests, run_engine
+from serving_workloads import workload_setup
 
 from punica_hf.serving import Engine, EngineConfig, StepRecord
 
 PER_TOKEN = ("shrink_chunk_kernel", "expand_chunk_kernel", "fused_chunk_kernel")
-TILED = ("shrink_tiled_kernel", "expand_tiled_kernel", "merge_splits_kernel")
+TILED = ("shrink_tiled_kernel", "expand_tiled_kernel")
+ATTENTION = ("paged_attention", "merge_splits_kernel", "flash", "attention")  # merge: the split-KV attention's
 DECODE_SIZED = 256  # the per-token path's largest call (csrc/lora_add.cu, kPerTokenMaxTokens)
 
 
@@ -39,7 +45,7 @@ def kind_of(name: str, grid: list[int]) -> str:
         return "lora per-token, decode-sized calls" if grid[0] <= DECODE_SIZED else "lora per-token, in tiled calls"
     if any(k in name for k in TILED):
         return "lora tiled"
-    if "paged_attention" in name or "flash" in name.lower() or "attention" in name.lower():
+    if any(k in name.lower() for k in ATTENTION):
         return "attention"
     if any(k in name.lower() for k in ("gemm", "cutlass", "nvjet", "xmma", "cublas")):
         return "gemm"
@@ -66,6 +72,7 @@ def traced_window(engine: Engine, requests, adapters, skip: float, window: float
     run.result()  # the run's own error, if it failed
     runner.shutdown()
     kernels = [e for e in events if e.get("cat") == "kernel"]
+    copies = [e for e in events if e.get("cat") == "gpu_memcpy"]
     by_kind: dict[str, float] = defaultdict(float)
     launches: dict[str, int] = defaultdict(int)
     for event in kernels:
@@ -82,6 +89,7 @@ def traced_window(engine: Engine, requests, adapters, skip: float, window: float
         "kernel_ms": dict(sorted(by_kind.items())), "kernel_launches": dict(sorted(launches.items())),
         "kernel_ms_per_step": {k: v / max(len(steps), 1) for k, v in sorted(by_kind.items())},
         "kernels_seen": len(kernels),
+        "copy_ms_per_step": sum(e["dur"] for e in copies) / 1e3 / max(len(steps), 1),
     }
 
 
@@ -89,18 +97,28 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--skip", type=float, default=1.5, help="seconds into the run before tracing")
     parser.add_argument("--window", type=float, default=2.0, help="seconds traced")
+    parser.add_argument("--mixed-ranks", action="store_true",
+                        help="bench_serving's --mixed-ranks workload rather than 32 rank-16 adapters")
     parser.add_argument("--output", type=Path, default=Path("profile_engine_steps.json"))
     args = parser.parse_args()
-    setup = argparse.Namespace(tiny=False, layers=32, adapters=[32], rank=16, max_adapters=128)
-    model, adapter_sets, config = build_model(setup)
-    requests = make_requests(160, config.vocab_size, FULL, 0)
+    if args.mixed_ranks:
+        setup = argparse.Namespace(tiny=False, workload="mixed-ranks", layers=32, adapters=[120], max_adapters=64,
+                                   requests=256, zipf=1.0)
+        model, workload_systems, requests_for = workload_setup(setup)
+        systems = [(system.name, system.adapters) for system in workload_systems]
+        requests = requests_for(0)
+    else:
+        setup = argparse.Namespace(tiny=False, layers=32, adapters=[32], rank=16, max_adapters=128)
+        model, adapter_sets, config = build_model(setup)
+        systems = [("engine, 32 adapters", adapter_sets[32]), ("engine, base model", [None])]
+        requests = make_requests(160, config.vocab_size, FULL, 0)
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "skip": args.skip,
-              "window": args.window, "systems": {}}
+              "window": args.window, "workload": "mixed-ranks" if args.mixed_ranks else "uniform", "systems": {}}
     with profile(activities=[ProfilerActivity.CUDA]):  # the profiler set up before the engine captures graphs
         torch.zeros(1, device="cuda")
-    with Engine(model, config=EngineConfig(max_queue=160, max_running=128)) as engine:
-        run_engine(engine, requests[:8], adapter_sets[32], None, 0)  # warm-up
-        for name, adapters in (("engine, 32 adapters", adapter_sets[32]), ("engine, base model", [None])):
+    with Engine(model, config=EngineConfig(max_queue=len(requests), max_running=128)) as engine:
+        run_engine(engine, requests[:8], systems[0][1], None, 0)  # warm-up
+        for name, adapters in systems:
             report["systems"][name] = result = traced_window(engine, requests, adapters, args.skip, args.window)
             print(name, json.dumps(result, indent=1), flush=True)
     args.output.write_text(json.dumps(report, indent=2))
