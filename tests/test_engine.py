@@ -724,6 +724,129 @@ def test_a_cancel_that_comes_as_the_request_ends_does_not_stop_a_later_request_o
         assert retried["handle"].result(timeout=30).finish_reason == "length"
 
 
+def test_a_cancel_that_arrives_after_its_request_ended_leaves_a_later_namesake_alone(tiny_model):
+    """The client's cancel checks that its request is not done, then reaches the engine; a thread preempted between
+    the two arrives once the request ended and a new one holds the id. The cancel is for the old request: the new
+    one runs to its end."""
+    with Engine(tiny_model, config=EngineConfig(max_running=2)) as engine:
+        first = engine.submit(tiny_prompt(96, 4), None, SamplingParams(max_new_tokens=3), request_id="job")
+        assert first.result(timeout=30).finish_reason == "length"
+        second = engine.submit(tiny_prompt(97, 4), None, SamplingParams(max_new_tokens=8), request_id="job")
+        ended, first._completion = first._completion, None  # cancel() checks "not done" as before the end ...
+        first.cancel()  # ... and reaches the engine only now
+        first._completion = ended
+        assert second.result(timeout=30).finish_reason == "length"
+        assert len(second.result().token_ids) == 8
+
+
+def test_a_new_request_under_a_cancelled_ones_id_gets_only_its_own_tokens(tiny_model):
+    """A client cancels, sees its request end and resubmits under the same id while the engine still holds the
+    cancelled request's last step output: that output used to reach the new request (its tokens, then its own
+    first tokens skipped). The new request is submitted the moment the old one is released."""
+    prompt = tiny_prompt(95, 5)
+    expected = reference_tokens(tiny_model, prompt, "b", 6)
+    engine = Engine(tiny_model, config=EngineConfig(max_running=4))
+    release, retried = engine._release, {}
+
+    def release_then_resubmit(request) -> None:
+        release(request)
+        if request.request_id == "job" and request.handle.done and not retried:
+            retried["handle"] = engine.submit(prompt, "b", SamplingParams(max_new_tokens=6), request_id="job")
+
+    engine._release = release_then_resubmit
+    with engine:
+        beside = engine.submit(tiny_prompt(94, 4), None, SamplingParams(max_new_tokens=40))  # steps go on
+        old = engine.submit(tiny_prompt(93, 6), "a", SamplingParams(max_new_tokens=40), request_id="job")
+        pieces = iter(old)
+        next(pieces), next(pieces)  # it is decoding
+        old.cancel()
+        assert old.result(timeout=30).finish_reason == "cancelled"
+        deadline = time.monotonic() + 30
+        while "handle" not in retried:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        new = retried["handle"].result(timeout=30)
+        assert (new.finish_reason, list(new.token_ids), new.completion_tokens) == ("length", expected, 6)
+        assert beside.result(timeout=30).finish_reason == "length"
+
+
+def test_a_completion_listener_that_raises_costs_no_request_its_end(tiny_model):
+    """Listeners observe (metrics, logs): one that raises on a completion used to leave that request held (its
+    adapter pinned), drop the outputs of the others that finished in the same step (their handles never ended),
+    fail a request still running with the listener's error, and hang a draining shutdown."""
+    engine = Engine(tiny_model, config=EngineConfig(max_running=4))
+    told = []
+
+    def listener(completion: Completion) -> None:
+        told.append(completion.request_id)
+        raise RuntimeError("the metrics backend is down")
+
+    engine.add_listener(listener)
+    with engine:
+        together = [engine.submit(tiny_prompt(90 + i, 4), adapter, SamplingParams(max_new_tokens=4))
+                    for i, adapter in enumerate(["a", "b"])]  # they finish in the same step
+        longer = engine.submit(tiny_prompt(92, 4), None, SamplingParams(max_new_tokens=12))
+        completions = [handle.result(timeout=30) for handle in [*together, longer]]
+    assert [c.finish_reason for c in completions] == ["length"] * 3
+    assert sorted(told) == sorted(c.request_id for c in completions)
+    assert not engine._requests and engine.error is None
+    assert all(tiny_model._store.lookup(name).users == 0 for name in ("a", "b"))  # no lease left held
+
+
+def test_a_request_whose_tokens_cannot_be_decoded_fails_alone(tiny_model):
+    """A tokenizer whose decode raises for one request's tokens: that request ends with an error naming it, the
+    others of the same steps get their text, and the engine goes on."""
+    class Fragile(DemoTokenizer):
+        def decode(self, token_ids):
+            if token_ids and token_ids[0] == poison:
+                raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
+            return super().decode(token_ids)
+
+    prompts = [tiny_prompt(80 + i, 4) for i in range(4)]
+    firsts = [reference_tokens(tiny_model, prompt, None, 1)[0] for prompt in prompts]
+    distinct = [i for i, first in enumerate(firsts) if firsts.count(first) == 1]
+    assert distinct, "no prompt with a first token of its own"
+    poisoned = distinct[0]
+    poison = firsts[poisoned]
+    with Engine(tiny_model, Fragile(), EngineConfig(max_running=4)) as engine:
+        handles = [engine.submit(prompt, None, SamplingParams(max_new_tokens=6)) for prompt in prompts]
+        completions = [handle.result(timeout=30) for handle in handles]
+        after = engine.submit(prompts[(poisoned + 1) % 4], None, SamplingParams(max_new_tokens=3))
+        assert after.result(timeout=30).finish_reason == "length"
+    failed = completions[poisoned]
+    assert failed.finish_reason == "error" and failed.error_code == GENERATION_FAILED
+    assert "could not be handed out" in failed.error and "invalid start byte" in failed.error
+    assert [c.finish_reason for i, c in enumerate(completions) if i != poisoned] == ["length"] * 3
+    assert not engine._requests
+
+
+def test_outputs_after_one_whose_delivery_raised_wait_for_the_next_delivery():
+    """The step's outputs are handed out in order; one whose callback raises must not take the later ones with it
+    (a request that finished in that step would never end)."""
+    from types import SimpleNamespace
+
+    from punica_hf.serving.transformers_cb import _OutputRouter
+
+    delivered = []
+
+    def on_tokens(request_id: str, generated: list[int], finished: bool) -> None:
+        if request_id == "r2" and not delivered.count("raised"):
+            delivered.append("raised")
+            raise RuntimeError("a callback broke")
+        delivered.append((request_id, finished))
+
+    router = _OutputRouter(on_tokens, lambda request_id, error: delivered.append((request_id, str(error))))
+    router.deliver_batch([
+        SimpleNamespace(request_id=f"r{i}", error=None, generated_tokens=[i], is_finished=lambda: True)
+        for i in range(1, 4)
+    ])
+    router.deliver(SimpleNamespace(request_id="r4", error="out of memory"))
+    with pytest.raises(RuntimeError, match="a callback broke"):
+        router.deliver_pending()
+    router.deliver_pending()
+    assert delivered == [("r1", True), "raised", ("r3", True), ("r4", "out of memory")]
+
+
 def test_a_request_queued_while_its_adapter_is_reloaded_under_its_name_fails_as_unloaded(tiny_adapters):
     """Unloading "b" and loading another adapter as "b" while a request for "b" waits in the queue: it used to start
     with the new weights, an adapter its client never asked for. It fails as a request of an unloaded adapter does."""

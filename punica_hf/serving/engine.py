@@ -172,7 +172,8 @@ class Engine(TensorParallelLoop):
         return self._error
 
     def add_listener(self, listener: Callable[[Completion], None]) -> None:
-        """Call ``listener(completion)`` in the engine thread whenever a request finishes (metrics, logs)."""
+        """Call ``listener(completion)`` in the engine thread whenever a request finishes (metrics, logs). An
+        exception from it is logged; the request and the engine go on as if it had returned."""
         self._listeners.append(listener)
 
     def add_step_listener(self, listener: Callable[[StepRecord], None]) -> None:
@@ -355,9 +356,14 @@ class Engine(TensorParallelLoop):
         """Requests in transformers' scheduler that have not started yet."""
         return 0 if self._backend is None else self._backend.waiting
 
-    def _cancel(self, request_id: str) -> None:
+    def _cancel(self, handle: RequestHandle) -> None:
+        """Stop the request of ``handle`` at the next pass. Nothing once that request is released: its id may name a
+        later request by then (a client's cancel that raced its request's end)."""
         with self._lock:
-            self._cancels.add(request_id)
+            request = self._requests.get(handle.request_id)
+            if request is None or request.handle is not handle:
+                return
+            self._cancels.add(handle.request_id)
         self._wake.set()
 
     def _slot_of(self, request_id: str) -> tuple[int, int]:
@@ -441,6 +447,10 @@ class Engine(TensorParallelLoop):
     def _run_pass(self, started: float, cancelled: list[RequestState]) -> bool:
         """Drop the cancelled requests, then run a step if one is scheduled; returns whether one ran."""
         has_batch = self._backend.prepare()  # drops cancelled requests, frees their KV
+        if cancelled:
+            # The last step's outputs first: some may be a cancelled request's, and once it is released below, its
+            # id is free for a new request, which must not be handed them.
+            self._backend.deliver_outputs()
         for request in cancelled:
             self._counters["dropped_and_freed"] += 1
             if not request.handle.done:
@@ -579,13 +589,29 @@ class Engine(TensorParallelLoop):
         message = f"{reason} (adapter {adapter!r})" if adapter is not None else f"{reason} (the base model)"
         logger.warning("request %s failed: %s", request.request_id, message)
         self._complete(request, "error", error=message, error_code=GENERATION_FAILED)
-        self._cancel(request.request_id)
+        self._cancel(request.handle)
 
     def _on_output(self, request_id: str, generated: list[int], finished: bool) -> None:
-        """A request's tokens so far (transformers' view), after a step."""
+        """A request's tokens so far (transformers' view), after a step. A request whose tokens cannot be handed out
+        (its tokenizer's ``decode`` raised) fails alone; the others of the step get theirs."""
         request = self._requests.get(request_id)
         if request is None:
             return
+        try:
+            self._take_output(request, generated, finished)
+        except Exception as error:
+            logger.exception("request %s failed: its tokens could not be handed out", request_id)
+            if request.text is not None:
+                request.text.abandoned = True  # its completion must not decode again
+            if not request.handle.done:
+                self._complete(request, "error", error=f"its tokens could not be handed out: {error}",
+                               error_code=GENERATION_FAILED)
+            if finished:
+                self._release(request)
+            else:  # transformers still runs it: it is dropped (and its KV freed) at the next step
+                self._cancel(request.handle)
+
+    def _take_output(self, request: RequestState, generated: list[int], finished: bool) -> None:
         if request.handle.done:  # ended here already (stop string, NaN scores): transformers drops it next step
             if finished:  # unless this step finished it in transformers too
                 self._release(request)
@@ -600,7 +626,7 @@ class Engine(TensorParallelLoop):
             if finished:
                 self._release(request)
             else:  # transformers still runs it: it is dropped (and its KV freed) at the next step
-                self._cancel(request_id)
+                self._cancel(request.handle)
         elif finished:
             self._complete(request, "stop" if stopped_by_token else "length")
             self._release(request)
@@ -620,13 +646,18 @@ class Engine(TensorParallelLoop):
         request.handle._publish(Delta((), tail, reason), completion)
         self._finished[reason] += 1
         for listener in self._listeners:
-            listener(completion)
+            try:
+                listener(completion)
+            except Exception:  # an observer (metrics, logs): its failure must not leave the request half ended
+                logger.exception("a completion listener failed on request %s", completion.request_id)
 
     def _release(self, request: RequestState) -> None:
-        """Forget a request transformers no longer runs, and give its adapter lease back."""
+        """Forget a request transformers no longer runs, and give its adapter lease back. Once released, its id may
+        name a new request, which a second release of this one leaves alone."""
         with self._lock:
-            self._requests.pop(request.request_id, None)
-            self._cancels.discard(request.request_id)  # a cancel that came too late must not stop a later namesake
+            if self._requests.get(request.request_id) is request:
+                del self._requests[request.request_id]
+                self._cancels.discard(request.request_id)  # a cancel that came too late must not stop a namesake
         if request.lease is not None:
             request.lease.release()
             request.lease = None

@@ -14,12 +14,12 @@ class RequestHandle:
     """A submitted request: iterate it (``for delta in handle`` / ``async for``) to stream its pieces, or wait for
     the ``Completion`` with ``result()`` / ``await aresult()``; ``cancel()`` stops it and frees its KV memory."""
 
-    def __init__(self, cancel: Callable[[str], None], request_id: str, adapter: str | None,
+    def __init__(self, cancel: Callable[[RequestHandle], None], request_id: str, adapter: str | None,
                  prompt_token_ids: tuple[int, ...]):
         self.request_id = request_id
         self.adapter = adapter
         self.prompt_token_ids = prompt_token_ids
-        self._cancel_request = cancel  # the engine's: stops the request at its next step
+        self._cancel_request = cancel  # the engine's: stops this handle's request at its next step
         self._deltas: list[Delta] = []
         self._completion: Completion | None = None
         self._condition = threading.Condition()
@@ -37,7 +37,7 @@ class RequestHandle:
     def cancel(self) -> None:
         """Stop generating (no-op once finished); the request finishes with reason ``"cancelled"``."""
         if not self.done:
-            self._cancel_request(self.request_id)
+            self._cancel_request(self)
 
     def result(self, timeout: float | None = None) -> Completion:
         with self._condition:

@@ -181,6 +181,7 @@ class TextStream:
         self._handed_out: list[str] = []  # the pieces handed out, joined only when the whole text is asked for
         self._held = ""  # text after them that could be the beginning of a stop string
         self.stopped = False  # a stop string appeared: nothing is added after it
+        self.abandoned = False  # its tokenizer failed: nothing more is decoded
 
     @property
     def text(self) -> str:
@@ -189,7 +190,7 @@ class TextStream:
 
     def add(self, token_ids: Sequence[int]) -> str:
         """Take the next tokens; return the text that can be handed out now (possibly "")."""
-        if self.stopped or not token_ids:
+        if self.stopped or self.abandoned or not token_ids:
             return ""
         self._tokens.extend(token_ids)
         return self._take_new_text(last=False)
@@ -198,7 +199,7 @@ class TextStream:
         """The rest of the text: call once the request has ended. The last tokens' text is taken even where it
         ends in U+FFFD (a real one, or a character cut short by the token limit, as ``decode`` gives it), then the
         text held back."""
-        tail = "" if self.stopped else self._take_new_text(last=True)
+        tail = "" if self.stopped or self.abandoned else self._take_new_text(last=True)
         return tail + self._hand_out(self._held, held="")
 
     def _take_new_text(self, last: bool) -> str:

@@ -708,12 +708,18 @@ class _OutputRouter:
         self._pending.extend(outputs)
 
     def deliver_pending(self) -> None:
+        """Hand out every kept output, in order. If a callback raises, the outputs after it stay kept for the next
+        call: a request that finished in that step still gets its end."""
         pending, self._pending = self._pending, []
-        for output in pending:
-            if output.error is not None:
-                self._on_failure(output.request_id, output.error)
-            else:
-                self._on_tokens(output.request_id, output.generated_tokens, output.is_finished())
+        for index, output in enumerate(pending):
+            try:
+                if output.error is not None:
+                    self._on_failure(output.request_id, output.error)
+                else:
+                    self._on_tokens(output.request_id, output.generated_tokens, output.is_finished())
+            except BaseException:
+                self._pending[:0] = pending[index + 1 :]
+                raise
 
     def fail_and_deliver(self, state, error: Exception) -> None:
         self.deliver_pending()  # in order: the request's earlier tokens first
