@@ -273,6 +273,72 @@ def _acquire_when_read(model, names, deadline_s=10.0):
             time.sleep(0.01)
 
 
+def host_bytes(base, path) -> int:
+    """What one adapter's copy takes in the host tier."""
+    scratch = wrap(base)
+    scratch.load_adapters({"one": path})
+    return scratch.adapter_stats["host_bytes_used"]
+
+
+def test_non_blocking_acquires_of_two_cold_adapters_whose_copies_do_not_fit_together_get_there(base, paths,
+                                                                                                  peft_logits):
+    """Each non-blocking try reads one missing adapter of the batch in the background: that read used to drop the
+    host copy of the batch's other adapter, read by the try before, so every try found one missing (one more disk
+    read each, never ready), where a blocking acquire keeps the batch's copies."""
+    r8, r4 = host_bytes(base, paths["r8"]), host_bytes(base, paths["r4"])
+    model = wrap(base, max_adapters=2, host_pool_bytes=r8 + r4 - 512)  # room for either, not both
+    model.load_adapters({"r2": paths["r2"], "r8b": paths["r8b"]})  # resident: the two slots
+    model.load_adapters({"r4": paths["r4"]})  # its copy in the host tier
+    model.load_adapters({"r8": paths["r8"]})  # its copy in the host tier, in place of r4's
+    model.unload_adapter("r2")
+    model.unload_adapter("r8b")
+    assert model.adapters["r8"] in model._store.host and model.adapters["r4"] not in model._store.host
+    lease = _acquire_when_read(model, ["r8", "r4"])
+    lease.release()
+    check_rows(model, ["r8", "r4", None], peft_logits)
+
+
+def test_a_copy_that_cannot_fit_the_host_tier_drops_no_other_copy(base, paths):
+    """Dropping every other copy could not make room for it (a resident adapter's copy stays): it used to drop them
+    all, be kept outside the tier anyway, and the dropped adapters were read from their sources again."""
+    r8, r2, r4 = (host_bytes(base, paths[name]) for name in ("r8", "r2", "r4"))
+    model = wrap(base, max_adapters=1, host_pool_bytes=r8 + r4 - 512)
+    assert r8 + r2 <= r8 + r4 - 512
+    model.load_adapters({"r8": paths["r8"]})  # resident: its copy stays
+    model.load_adapters({"r2": paths["r2"]})  # no slot: its copy is kept in the tier
+    model.load_adapters({"r4": paths["r4"]})  # fits beside r8's copy whatever is dropped
+    assert model.adapters["r2"] in model._store.host
+    loads = model.adapter_stats["disk_loads"]
+    model.acquire(["r2"]).release()
+    assert model.adapter_stats["disk_loads"] == loads
+
+
+def test_the_host_tier_drops_the_copy_used_least_recently_not_the_one_placed_least_recently(base, tmp_path):
+    """An adapter served from the device again and again kept the age of its placement in the host tier: once off
+    the device, its copy went before those of adapters last used long before it."""
+    paths = {name: save_peft_adapter(base, tmp_path / name, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                     seed=40 + i) for i, name in enumerate("ABCDEF")}
+    model = wrap(base, max_adapters=2, host_pool_bytes=4 * host_bytes(base, paths["A"]))  # four copies
+
+    def use(*names: str) -> None:
+        for name in names:
+            model.acquire([name]).release()
+
+    model.load_adapters({"A": paths["A"], "B": paths["B"]})
+    use("A")
+    model.load_adapters({"C": paths["C"]})
+    use("C", "A")  # A, on the device since its load, used last of the three
+    model.load_adapters({"D": paths["D"]})
+    model.load_adapters({"E": paths["E"]})
+    use("D", "E")  # the device holds D and E; used least recently first: B, C, A, D, E
+    model.load_adapters({"F": paths["F"]})  # one more copy: C's goes (B's went for E's)
+    host = model._store.host
+    assert [name for name in "ABCDEF" if model.adapters[name] in host] == ["A", "D", "E", "F"]
+    loads = model.adapter_stats["disk_loads"]
+    use("A")
+    assert model.adapter_stats["disk_loads"] == loads
+
+
 def test_a_failed_background_read_is_said_once_and_read_again(base, paths, peft_logits, tmp_path):
     """A source missing for a moment (a redeploy, a network file system) fails the background read: the next
     non-blocking acquire says why (once), and the one after reads the source again (it used to stay "being read"

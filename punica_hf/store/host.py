@@ -89,6 +89,10 @@ class HostTier:
                  sizes.items()}
         keep = set(keep)
         victims = [index for index in self._copies if index not in keep]
+        # Only where the budget less what stays held has room for it could dropping help: else drop nothing
+        victim_bytes = sum(_extent_bytes(self._copies[index]) for index in victims)
+        if sum(needs.values()) > self.budget - (self.used - victim_bytes):
+            victims = []
         while True:
             extents = self._carve(list(needs.values()))
             if extents is not None or not victims:
@@ -128,10 +132,14 @@ class HostTier:
         return sum(allocator.capacity for _, allocator in self._segments)
 
     def get(self, index: int) -> HostCopy | None:
-        copy = self._copies.get(index)
-        if copy is not None:
+        """The copy kept for ``index``, marked used now."""
+        self.touch(index)
+        return self._copies.get(index)
+
+    def touch(self, index: int) -> None:
+        """Mark the copy of ``index`` (if one is kept) used now: the least recently used copies are dropped first."""
+        if index in self._copies:
             self._copies.move_to_end(index)
-        return copy
 
     def peek(self, index: int) -> HostCopy | None:
         """The copy kept for ``index``, its place in the eviction order unchanged."""
@@ -194,6 +202,10 @@ def default_host_budget() -> int:
     if available is None:
         return HOST_BUDGET_MIN
     return int(min(max(available * HOST_BUDGET_SHARE, HOST_BUDGET_MIN), HOST_BUDGET_MAX))
+
+
+def _extent_bytes(copy: HostCopy) -> int:
+    return sum(size for _, _, size in copy.extents)
 
 
 def _round_up(size: int, unit: int = _ALIGN_BYTES) -> int:

@@ -476,6 +476,7 @@ class AdapterStore:
                     self.room_freed.wait(min(left, _COLLECTED_LEASE_POLL_S))
             for adapter in needed:
                 self._resident.move_to_end(adapter.index)
+                self.host.touch(adapter.index)  # its host copy too: it is dropped last once the adapter leaves
                 adapter.users += 1
                 for device, done in adapter.copies_done.items():
                     torch.cuda.current_stream(device).wait_event(done)
@@ -561,7 +562,7 @@ class AdapterStore:
                 raise AdapterReadError(
                     f"adapter {adapter.name!r} could not be read from {adapter.source}: {type(error).__name__}: {error}"
                 ) from error
-            self._read_in_background(adapter)
+            self._read_in_background(adapter, keep=keep)  # the batch's other copies stay, as a blocking call's do
             raise AdapterNotReady(f"adapter {adapter.name!r} is being read from {adapter.source}")
         self._keep_copy(adapter, self._read_source(adapter, keep))
 
@@ -812,7 +813,7 @@ class AdapterStore:
             raise
         return copy
 
-    def _read_in_background(self, adapter: Adapter, place: bool = False) -> None:
+    def _read_in_background(self, adapter: Adapter, place: bool = False, keep: Collection[int] = ()) -> None:
         if adapter.reading is not None:
             return
         if self._reader is None:
@@ -820,7 +821,7 @@ class AdapterStore:
 
         def read() -> None:
             try:
-                copy = self._read_source(adapter)
+                copy = self._read_source(adapter, keep)
             except BaseException as error:  # the acquire that asked for it says why at its next try
                 if place:  # a prefetch is a hint: nobody waits for it, and the next use reads again
                     logger.warning("prefetching adapter %r failed: %s: %s", adapter.name, type(error).__name__, error)
