@@ -282,6 +282,7 @@ def test_runtime_loading_is_off_unless_enabled(tiny_server):
         (["--adapter", "demo=./a"], 1, "the adapter name 'demo' is the base model's served name"),
         (["--served-model-name", "upper"], 1, "the adapter name 'upper' is the base model's served name"),
         (["--adapter", "a=./a", "--adapter", "a=./b"], 2, "the name 'a' is given twice"),
+        (["--api-key", ""], 1, "--api-key: the API key must be a non-empty string without whitespace at its ends"),
     ],
 )
 def test_serve_refuses_bad_options_before_loading_anything(capsys, monkeypatch, args, exit_code, message):
@@ -342,7 +343,9 @@ def test_api_key_is_required_everywhere_but_health(demo_server):
             assert response.json()["error"]["code"] == "invalid_api_key"
     assert httpx.get(f"{demo_server.base}/health").status_code == 200
     for docs_page in ("/docs", "/redoc"):  # a browser page cannot send the key: off when there is one
-        assert httpx.get(demo_server.base + docs_page).status_code == 404
+        assert httpx.get(demo_server.base + docs_page).status_code == 401
+        keyed = httpx.get(demo_server.base + docs_page, headers={"Authorization": f"Bearer {API_KEY}"})
+        assert keyed.status_code == 404
     schema = httpx.get(f"{demo_server.base}/openapi.json", headers={"Authorization": f"Bearer {API_KEY}"})
     assert "/v1/completions" in schema.json()["paths"]
     with pytest.raises(openai.AuthenticationError):

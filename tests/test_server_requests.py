@@ -191,6 +191,53 @@ def test_a_failed_runtime_load_names_the_clients_path_not_the_real_one(tmp_path)
     assert path in message and "private" not in message, message
 
 
+@pytest.mark.parametrize("body", [b'{"model": "demo", "prompt": ', b"\xff\xfe not utf-8", b"[" * 100_000])
+def test_a_client_without_the_key_is_refused_before_its_body_is_read(body):
+    """The key was checked after FastAPI had read and parsed the body: a client without it got a 400 with the
+    parser's words, and could make the server parse megabytes per request."""
+    with in_process_client(api_key="secret") as client:
+        response = client.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+        assert (response.status_code, response.json()["error"]["code"]) == (401, "invalid_api_key")
+        keyed = client.post("/v1/completions", content=body,
+                            headers={"content-type": "application/json", "authorization": "Bearer secret"})
+        assert keyed.status_code == 400  # with the key, the body is read and refused for what it is
+        assert client.get("/health").status_code == 200  # the one route open to all
+
+
+@pytest.mark.parametrize("key", ["", " secret", "secret\n"])
+def test_a_key_no_client_can_send_is_refused(key):
+    """An empty key (``--api-key "$KEY"`` with KEY unset) let in anyone who sent ``Bearer `` alone; a key with
+    whitespace at an end let in no one (HTTP trims it)."""
+    engine = Engine(MultiLoraModel(demo.load_base_model(), max_adapters=1), DemoTokenizer())
+    with pytest.raises(ValueError, match="non-empty string without whitespace at its ends"):
+        create_app(engine, "demo", api_key=key)
+
+
+def test_a_failed_load_whose_adapter_was_unloaded_meanwhile_answers_503(tmp_path):
+    """While the other replicas are told of a new adapter, it serves here and another call may unload it; the
+    load's undo then met no adapter, and its KeyError became a 500."""
+    shutil.copytree(demo.adapter_paths()["upper"], tmp_path / "upper")
+    engine = Engine(MultiLoraModel(demo.load_base_model(), max_adapters=2), DemoTokenizer())
+
+    def tell_others(name: str, path: str | None) -> None:
+        if path is not None:
+            engine.unload_adapter(name)  # the concurrent unload
+            raise RuntimeError("a replica is down")
+
+    with TestClient(create_app(engine, "demo", lora_dirs=[tmp_path], on_adapters_changed=tell_others)) as client:
+        response = client.post("/v1/load_lora_adapter", json={"lora_name": "upper",
+                                                                "lora_path": str(tmp_path / "upper")})
+        assert (response.status_code, response.json()["error"]["code"]) == (503, "replicas_not_told")
+        assert "upper" not in {m["id"] for m in client.get("/v1/models").json()["data"]}
+
+
+def test_an_unknown_model_name_is_not_sent_back_whole():
+    with in_process_client() as client:
+        response = client.post("/v1/completions", json={"model": "m" * 100_000, "prompt": "x", "max_tokens": 1})
+    assert response.status_code == 404
+    assert "m" * 100 + "..." in response.json()["error"]["message"] and len(response.content) < 1_000
+
+
 @pytest.mark.parametrize("key", ["clé-ünïcode", "ключ", "plain-ascii"])
 def test_an_api_key_of_any_characters_matches_its_utf8_bytes(key):
     """A client sends the key's UTF-8 bytes (curl, httpx); they used to be compared after a latin-1 round trip that

@@ -252,6 +252,12 @@ def _stop_on_engine_error(engine, server) -> None:
 
 def check_arguments(args: argparse.Namespace) -> None:
     """Refuse inconsistent options before anything loads."""
+    from ..serving.app import check_api_key
+
+    try:
+        check_api_key(args.api_key)
+    except ValueError as error:
+        raise ValueError(f"--api-key: {error} (is the variable it comes from set?)") from None
     if args.allow_runtime_lora and not args.lora_dir:
         raise ValueError("--allow-runtime-lora needs at least one --lora-dir to load adapters from")
     if args.lora_dir and not args.allow_runtime_lora:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -143,6 +143,7 @@ def create_app(
     Serve replicas) can follow; if it raises, a load is undone and the client gets a 503, or a 409 with its message
     for a ``ValueError`` (the others refuse the change: another copy changed that name first).
     """
+    check_api_key(api_key)
     limits = limits or RequestLimits()
     server = _Server(engine, model_name, lora_dirs, on_adapters_changed)
 
@@ -162,17 +163,10 @@ def create_app(
     )
     app.state.server = server
     app.add_middleware(BodySizeLimit, max_bytes=limits.max_body_bytes)
+    if api_key is not None:  # added last, so it runs first: before a body is read, or its size is told
+        app.add_middleware(KeyRequired, api_key=api_key, open_paths=frozenset({"/health"}))
 
-    def check_api_key(request: Request) -> None:
-        if api_key is None:
-            return
-        scheme, _, credentials = request.headers.get("authorization", "").partition(" ")
-        # Header values arrive as their bytes read as latin-1: those bytes are the key's UTF-8 bytes (curl's)
-        key_matches = secrets.compare_digest(credentials.strip(" ").encode("latin-1"), api_key.encode())
-        if not (scheme.lower() == "bearer" and key_matches):  # auth schemes are case-insensitive (RFC 7235)
-            raise APIError(401, "missing or wrong API key (send 'Authorization: Bearer <key>')", code="invalid_api_key")
-
-    api = APIRouter(dependencies=[Depends(check_api_key)])
+    api = APIRouter()
 
     @api.post("/v1/completions", response_model=CompletionResponse)
     async def completions(body: CompletionRequest, request: Request):
@@ -331,7 +325,10 @@ class _Server:
             self.on_adapters_changed(name, path)
         except Exception as error:
             if undo is not None:
-                undo()
+                try:
+                    undo()
+                except KeyError:  # unloaded meanwhile by another call: nothing left to undo
+                    pass
             if isinstance(error, ValueError):  # refused by the others
                 raise APIError(409, str(error), param="lora_name", code="conflict") from error
             raise APIError(503, f"the other replicas could not be told about '{name}': {error}",
@@ -454,7 +451,8 @@ def _field_path(location: Sequence[str | int]) -> str:
 
 
 def _model_not_found(model: str) -> APIError:
-    return APIError(404, f"The model '{model}' does not exist", param="model", code="model_not_found")
+    shown = model if len(model) <= 100 else model[:100] + "..."  # a client's 4 MB name is not sent back whole
+    return APIError(404, f"The model '{shown}' does not exist", param="model", code="model_not_found")
 
 
 async def _results_unless_disconnected(request: Request, handles: list[RequestHandle]) -> list[Completion] | None:
@@ -547,6 +545,35 @@ def _error_event(handle: RequestHandle) -> str:
     failure = _failure(handle.result(timeout=0))
     error = ErrorDetail(message=failure.message, type=failure.type, param=failure.param, code=failure.code)
     return _event(ErrorResponse(error=error))
+
+
+def check_api_key(api_key: str | None) -> None:
+    """``ValueError`` for a key no client can send: empty (``--api-key "$KEY"`` with KEY unset would let in anyone
+    who sends ``Bearer `` and nothing else), or with whitespace at an end (HTTP trims it from the header)."""
+    if api_key is not None and (not isinstance(api_key, str) or not api_key or api_key != api_key.strip()):
+        raise ValueError("the API key must be a non-empty string without whitespace at its ends")
+
+
+class KeyRequired:
+    """ASGI middleware: an HTTP request to any path but ``open_paths`` needs ``Authorization: Bearer <api_key>``,
+    checked before any of its body is read: a client without the key gets a 401, never a parse of what it sent."""
+
+    def __init__(self, app, api_key: str, open_paths: frozenset[str]) -> None:
+        self.app = app
+        self.api_key = api_key.encode()
+        self.open_paths = open_paths
+
+    def _key_matches(self, scope) -> bool:
+        value = next((value for name, value in scope["headers"] if name == b"authorization"), b"")
+        scheme, _, credentials = value.partition(b" ")
+        # the header's bytes are the key's UTF-8 bytes (curl's); auth schemes are case-insensitive (RFC 7235)
+        return secrets.compare_digest(credentials.strip(b" "), self.api_key) and scheme.lower() == b"bearer"
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["path"] in self.open_paths or self._key_matches(scope):
+            return await self.app(scope, receive, send)
+        error = APIError(401, "missing or wrong API key (send 'Authorization: Bearer <key>')", code="invalid_api_key")
+        await error.response()(scope, receive, send)
 
 
 class BodySizeLimit:
