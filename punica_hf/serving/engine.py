@@ -407,7 +407,10 @@ class Engine(TensorParallelLoop):
                 error = self._tensor_parallel_failure(error)
             with self._lock:  # submit() refuses from now on: every request it accepted is failed below
                 self._error = error
-            self._backend.deliver_outputs()
+            try:
+                self._backend.deliver_outputs()
+            except Exception:  # whatever the outputs' failure, every request still ends below
+                logger.exception("the last outputs could not be handed out")
             self._fail_unfinished(f"the engine stopped: {error}", release=True)
             if self._control is not None:
                 self._after_tensor_parallel_failure(error)
@@ -448,9 +451,9 @@ class Engine(TensorParallelLoop):
         """Drop the cancelled requests, then run a step if one is scheduled; returns whether one ran."""
         has_batch = self._backend.prepare()  # drops cancelled requests, frees their KV
         if cancelled:
-            # The last step's outputs first: some may be a cancelled request's, and once it is released below, its
-            # id is free for a new request, which must not be handed them.
-            self._backend.deliver_outputs()
+            # Their last step's outputs first: once a request is released below its id is free for a new request,
+            # which must not be handed them. (The others' wait, to be handed out while the next step runs.)
+            self._backend.deliver_outputs({request.request_id for request in cancelled})
         for request in cancelled:
             self._counters["dropped_and_freed"] += 1
             if not request.handle.done:

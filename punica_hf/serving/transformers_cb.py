@@ -31,7 +31,7 @@ import hashlib
 import math
 import warnings
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from contextlib import nullcontext
 from dataclasses import dataclass
 from itertools import repeat
@@ -343,8 +343,9 @@ class ContinuousBatchingBackend:
         end.synchronize()
         return start.elapsed_time(end) / 1e3
 
-    def deliver_outputs(self) -> None:
-        self._router.deliver_pending()
+    def deliver_outputs(self, request_ids: Collection[str] | None = None) -> None:
+        """Hand out the last step's outputs (``request_ids``: those of these requests only, the others kept)."""
+        self._router.deliver_pending(request_ids)
 
     def rows(self) -> list[str]:
         """The request of each row of the step's scores (the batch's requests that get a token this step)."""
@@ -707,10 +708,15 @@ class _OutputRouter:
     def deliver_batch(self, outputs) -> None:
         self._pending.extend(outputs)
 
-    def deliver_pending(self) -> None:
-        """Hand out every kept output, in order. If a callback raises, the outputs after it stay kept for the next
-        call: a request that finished in that step still gets its end."""
-        pending, self._pending = self._pending, []
+    def deliver_pending(self, request_ids: Collection[str] | None = None) -> None:
+        """Hand out the kept outputs (``request_ids``: those of these requests only; the others stay kept), each
+        request's in order. If a callback raises, the outputs after it stay kept for the next call: a request that
+        finished in that step still gets its end."""
+        if request_ids is None:
+            pending, self._pending = self._pending, []
+        else:
+            pending = [output for output in self._pending if output.request_id in request_ids]
+            self._pending = [output for output in self._pending if output.request_id not in request_ids]
         for index, output in enumerate(pending):
             try:
                 if output.error is not None:
