@@ -472,6 +472,37 @@ def _through_router(replicas, monkeypatch, retry_seconds: float) -> list[dict]:
     return sent
 
 
+def test_the_ingress_refuses_a_client_without_the_key_before_reading_its_body():
+    """The ingress read each body for its adapter (and routed on it) before any check of the key: a client without
+    it made the ingress parse what it sent, and its request reached a replica to be refused there."""
+    from punica_hf.serving.ray import Router
+
+    replicas = _ScriptedReplicas([_answer(200, b"{}")])
+    catalog = type("Catalog", (), {"current_version": _Remote(lambda: asyncio.sleep(0, result=1))})()
+    app = Router(replicas, catalog, "demo", max_body_bytes=1 << 20, api_key="secret").__serve_build_asgi_app__()
+    reads = []
+
+    async def receive():
+        reads.append(1)
+        return {"type": "http.request", "body": b'{"model": "upper", "prompt": "w"}'}
+
+    def ask(*headers: tuple[bytes, bytes]) -> list[dict]:
+        sent = []
+
+        async def send(message):
+            sent.append(message)
+
+        scope = {"type": "http", "method": "POST", "path": "/v1/completions", "raw_path": b"", "query_string": b"",
+                 "headers": [(b"content-type", b"application/json"), *headers]}
+        asyncio.run(app(scope, receive, send))
+        return sent
+
+    refused = ask((b"authorization", b"Bearer wrong"))
+    assert refused[0]["status"] == 401 and b"invalid_api_key" in refused[1]["body"]
+    assert (reads, replicas.calls) == ([], 0)
+    assert ask((b"authorization", b"Bearer secret"))[0]["status"] == 200 and replicas.calls == 1
+
+
 def test_a_request_answered_by_a_replica_that_lost_a_rank_goes_to_another(monkeypatch):
     """A replica that lost a rank did nothing with the request: the ingress sends it again (as when a replica's
     actor died before answering), and the client gets only the answer of the replica that served it."""

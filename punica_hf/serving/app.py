@@ -164,7 +164,7 @@ def create_app(
     app.state.server = server
     app.add_middleware(BodySizeLimit, max_bytes=limits.max_body_bytes)
     if api_key is not None:  # added last, so it runs first: before a body is read, or its size is told
-        app.add_middleware(KeyRequired, api_key=api_key, open_paths=frozenset({"/health"}))
+        app.add_middleware(KeyRequired, api_key=api_key, open_paths=OPEN_PATHS)
 
     api = APIRouter()
 
@@ -545,6 +545,9 @@ def _error_event(handle: RequestHandle) -> str:
     failure = _failure(handle.result(timeout=0))
     error = ErrorDetail(message=failure.message, type=failure.type, param=failure.param, code=failure.code)
     return _event(ErrorResponse(error=error))
+
+
+OPEN_PATHS = frozenset({"/health"})  # the paths a server with an API key serves to anyone
 
 
 def check_api_key(api_key: str | None) -> None:

@@ -45,7 +45,7 @@ from pathlib import Path
 from ray import serve
 from ray.exceptions import ActorUnavailableError, RayActorError
 
-from .app import APIError, BodySizeLimit, RequestLimits, create_app
+from .app import OPEN_PATHS, APIError, BodySizeLimit, KeyRequired, RequestLimits, create_app
 from .engine import Engine
 from .follower_ranks import FollowerRanks
 
@@ -137,7 +137,7 @@ def build_app(
         serve.ingress()(Router), max_ongoing_requests=MAX_ONGOING_REQUESTS, ray_actor_options={"num_cpus": 0},
         graceful_shutdown_timeout_s=DRAIN_SECONDS,
     )
-    return router.bind(replica, catalog, model_name, limits.max_body_bytes)
+    return router.bind(replica, catalog, model_name, limits.max_body_bytes, api_key)
 
 
 CatalogVersion = tuple[str, int]  # (the catalog's epoch, its number of changes)
@@ -331,15 +331,18 @@ def _priority_below_parent() -> int:
 class Router:
     """The HTTP ingress: each request to a replica, by its adapter; the answer streamed back."""
 
-    def __init__(self, replica, catalog, model_name: str, max_body_bytes: int) -> None:
+    def __init__(self, replica, catalog, model_name: str, max_body_bytes: int, api_key: str | None = None) -> None:
         self.replica = replica
         self.catalog = catalog
         self.model_name = model_name
         self.max_body_bytes = max_body_bytes
+        self.api_key = api_key
         self.catalog_version: int | None = None  # read at the first request
 
     def __serve_build_asgi_app__(self):
-        return BodySizeLimit(self._serve, max_bytes=self.max_body_bytes)
+        app = BodySizeLimit(self._serve, max_bytes=self.max_body_bytes)
+        # The replicas' servers check the key too; here it is checked before the body is read for its adapter
+        return app if self.api_key is None else KeyRequired(app, api_key=self.api_key, open_paths=OPEN_PATHS)
 
     async def _serve(self, scope, receive, send) -> None:
         if scope["type"] == "lifespan":
