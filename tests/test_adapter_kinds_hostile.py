@@ -28,6 +28,7 @@ from vector_adapters import make_base, peft_oracles, save_vector_adapter
 from punica_hf import MultiLoraModel
 from punica_hf.formats import LoraAdapterConfig, ModuleLora, convert_adapter
 from punica_hf.serving import Engine, EngineConfig, SamplingParams
+from punica_hf.store import store as store_module
 
 ATOL = 2e-5
 VOCAB = 96  # vector_adapters' tiny Llama, with attention and MLP biases
@@ -390,7 +391,7 @@ def test_dora_and_lora_bias_on_the_output_layer_apply_on_the_fixed_shape_ops(kin
 
 
 @torch.no_grad()
-def test_every_kind_evicted_and_read_again_from_its_folder_equals_peft(kinds):
+def test_every_kind_evicted_and_read_again_from_its_folder_equals_peft(kinds, monkeypatch):
     """Two slots and a host tier that holds one adapter: each kind in turn is evicted, dropped from the host tier
     and read again from its folder (its base-weight copy checked again, its invocation kept)."""
     base, paths, oracles = kinds
@@ -401,11 +402,17 @@ def test_every_kind_evicted_and_read_again_from_its_folder_equals_peft(kinds):
         one_adapter = max(one_adapter, scratch.adapter_stats["host_bytes_used"])
     model = MultiLoraModel(copy.deepcopy(base), max_adapters=2, max_rank=8, host_pool_bytes=one_adapter)
     model.load_adapters(paths)
+    read_again = []
+    load = store_module.load_adapter_weights
+    monkeypatch.setattr(store_module, "load_adapter_weights",
+                        lambda source, **options: read_again.append(Path(source)) or load(source, **options))
     names = list(paths)
     for _ in range(2):
         for first, second in zip(names, names[1:] + names[:1]):
+            for name in (first, second):  # kept on no tier but the device: placed again, it is read again
+                model._store.host.drop(model.adapters[name])
             assert_rows_match_peft(model, oracles, [first, None, second], *left_padded(prompts(3)))
-    assert model.adapter_stats["disk_loads"] >= len(names)
+    assert set(read_again) == {Path(path) for path in paths.values()}
 
 
 # ---------------------------------------------------------------------------------------------- files that change
