@@ -44,6 +44,7 @@ from .engine import (
     SamplingParams,
 )
 from .metrics import ServingMetrics
+from .names import shortened
 from .protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -451,8 +452,7 @@ def _field_path(location: Sequence[str | int]) -> str:
 
 
 def _model_not_found(model: str) -> APIError:
-    shown = model if len(model) <= 100 else model[:100] + "..."  # a client's 4 MB name is not sent back whole
-    return APIError(404, f"The model '{shown}' does not exist", param="model", code="model_not_found")
+    return APIError(404, f"The model '{shortened(model)}' does not exist", param="model", code="model_not_found")
 
 
 async def _results_unless_disconnected(request: Request, handles: list[RequestHandle]) -> list[Completion] | None:

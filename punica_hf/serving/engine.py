@@ -609,10 +609,7 @@ class Engine(TensorParallelLoop):
             if not request.handle.done:
                 self._complete(request, "error", error=f"its tokens could not be handed out: {error}",
                                error_code=GENERATION_FAILED)
-            if finished:
-                self._release(request)
-            else:  # transformers still runs it: it is dropped (and its KV freed) at the next step
-                self._cancel(request.handle)
+            self._end_in_backend(request, finished)
 
     def _take_output(self, request: RequestState, generated: list[int], finished: bool) -> None:
         if request.handle.done:  # ended here already (stop string, NaN scores): transformers drops it next step
@@ -626,13 +623,18 @@ class Engine(TensorParallelLoop):
             request.handle._publish(Delta(tuple(kept), text))
         if request.stopped_by_text:
             self._complete(request, "stop")
-            if finished:
-                self._release(request)
-            else:  # transformers still runs it: it is dropped (and its KV freed) at the next step
-                self._cancel(request.handle)
+            self._end_in_backend(request, finished)
         elif finished:
             self._complete(request, "stop" if stopped_by_token else "length")
             self._release(request)
+
+    def _end_in_backend(self, request: RequestState, finished: bool) -> None:
+        """A request ended here: released if transformers finished it too, else cancelled (transformers drops it,
+        and frees its KV, at the next step)."""
+        if finished:
+            self._release(request)
+        else:
+            self._cancel(request.handle)
 
     def _on_failure(self, request_id: str, error: BaseException | str) -> None:
         request = self._requests.get(request_id)

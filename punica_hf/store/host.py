@@ -48,6 +48,11 @@ class HostCopy:
     def nbytes(self) -> int:
         return sum(chunk.numel() * chunk.element_size() for chunk in self.chunks.values())
 
+    @property
+    def tier_bytes(self) -> int:
+        """What its extents take in the tier's segments (aligned sizes; 0 for a copy outside the tier)."""
+        return sum(size for _, _, size in self.extents)
+
     def __getstate__(self) -> dict:
         return {**self.__dict__, "in_flight": []}
 
@@ -90,7 +95,7 @@ class HostTier:
         keep = set(keep)
         victims = [index for index in self._copies if index not in keep]
         # Only where the budget less what stays held has room for it could dropping help: else drop nothing
-        victim_bytes = sum(_extent_bytes(self._copies[index]) for index in victims)
+        victim_bytes = sum(self._copies[index].tier_bytes for index in victims)
         if sum(needs.values()) > self.budget - (self.used - victim_bytes):
             victims = []
         while True:
@@ -202,10 +207,6 @@ def default_host_budget() -> int:
     if available is None:
         return HOST_BUDGET_MIN
     return int(min(max(available * HOST_BUDGET_SHARE, HOST_BUDGET_MIN), HOST_BUDGET_MAX))
-
-
-def _extent_bytes(copy: HostCopy) -> int:
-    return sum(size for _, _, size in copy.extents)
 
 
 def _round_up(size: int, unit: int = _ALIGN_BYTES) -> int:
