@@ -14,6 +14,12 @@ them in L2). Three CUDA graphs are captured per adapter mix and replayed in turn
 written) at the copy bandwidth measured here. With one adapter the calls move a small fraction of the bytes they
 move at 32 distinct adapters, so ``lora_us`` at ``--distinct 1`` is close to the calls' fixed cost.
 
+``--mixed P+D,...`` also times the 224 LoRA calls of mixed engine steps (one ``lora_add`` per projection, as the
+engine's eager mixed steps make them): P prefill tokens in four runs and D decode tokens, two per adapter, over 64
+slots of ranks 8/16/32/64 (``max_rank`` 64, as in ``bench_serving.py --mixed-ranks``). Each kernel path of a tiled
+call is a row: the decode tokens on the per-token kernels walking the list of their positions (the default), the
+same kernels with a block per position of the call, and every token tiled.
+
     python benchmarks/bench_step_lora.py --output benchmarks/results/bench_step_lora_h200.json
 """
 
@@ -28,6 +34,7 @@ import torch
 
 from bench_ops import copy_bandwidth_bytes_per_us
 from cuda_graph import capture
+from punica_hf.ops import KernelConfig
 from punica_hf.ops import cuda as cuda_ops
 from punica_hf.ops import torch_ops
 from punica_hf.ops.segments import build_segments
@@ -42,7 +49,7 @@ class Layer:
     """One layer's base weights ``[sum(members), in]`` per call, and a pool with every slot's A ``[r, in]`` and
     Bt ``[r, out]`` for every member, with the ``[members, slots]`` offset and rank tables of each call."""
 
-    def __init__(self, slots: int, rank: int, generator: torch.Generator) -> None:
+    def __init__(self, slots: int, rank: int, generator: torch.Generator, ranks: torch.Tensor | None = None) -> None:
         def randn(*shape: int) -> torch.Tensor:
             return (torch.randn(*shape, device="cuda", generator=generator) * shape[-1] ** -0.5).bfloat16()
 
@@ -55,8 +62,10 @@ class Layer:
         for name, (_, widths) in CALLS.items():
             rows = slice(first, first + len(widths))
             first += len(widths)
-            ranks = torch.full((len(widths), slots), rank, dtype=torch.int32, device="cuda")
-            self.tables[name] = (offsets[:, rows, 0].T.contiguous(), offsets[:, rows, 1].T.contiguous(), ranks)
+            # Every slot holds factors of `rank` rows; `ranks` ([S], optional) makes the calls read only the first ones.
+            table = torch.full((slots,), rank) if ranks is None else ranks
+            ranks_table = table.to(torch.int32).cuda().expand(len(widths), slots).contiguous()
+            self.tables[name] = (offsets[:, rows, 0].T.contiguous(), offsets[:, rows, 1].T.contiguous(), ranks_table)
 
 
 def lora_floor_bytes(distinct: int, rank: int, calls: list[str]) -> int:
@@ -86,6 +95,51 @@ def replay_medians_us(graphs: dict[str, torch.cuda.CUDAGraph], reps: int) -> dic
     return {name: statistics.median(values) for name, values in times.items()}
 
 
+MIXED_SLOTS, MIXED_RANKS = 64, (8, 16, 32, 64)
+MIXED_PATHS = {"short runs walk their list": KernelConfig(),
+               "short runs, a block per position": KernelConfig(short_run_list=False),
+               "every token tiled": KernelConfig(short_runs=False)}
+
+
+def mixed_step_rows(mixes: list[tuple[int, int]], reps: int, label: str) -> list[dict]:
+    """Median replay time of the 224 ``lora_add`` calls of a mixed step, per mix (prefill, decode) and kernel path."""
+    generator = torch.Generator(device="cuda").manual_seed(1)
+    ranks = torch.tensor(MIXED_RANKS).repeat(MIXED_SLOTS // len(MIXED_RANKS))
+    max_rank = max(MIXED_RANKS)
+    layers = [Layer(MIXED_SLOTS, max_rank, generator, ranks) for _ in range(LAYERS)]
+    rows = []
+    for prefill, decode in mixes:
+        tokens = prefill + decode
+        runs = torch.tensor([prefill - 3 * (prefill // 4)] + [prefill // 4] * 3)
+        token_slots = torch.cat([torch.arange(decode) // 2 % MIXED_SLOTS,
+                                 torch.repeat_interleave(torch.arange(4) * 16 + 7, runs)]).to(torch.int32).cuda()
+        segments = build_segments(token_slots, MIXED_SLOTS)
+        inputs = {name: torch.randn(tokens, hidden_in, device="cuda", generator=generator).bfloat16()
+                  for name, (hidden_in, _) in CALLS.items()}
+        outputs = {name: torch.zeros(tokens, width, device="cuda", dtype=torch.bfloat16)
+                   for _, widths in CALLS.values() for name, width in [(str(w), w) for w in widths]}
+
+        def step(backend) -> None:
+            for layer in layers:
+                for name, (_, widths) in CALLS.items():
+                    a_offsets, b_offsets, table = layer.tables[name]
+                    for member, width in enumerate(widths):
+                        backend.lora_add_unchecked(outputs[str(width)], inputs[name], layer.pool, a_offsets[member],
+                                                   b_offsets[member], table[member], segments, max_rank)
+
+        graphs = {path: capture(lambda b=cuda_ops.CudaLoraBackend(kernels): step(b))
+                  for path, kernels in MIXED_PATHS.items()}
+        times = replay_medians_us(graphs, reps)
+        calls = LAYERS * sum(len(widths) for _, widths in CALLS.values())
+        for path, us in times.items():
+            rows.append({"prefill": prefill, "decode": decode, "path": path, "lora_us": us,
+                         "lora_us_per_call": us / calls})
+            print(f"{label:11s} mixed step {prefill}+{decode} tokens, {path:34s}: {us:8.1f} us "
+                  f"({us / calls:5.2f} per call)", flush=True)
+        del graphs
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--distinct", default="32,8,1", help="distinct adapters over the 32 tokens")
@@ -93,10 +147,13 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--reps", type=int, default=40)
     parser.add_argument("--label", default="", help="a name for this build, kept in the output (to tell runs of two builds apart)")
+    parser.add_argument("--mixed", default="432+128,1920+128",
+                        help="mixed steps to time after the decode steps, prefill+decode tokens ('' for none)")
     parser.add_argument("--output", type=Path)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_step_lora.py times CUDA kernels: no CUDA device here")
+    mixes = [tuple(int(n) for n in mix.split("+")) for mix in args.mixed.split(",") if mix]
     calls = args.calls.split(",")
     if not calls or any(name not in CALLS for name in calls):
         raise SystemExit(f"--calls: a comma-separated subset of {', '.join(CALLS)}, got {args.calls!r}")
@@ -135,12 +192,15 @@ def main() -> None:
               f"({row['lora_us_per_call']:5.2f} per call), GEMMs {row['gemm_us']:7.1f}, both {row['both_us']:7.1f}, "
               f"added {row['added_us']:7.1f}, floor {row['floor_us']:6.1f}", flush=True)
         del graphs
+    mixed = mixed_step_rows(mixes, args.reps, args.label) if mixes else []
     if args.output:
         args.output.parent.mkdir(parents=True, exist_ok=True)
         setup = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
                  "label": args.label, "calls": calls, "layers": LAYERS, "tokens": TOKENS, "rank": args.rank,
                  "copy_bandwidth_tb_s": bandwidth / 1e6}
-        args.output.write_text(json.dumps({"setup": setup, "rows": rows}, indent=2) + "\n")
+        setup["mixed"] = {"slots": MIXED_SLOTS, "ranks": list(MIXED_RANKS), "decode_tokens_per_adapter": 2,
+                          "prefill_runs": 4}
+        args.output.write_text(json.dumps({"setup": setup, "rows": rows, "mixed_rows": mixed}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -6,9 +6,12 @@ popularity, 256 requests at once), whose adapter loads while serving show as hos
 For each system a window of the run (``--skip`` seconds after the requests arrive, ``--window`` seconds long) is
 traced with torch.profiler (CUDA kernels, also those replayed from CUDA graphs); the kernels are summed by kind:
 LoRA per-token calls of decode size (grid over at most 256 positions), the per-token half of tiled calls (the
-short runs of mixed steps: a grid over every position of the step), the tiled kernels, attention, GEMMs, the rest.
+short runs of mixed steps), the tiled kernels, attention, GEMMs, the rest.
 Times are per engine step of the window (steps counted by the engine's step listener), split into decode and
-mixed steps by the listener's records.
+mixed steps by the listener's records. A per-token kernel belongs to a tiled call when it runs right after that
+call's tiled kernels (the split call launches them back to back), else to a decode-sized call.
+``--kernels short_run_list=false`` (with ``--mixed-ranks``) profiles the model made with that ``KernelConfig``, to
+set a kernel path against the default one in two runs of one device call.
 
     python benchmarks/profile_engine_steps.py --output benchmarks/results/profile_engine_steps_h200.json
     python benchmarks/profile_engine_steps.py --mixed-ranks --skip 3 --window 5 \
@@ -32,24 +35,36 @@ from torch.profiler import ProfilerActivity, profile
 from bench_serving import FULL, build_model, make_requests, run_engine
 from serving_workloads import workload_setup
 
+from punica_hf.ops import KernelConfig
 from punica_hf.serving import Engine, EngineConfig, StepRecord
 
 PER_TOKEN = ("shrink_chunk_kernel", "expand_chunk_kernel", "fused_chunk_kernel")
 TILED = ("shrink_tiled_kernel", "expand_tiled_kernel")
 ATTENTION = ("paged_attention", "merge_splits_kernel", "flash", "attention")  # merge: the split-KV attention's
-DECODE_SIZED = 256  # the per-token path's largest call (csrc/lora_add.cu, kPerTokenMaxTokens)
 
 
-def kind_of(name: str, grid: list[int]) -> str:
-    if any(k in name for k in PER_TOKEN):
-        return "lora per-token, decode-sized calls" if grid[0] <= DECODE_SIZED else "lora per-token, in tiled calls"
-    if any(k in name for k in TILED):
-        return "lora tiled"
-    if any(k in name.lower() for k in ATTENTION):
-        return "attention"
-    if any(k in name.lower() for k in ("gemm", "cutlass", "nvjet", "xmma", "cublas")):
-        return "gemm"
-    return "other"
+def kinds_of(kernels: list[dict]) -> list[str]:
+    """The kind of each kernel event; ``kernels`` in launch order per stream. A split tiled call launches its tiled
+    kernels, then its per-token shrink and expand, with nothing between them on its stream."""
+    kinds, in_tiled_call, stream = [], False, None
+    for event in kernels:
+        if event.get("tid") != stream:
+            in_tiled_call, stream = False, event.get("tid")
+        name = event["name"]
+        if any(k in name for k in PER_TOKEN):
+            kinds.append("lora per-token, in tiled calls" if in_tiled_call else "lora per-token, decode-sized calls")
+            in_tiled_call = in_tiled_call and "shrink_chunk_kernel" in name  # its expand ends the call
+            continue
+        in_tiled_call = any(k in name for k in TILED)
+        if in_tiled_call:
+            kinds.append("lora tiled")
+        elif any(k in name.lower() for k in ATTENTION):
+            kinds.append("attention")
+        elif any(k in name.lower() for k in ("gemm", "cutlass", "nvjet", "xmma", "cublas")):
+            kinds.append("gemm")
+        else:
+            kinds.append("other")
+    return kinds
 
 
 def traced_window(engine: Engine, requests, adapters, skip: float, window: float) -> dict:
@@ -71,12 +86,11 @@ def traced_window(engine: Engine, requests, adapters, skip: float, window: float
         events = json.loads(trace.read_text())["traceEvents"]
     run.result()  # the run's own error, if it failed
     runner.shutdown()
-    kernels = [e for e in events if e.get("cat") == "kernel"]
+    kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: (str(e.get("tid")), e["ts"]))
     copies = [e for e in events if e.get("cat") == "gpu_memcpy"]
     by_kind: dict[str, float] = defaultdict(float)
     launches: dict[str, int] = defaultdict(int)
-    for event in kernels:
-        kind = kind_of(event["name"], event.get("args", {}).get("grid", [0, 0, 0]))
+    for event, kind in zip(kernels, kinds_of(kernels)):
         by_kind[kind] += event["dur"] / 1e3  # ms
         launches[kind] += 1
     decode = [s for s in steps if s.tokens == s.requests]
@@ -99,11 +113,17 @@ def main() -> None:
     parser.add_argument("--window", type=float, default=2.0, help="seconds traced")
     parser.add_argument("--mixed-ranks", action="store_true",
                         help="bench_serving's --mixed-ranks workload rather than 32 rank-16 adapters")
+    parser.add_argument("--kernels", default="", help="KernelConfig fields of the model, e.g. "
+                        "'short_run_list=false' (default: the defaults; --mixed-ranks only)")
     parser.add_argument("--output", type=Path, default=Path("profile_engine_steps.json"))
     args = parser.parse_args()
+    kernels = KernelConfig(**{name: value.lower() == "true" for name, value in
+                              (pair.split("=") for pair in args.kernels.split(",") if pair)})
+    if args.kernels and not args.mixed_ranks:
+        raise SystemExit("--kernels: only with --mixed-ranks")
     if args.mixed_ranks:
         setup = argparse.Namespace(tiny=False, workload="mixed-ranks", layers=32, adapters=[120], max_adapters=64,
-                                   requests=256, zipf=1.0)
+                                   requests=256, zipf=1.0, kernels=kernels)
         model, workload_systems, requests_for = workload_setup(setup)
         systems = [(system.name, system.adapters) for system in workload_systems]
         requests = requests_for(0)
@@ -113,7 +133,8 @@ def main() -> None:
         systems = [("engine, 32 adapters", adapter_sets[32]), ("engine, base model", [None])]
         requests = make_requests(160, config.vocab_size, FULL, 0)
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "skip": args.skip,
-              "window": args.window, "workload": "mixed-ranks" if args.mixed_ranks else "uniform", "systems": {}}
+              "window": args.window, "workload": "mixed-ranks" if args.mixed_ranks else "uniform",
+              "kernels": repr(kernels), "systems": {}}
     with profile(activities=[ProfilerActivity.CUDA]):  # the profiler set up before the engine captures graphs
         torch.zeros(1, device="cuda")
     with Engine(model, config=EngineConfig(max_queue=len(requests), max_running=128)) as engine:

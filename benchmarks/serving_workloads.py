@@ -140,7 +140,8 @@ def workload_setup(args: argparse.Namespace) -> tuple[MultiLoraModel, list[Syste
     if args.workload == "mixed-ranks":
         base, config = build_base(args)
         ranks = MIXED_RANKS_TINY if tiny else MIXED_RANKS
-        model = MultiLoraModel(base, max_adapters=args.max_adapters, max_rank=max(ranks))
+        model = MultiLoraModel(base, max_adapters=args.max_adapters, max_rank=max(ranks),
+                               kernels=getattr(args, "kernels", None))
         adapters = mixed_rank_adapters(base, count, ranks, torch.Generator(base.device).manual_seed(1))
         model.load_adapters(adapters)
         systems = [System(f"engine, {count} adapters of ranks {ranks[0]}-{ranks[-1]}", list(adapters)),

@@ -89,7 +89,9 @@ __device__ __forceinline__ int rank_of(const int32_t* lora_ranks, int slot, int 
 
 // Path launchers (host). Each enqueues its shrink + expand kernels and returns cudaGetLastError().
 size_t punica_per_token_workspace_floats(const PunicaLoraProblem& problem);
-cudaError_t punica_per_token_launch(const PunicaLoraProblem& problem, float* workspace, cudaStream_t stream);
+// positions: null, or the sorted positions to serve (ascending, then num_tokens; problem.accumulate set).
+cudaError_t punica_per_token_launch(const PunicaLoraProblem& problem, const int32_t* positions, float* workspace,
+                                    cudaStream_t stream);
 // Whether the fused one-launch per-token path takes `problem` (problem.fused set and its slices fit); no workspace.
 bool punica_fused_fits(const PunicaLoraProblem& problem);
 cudaError_t punica_fused_launch(const PunicaLoraProblem& problem, cudaStream_t stream);

@@ -34,7 +34,7 @@ size_t per_token_workspace_floats(const PunicaLoraProblem& p) {
 }
 
 cudaError_t per_token_launch(const PunicaLoraProblem& p, float* workspace, cudaStream_t stream) {
-  return punica_fused_fits(p) ? punica_fused_launch(p, stream) : punica_per_token_launch(p, workspace, stream);
+  return punica_fused_fits(p) ? punica_fused_launch(p, stream) : punica_per_token_launch(p, nullptr, workspace, stream);
 }
 
 }  // namespace
@@ -43,7 +43,7 @@ extern "C" size_t punica_lora_workspace_floats(const PunicaLoraProblem* problem)
   const PunicaLoraProblem& p = *problem;
   if (!use_tiled(p)) return per_token_workspace_floats(p);
   if (!split_by_runs(p)) return punica_tiled_workspace_floats(p);
-  return punica_tiled_workspace_floats(long_runs(p)) + per_token_workspace_floats(short_runs(p));
+  return punica_tiled_workspace_floats(long_runs(p)) + punica_per_token_workspace_floats(short_runs(p));
 }
 
 extern "C" cudaError_t punica_lora_add(const PunicaLoraProblem* problem, float* workspace, cudaStream_t stream) {
@@ -58,6 +58,9 @@ extern "C" cudaError_t punica_lora_add(const PunicaLoraProblem* problem, float* 
   const PunicaLoraProblem tiled = long_runs(p);
   const cudaError_t err = punica_tiled_launch(tiled, workspace, stream);
   if (err != cudaSuccess) return err;
-  // Disjoint rows of y, one launch after the other: the per-token kernels start once the tiled ones are done.
-  return per_token_launch(short_runs(p), workspace + punica_tiled_workspace_floats(tiled), stream);
+  // Disjoint rows of y, one launch after the other: the per-token kernels start once the tiled ones are done. Above
+  // kPerTokenMaxTokens the fused kernel never takes a call, so the short half runs the two launches, over the list of
+  // its positions where the caller gave one.
+  float* short_workspace = workspace + punica_tiled_workspace_floats(tiled);
+  return punica_per_token_launch(short_runs(p), p.short_run_positions, short_workspace, stream);
 }

@@ -16,6 +16,8 @@
 // and its own partials; the expand's grid covers the widest output, and blocks past a narrower one exit at once.
 // A call that writes y instead of adding to it (accumulate = 0) has the shrink's blocks zero y first (the blocks
 // of position p share row p) and the expand write without reading y: no separate fill kernel.
+#include <algorithm>
+
 #include "chunks.cuh"
 
 namespace punica {
@@ -44,37 +46,36 @@ __device__ __forceinline__ uint4 load_shared_16(const uint4* ptr) {
   return v;
 }
 
+// Runs serve(position) for each sorted position this block serves, with a barrier after each (the block's shared
+// memory is reused for the next). Without a list (positions null) block x serves position x. With one (ascending
+// positions, then num_tokens), block x serves entries x, x + gridDim.x, ... up to the first value outside [0, T).
+template <typename Serve>
+__device__ __forceinline__ void walk_positions(const int32_t* __restrict__ positions, int num_tokens, Serve serve) {
+  for (int entry = blockIdx.x; entry < num_tokens; entry += gridDim.x) {
+    const int position = positions == nullptr ? entry : positions[entry];
+    if (position < 0 || position >= num_tokens) return;  // past the list's positions
+    serve(position);
+    __syncthreads();
+  }
+}
+
 // v_partial [G, num_slices, T, max_rank] fp32: entry (g, slice, p, r) = A_s[r, slice] . x[token(p), slice] with
 // output g's A, for the positions p of every chunk and r < its rank; nothing else is written. The block takes
 // kGroup consecutive K slices (1, 2 or 4) and kPieces (row, slice) pieces of A per pass: piece q = w + 8 i belongs
 // to warp w, slice w % group, row w / group + (8 / group) i. Pieces and x go to shared memory by cp.async (no
 // registers held while loads fly, so more blocks fit). Dynamic shared memory: A [kPieces][32], x [kChunk][group][32]
-// (16 B each).
+// (16 B each). This is the work for the chunk that starts at sorted position `position` (none: nothing).
 template <typename T, int kGroup>
-__global__ void __launch_bounds__(kThreads, 4)
-shrink_chunk_kernel(const T* __restrict__ x, const T* __restrict__ pool, const int64_t* __restrict__ a_offsets,
-                    const int32_t* __restrict__ lora_ranks, const int32_t* __restrict__ sorted_token_ids,
-                    const int32_t* __restrict__ sorted_slots, float* __restrict__ v_partial, int num_tokens,
-                    int hidden_in, int max_rank, int num_slots, int num_slices, T* __restrict__ zero_y,
-                    int row_width) {
-  allow_dependent_launch();  // every shrink block has started: the expand grid may fill the free multiprocessors
+__device__ __forceinline__ void shrink_at(const T* __restrict__ x, const T* __restrict__ pool,
+                                          const int64_t* __restrict__ a_offsets, const int32_t* __restrict__ lora_ranks,
+                                          const int32_t* __restrict__ sorted_token_ids,
+                                          const int32_t* __restrict__ sorted_slots, float* __restrict__ v_partial,
+                                          int num_tokens, int hidden_in, int max_rank, int num_slots, int num_slices,
+                                          int position, Chunk& chunk) {
   constexpr int kVec = Vec<T>::kSize;
-  if (zero_y != nullptr) {  // y is written, not added to: zero row blockIdx.x, a share per block of the position
-    const int row_vectors = row_width / kVec;
-    const int blocks = gridDim.y * gridDim.z, block = blockIdx.z * gridDim.y + blockIdx.y;
-    const int first = row_vectors * block / blocks, last = row_vectors * (block + 1) / blocks;
-    uint4* row = reinterpret_cast<uint4*>(zero_y + static_cast<size_t>(blockIdx.x) * row_width);
-    for (int i = first + threadIdx.x; i < last; i += kThreads) row[i] = make_uint4(0, 0, 0, 0);
-  }
-  const int output = blockIdx.z;
-  a_offsets += static_cast<size_t>(output) * num_slots;
-  lora_ranks += static_cast<size_t>(output) * num_slots;
-  v_partial += static_cast<size_t>(output) * num_slices * num_tokens * max_rank;
   extern __shared__ uint4 smem_vectors[];
   uint4* a_shared = smem_vectors;
   uint4* x_shared = smem_vectors + kPieces * 32;
-  __shared__ Chunk chunk;
-  const int position = blockIdx.x;
   find_chunk(sorted_token_ids, sorted_slots, lora_ranks, a_offsets, nullptr, num_tokens, num_slots, max_rank, position,
              chunk);
   const int size = chunk.size;
@@ -144,6 +145,35 @@ shrink_chunk_kernel(const T* __restrict__ x, const T* __restrict__ pool, const i
   }
 }
 
+// Grid (X, K slices / kGroup, G). Without a position list, X = T, a block per position; with one (the short-run
+// half of a split call), X is a few waves of blocks that walk it (walk_positions), so the positions outside the list
+// (long runs, base tokens) cost no block. A call that writes y (zero_y set) has no list: block x zeroes row x.
+template <typename T, int kGroup>
+__global__ void __launch_bounds__(kThreads, 4)
+shrink_chunk_kernel(const T* __restrict__ x, const T* __restrict__ pool, const int64_t* __restrict__ a_offsets,
+                    const int32_t* __restrict__ lora_ranks, const int32_t* __restrict__ sorted_token_ids,
+                    const int32_t* __restrict__ sorted_slots, const int32_t* __restrict__ positions,
+                    float* __restrict__ v_partial, int num_tokens, int hidden_in, int max_rank, int num_slots,
+                    int num_slices, T* __restrict__ zero_y, int row_width) {
+  allow_dependent_launch();  // every shrink block has started: the expand grid may fill the free multiprocessors
+  if (zero_y != nullptr) {  // y is written, not added to: zero row blockIdx.x, a share per block of the position
+    const int row_vectors = row_width / Vec<T>::kSize;
+    const int blocks = gridDim.y * gridDim.z, block = blockIdx.z * gridDim.y + blockIdx.y;
+    const int first = row_vectors * block / blocks, last = row_vectors * (block + 1) / blocks;
+    uint4* row = reinterpret_cast<uint4*>(zero_y + static_cast<size_t>(blockIdx.x) * row_width);
+    for (int i = first + threadIdx.x; i < last; i += kThreads) row[i] = make_uint4(0, 0, 0, 0);
+  }
+  const int output = blockIdx.z;
+  a_offsets += static_cast<size_t>(output) * num_slots;
+  lora_ranks += static_cast<size_t>(output) * num_slots;
+  v_partial += static_cast<size_t>(output) * num_slices * num_tokens * max_rank;
+  __shared__ Chunk chunk;
+  walk_positions(positions, num_tokens, [&](int position) {
+    shrink_at<T, kGroup>(x, pool, a_offsets, lora_ranks, sorted_token_ids, sorted_slots, v_partial, num_tokens,
+                         hidden_in, max_rank, num_slots, num_slices, position, chunk);
+  });
+}
+
 // The expand's Bt tiles in 16-byte vectors: one buffer of up to kTileRanks rank rows (two when the rank needs more),
 // and at least room for the warps' fp32 sums (up to 8 per lane), which reuse it at the end.
 __host__ __device__ constexpr int expand_tile_vectors(int max_rank, int group) {
@@ -152,7 +182,8 @@ __host__ __device__ constexpr int expand_tile_vectors(int max_rank, int group) {
   return tiles > kWarps * 32 * 2 ? tiles : kWarps * 32 * 2;
 }
 
-// y[token(p), n] += sum_{r < rank} Bt_s[r, n] * v[p, r] for the chunk's positions p, v[p, r] = sum over slices of
+// y[token(p), n] += sum_{r < rank} Bt_s[r, n] * v[p, r] for the positions p of the chunk that starts at sorted
+// position `position` (none: nothing), v[p, r] = sum over slices of
 // v_partial; n runs over output blockIdx.z's columns of y. The block takes kGroup consecutive column chunks of
 // 32 x 16 bytes. Work items are (token, column chunk) pairs, each lane a 16-byte run of outputs: with 8 items or
 // more, warp w owns items w and w + 8; with fewer, each item has several warps, each taking every split-th rank row.
@@ -160,26 +191,16 @@ __host__ __device__ constexpr int expand_tile_vectors(int max_rank, int group) {
 // (16-byte vectors), then v [kChunk][max_rank] fp32. Two buffers only when the rank needs more than one tile (kGroup
 // > 1 needs rank <= 32).
 template <typename T, int kGroup>
-__global__ void __launch_bounds__(kThreads, 4)
-expand_chunk_kernel(T* __restrict__ y, const T* __restrict__ pool, const int64_t* __restrict__ b_offsets,
-                    const int32_t* __restrict__ lora_ranks, const int32_t* __restrict__ sorted_token_ids,
-                    const int32_t* __restrict__ sorted_slots, const float* __restrict__ v_partial,
-                    int num_tokens, const __grid_constant__ OutputColumns columns, int max_rank, int num_slots,
-                    int num_slices,
-                    bool accumulate) {
+__device__ __forceinline__ void expand_at(T* __restrict__ y, const T* __restrict__ pool,
+                                          const int64_t* __restrict__ b_offsets,
+                                          const int32_t* __restrict__ lora_ranks,
+                                          const int32_t* __restrict__ sorted_token_ids,
+                                          const int32_t* __restrict__ sorted_slots,
+                                          const float* __restrict__ v_partial, int num_tokens, int hidden_out,
+                                          size_t row_width, int col0, int max_rank, int num_slots, int num_slices,
+                                          bool accumulate, int position, Chunk& chunk) {
   constexpr int kVec = Vec<T>::kSize;
   extern __shared__ uint4 smem_vectors[];
-  __shared__ Chunk chunk;
-  const int output = blockIdx.z;
-  const int hidden_out = columns.begin[output + 1] - columns.begin[output];
-  const int col0 = blockIdx.y * kGroup * slice_elems<T>();
-  if (col0 >= hidden_out) return;  // the grid covers the widest output of a group
-  const size_t row_width = columns.begin[columns.count];
-  y += columns.begin[output];
-  b_offsets += static_cast<size_t>(output) * num_slots;
-  lora_ranks += static_cast<size_t>(output) * num_slots;
-  v_partial += static_cast<size_t>(output) * num_slices * num_tokens * max_rank;
-  const int position = blockIdx.x;
   find_chunk(sorted_token_ids, sorted_slots, lora_ranks, nullptr, b_offsets, num_tokens, num_slots, max_rank, position,
              chunk);
   const int size = chunk.size;
@@ -314,6 +335,30 @@ expand_chunk_kernel(T* __restrict__ y, const T* __restrict__ pool, const int64_t
   }
 }
 
+// Grid (X, column chunks / kGroup, G), X and the position list as for the shrink.
+template <typename T, int kGroup>
+__global__ void __launch_bounds__(kThreads, 4)
+expand_chunk_kernel(T* __restrict__ y, const T* __restrict__ pool, const int64_t* __restrict__ b_offsets,
+                    const int32_t* __restrict__ lora_ranks, const int32_t* __restrict__ sorted_token_ids,
+                    const int32_t* __restrict__ sorted_slots, const int32_t* __restrict__ positions,
+                    const float* __restrict__ v_partial, int num_tokens, const __grid_constant__ OutputColumns columns,
+                    int max_rank, int num_slots, int num_slices, bool accumulate) {
+  const int output = blockIdx.z;
+  const int hidden_out = columns.begin[output + 1] - columns.begin[output];
+  const int col0 = blockIdx.y * kGroup * slice_elems<T>();
+  if (col0 >= hidden_out) return;  // the grid covers the widest output of a group
+  const size_t row_width = columns.begin[columns.count];
+  y += columns.begin[output];
+  b_offsets += static_cast<size_t>(output) * num_slots;
+  lora_ranks += static_cast<size_t>(output) * num_slots;
+  v_partial += static_cast<size_t>(output) * num_slices * num_tokens * max_rank;
+  __shared__ Chunk chunk;
+  walk_positions(positions, num_tokens, [&](int position) {
+    expand_at<T, kGroup>(y, pool, b_offsets, lora_ranks, sorted_token_ids, sorted_slots, v_partial, num_tokens,
+                         hidden_out, row_width, col0, max_rank, num_slots, num_slices, accumulate, position, chunk);
+  });
+}
+
 int num_slices_for(const PunicaLoraProblem& p) {
   const int slice = p.dtype == PUNICA_FLOAT32 ? slice_elems<float>() : slice_elems<__half>();
   return (p.hidden_in + slice - 1) / slice;
@@ -335,18 +380,29 @@ size_t expand_smem_bytes(int max_rank, int group) {
          static_cast<size_t>(kChunk) * max_rank * sizeof(float);
 }
 
+// The grid's x extent: one block per position, or with a position list two waves of resident blocks (the launch
+// bounds' 4 per multiprocessor) over the other extents, which walk the list.
+dim3 walking_grid(const PunicaLoraProblem& p, const int32_t* positions, int blocks_y) {
+  int blocks_x = p.num_tokens;
+  if (positions != nullptr) {
+    const int per_x = blocks_y * p.num_outputs;
+    blocks_x = std::max(1, std::min(p.num_tokens, (2 * 4 * p.num_sms + per_x - 1) / per_x));
+  }
+  return dim3(blocks_x, blocks_y, p.num_outputs);
+}
+
 template <typename T, int kGroup>
-cudaError_t launch_shrink(const PunicaLoraProblem& p, float* v_partial, int num_slices, cudaStream_t stream) {
+cudaError_t launch_shrink(const PunicaLoraProblem& p, const int32_t* positions, float* v_partial, int num_slices,
+                          cudaStream_t stream) {
   const size_t smem = static_cast<size_t>(kPieces + kChunk * kGroup) * 32 * sizeof(uint4);
   static DynamicSmemLimit smem_limit;
   const cudaError_t err =
       smem_limit.ensure(reinterpret_cast<const void*>(shrink_chunk_kernel<T, kGroup>), p.device, smem);
   if (err != cudaSuccess) return err;
-  return launch_kernel(shrink_chunk_kernel<T, kGroup>,
-                       dim3(p.num_tokens, (num_slices + kGroup - 1) / kGroup, p.num_outputs), dim3(kThreads), smem,
-                       stream, LaunchOptions{}, static_cast<const T*>(p.x), static_cast<const T*>(p.pool),
-                       p.a_offsets, p.lora_ranks, p.sorted_token_ids, p.sorted_slots, v_partial, p.num_tokens,
-                       p.hidden_in, p.max_rank, p.num_slots, num_slices,
+  return launch_kernel(shrink_chunk_kernel<T, kGroup>, walking_grid(p, positions, (num_slices + kGroup - 1) / kGroup),
+                       dim3(kThreads), smem, stream, LaunchOptions{}, static_cast<const T*>(p.x),
+                       static_cast<const T*>(p.pool), p.a_offsets, p.lora_ranks, p.sorted_token_ids, p.sorted_slots,
+                       positions, v_partial, p.num_tokens, p.hidden_in, p.max_rank, p.num_slots, num_slices,
                        p.accumulate ? static_cast<T*>(nullptr) : static_cast<T*>(p.y), p.hidden_out);
 }
 
@@ -357,34 +413,35 @@ int widest_col_chunks(const PunicaLoraProblem& p) {
 }
 
 template <typename T, int kGroup>
-cudaError_t launch_expand(const PunicaLoraProblem& p, const float* v_partial, int num_slices, cudaStream_t stream) {
+cudaError_t launch_expand(const PunicaLoraProblem& p, const int32_t* positions, const float* v_partial,
+                          int num_slices, cudaStream_t stream) {
   const size_t smem = expand_smem_bytes(p.max_rank, kGroup);
   static DynamicSmemLimit smem_limit;
   const cudaError_t err =
       smem_limit.ensure(reinterpret_cast<const void*>(expand_chunk_kernel<T, kGroup>), p.device, smem);
   if (err != cudaSuccess) return err;
   return launch_kernel(expand_chunk_kernel<T, kGroup>,
-                       dim3(p.num_tokens, (widest_col_chunks<T>(p) + kGroup - 1) / kGroup, p.num_outputs),
-                       dim3(kThreads), smem, stream, LaunchOptions{p.programmatic_launch != 0}, static_cast<T*>(p.y),
+                       walking_grid(p, positions, (widest_col_chunks<T>(p) + kGroup - 1) / kGroup), dim3(kThreads),
+                       smem, stream, LaunchOptions{p.programmatic_launch != 0}, static_cast<T*>(p.y),
                        static_cast<const T*>(p.pool), p.b_offsets, p.lora_ranks, p.sorted_token_ids, p.sorted_slots,
-                       v_partial, p.num_tokens, output_columns_of(p), p.max_rank, p.num_slots, num_slices,
+                       positions, v_partial, p.num_tokens, output_columns_of(p), p.max_rank, p.num_slots, num_slices,
                        p.accumulate != 0);
 }
 
 template <typename T>
-cudaError_t launch(const PunicaLoraProblem& p, float* v_partial, cudaStream_t stream) {
+cudaError_t launch(const PunicaLoraProblem& p, const int32_t* positions, float* v_partial, cudaStream_t stream) {
   const int num_slices = num_slices_for(p);
   cudaError_t err;
   switch (group_for(p.max_rank, num_slices)) {
-    case 4: err = launch_shrink<T, 4>(p, v_partial, num_slices, stream); break;
-    case 2: err = launch_shrink<T, 2>(p, v_partial, num_slices, stream); break;
-    default: err = launch_shrink<T, 1>(p, v_partial, num_slices, stream); break;
+    case 4: err = launch_shrink<T, 4>(p, positions, v_partial, num_slices, stream); break;
+    case 2: err = launch_shrink<T, 2>(p, positions, v_partial, num_slices, stream); break;
+    default: err = launch_shrink<T, 1>(p, positions, v_partial, num_slices, stream); break;
   }
   if (err != cudaSuccess) return err;
   switch (group_for(p.max_rank, widest_col_chunks<T>(p))) {
-    case 4: return launch_expand<T, 4>(p, v_partial, num_slices, stream);
-    case 2: return launch_expand<T, 2>(p, v_partial, num_slices, stream);
-    default: return launch_expand<T, 1>(p, v_partial, num_slices, stream);
+    case 4: return launch_expand<T, 4>(p, positions, v_partial, num_slices, stream);
+    case 2: return launch_expand<T, 2>(p, positions, v_partial, num_slices, stream);
+    default: return launch_expand<T, 1>(p, positions, v_partial, num_slices, stream);
   }
 }
 
@@ -395,11 +452,13 @@ size_t punica_per_token_workspace_floats(const PunicaLoraProblem& p) {
   return static_cast<size_t>(punica::num_slices_for(p)) * p.num_tokens * p.max_rank * p.num_outputs;
 }
 
-cudaError_t punica_per_token_launch(const PunicaLoraProblem& p, float* workspace, cudaStream_t stream) {
+cudaError_t punica_per_token_launch(const PunicaLoraProblem& p, const int32_t* positions, float* workspace,
+                                    cudaStream_t stream) {
+  if (positions != nullptr && !p.accumulate) return cudaErrorInvalidValue;  // a written y needs every row's block
   switch (p.dtype) {
-    case PUNICA_FLOAT32: return punica::launch<float>(p, workspace, stream);
-    case PUNICA_FLOAT16: return punica::launch<__half>(p, workspace, stream);
-    case PUNICA_BFLOAT16: return punica::launch<__nv_bfloat16>(p, workspace, stream);
+    case PUNICA_FLOAT32: return punica::launch<float>(p, positions, workspace, stream);
+    case PUNICA_FLOAT16: return punica::launch<__half>(p, positions, workspace, stream);
+    case PUNICA_BFLOAT16: return punica::launch<__nv_bfloat16>(p, positions, workspace, stream);
   }
   return cudaErrorInvalidValue;
 }

@@ -176,10 +176,12 @@ void run(const PunicaLoraProblem& problem, const at::Tensor& y) {
 // y [..., H_out] += per-token LoRA of x [..., H_in] (T tokens in the leading dimensions); tables [S].
 // long_run_slots / short_run_slots [T] split the positions between the tiled and per-token kernels where the
 // tiled path runs; short_runs false: the tiled kernels serve every position (the split's tables are not read).
+// short_run_positions [T] lists the short runs' positions (punica_lora.h), read where short_run_list is set too.
 void lora_add(at::Tensor y, const at::Tensor& x, const at::Tensor& pool, const at::Tensor& a_offsets,
               const at::Tensor& b_offsets, const at::Tensor& lora_ranks, const at::Tensor& sorted_token_ids,
               const at::Tensor& sorted_slots, const at::Tensor& long_run_slots, const at::Tensor& short_run_slots,
-              int64_t max_rank, bool programmatic_launch, bool fused, bool short_runs) {
+              const at::Tensor& short_run_positions, int64_t max_rank, bool programmatic_launch, bool fused,
+              bool short_runs, bool short_run_list) {
   TORCH_CHECK_VALUE(y.dim() >= 2 && lora_ranks.dim() == 1,
                     "punica_hf::lora_add: expected y [..., H_out] and lora_ranks 1-D");
   const int64_t hidden_out = y.size(-1);
@@ -191,6 +193,10 @@ void lora_add(at::Tensor y, const at::Tensor& x, const at::Tensor& pool, const a
     check_table(kAdd, short_run_slots, "short_run_slots", at::kInt, {problem.num_tokens}, y);
     problem.long_run_slots = long_run_slots.data_ptr<int32_t>();
     problem.short_run_slots = short_run_slots.data_ptr<int32_t>();
+    if (short_run_list) {  // entries outside [0, T) end the kernels' walk: never read out of bounds
+      check_table(kAdd, short_run_positions, "short_run_positions", at::kInt, {problem.num_tokens}, y);
+      problem.short_run_positions = short_run_positions.data_ptr<int32_t>();
+    }
   }
   const c10::cuda::CUDAGuard device_guard(y.device());
   run(problem, y);
@@ -313,8 +319,9 @@ TORCH_LIBRARY(punica_hf, m) {
   // constants of a compiled graph, so a change recompiles rather than silently keeping the old choice.
   m.def(
       "lora_add(Tensor(a!) y, Tensor x, Tensor pool, Tensor a_offsets, Tensor b_offsets, Tensor lora_ranks, "
-      "Tensor sorted_token_ids, Tensor sorted_slots, Tensor long_run_slots, Tensor short_run_slots, int max_rank, "
-      "bool programmatic_launch, bool fused, bool short_runs) -> ()");
+      "Tensor sorted_token_ids, Tensor sorted_slots, Tensor long_run_slots, Tensor short_run_slots, "
+      "Tensor short_run_positions, int max_rank, bool programmatic_launch, bool fused, bool short_runs, "
+      "bool short_run_list) -> ()");
   m.def(
       "lora_delta(Tensor x, Tensor pool, Tensor a_offsets, Tensor b_offsets, Tensor lora_ranks, "
       "Tensor sorted_token_ids, Tensor sorted_slots, int[] out_features, int max_rank, bool programmatic_launch, "

@@ -25,6 +25,7 @@ from punica_hf import MultiLoraModel
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from bench_generate import StepTimer, build_llama, factor_bytes, llama_config, random_adapter  # noqa: E402
 from bench_step_lora import CALLS, lora_floor_bytes  # noqa: E402
+from profile_engine_steps import kinds_of  # noqa: E402
 from thread_profile import cpu_of_tree, cpu_shares, descendants_of, summarize  # noqa: E402
 
 
@@ -490,3 +491,22 @@ def test_step_floors_count_the_bytes_and_flops_of_the_models_shapes():
     assert floors.against_floor(step, {"floor_ms": 2.0})["ratio"] == 3.0
     assert floors.against_floor(step, {"floor_ms": 2.0})["device_ratio"] == 1.5
     assert floors.against_floor(step, None) is None
+
+
+def test_profile_tells_a_tiled_calls_per_token_kernels_from_decode_sized_calls():
+    """A split tiled call launches its tiled kernels, then its per-token shrink and expand (whose walking grid may
+    be as small as a decode call's): those two count as the tiled call's, per-token kernels after anything else as
+    decode-sized calls; another stream's kernels in between do not end a call."""
+    names = ["nvjet_gemm", "shrink_tiled_kernel<bf16>", "expand_tiled_kernel<bf16>", "shrink_chunk_kernel<bf16, 1>",
+             "expand_chunk_kernel<bf16, 1>", "shrink_chunk_kernel<bf16, 4>", "expand_chunk_kernel<bf16, 4>",
+             "shrink_tiled_kernel<bf16>", "expand_tiled_kernel<bf16>", "rms_norm", "shrink_chunk_kernel<bf16, 1>",
+             "paged_attention", "fused_chunk_kernel<bf16>"]
+    events = [{"name": name, "ts": ts, "tid": 7} for ts, name in enumerate(names)]
+    events.insert(3, {"name": "index_copy", "ts": 2.5, "tid": 9})  # a side stream's kernel between the halves
+    events.sort(key=lambda e: (str(e["tid"]), e["ts"]))
+    kinds = dict(zip(((e["tid"], e["ts"]) for e in events), kinds_of(events)))
+    tiled, decode = "lora per-token, in tiled calls", "lora per-token, decode-sized calls"
+    expected = ["gemm", "lora tiled", "lora tiled", tiled, tiled, decode, decode, "lora tiled", "lora tiled", "other",
+                decode, "attention", decode]
+    assert [kinds[(7, ts)] for ts in range(len(names))] == expected
+    assert kinds[(9, 2.5)] == "other"

@@ -51,6 +51,12 @@ def test_segments_split_positions_by_the_size_of_their_run():
         is_long = slot in (5, 9)
         assert long_slot == (slot if is_long else -1) and short_slot == (-1 if is_long else slot)
     assert segments.long_run_slots.dtype == segments.short_run_slots.dtype == torch.int32
+    # The list the per-token kernels walk: exactly the short positions, in increasing order, then T to the end.
+    short_positions = [p for p, slot in enumerate(short_run) if slot >= 0]
+    assert short_positions == [p for p in range(len(sorted_slots)) if sorted_slots[p] not in (-1, 5, 9)]
+    padding = [slots.numel()] * (slots.numel() - len(short_positions))
+    assert segments.short_run_positions.tolist() == short_positions + padding
+    assert segments.short_run_positions.dtype == torch.int32
 
 
 def test_segments_to_moves_every_tensor():
@@ -216,7 +222,8 @@ def test_op_schemas_carry_the_kernel_choices_and_the_fakes_mirror_them(monkeypat
     nothing the kernels do not read, and each fake implementation (what torch.compile traces) takes exactly the
     schema's arguments."""
     schemas = _op_schemas()
-    assert schemas["lora_add"][-4:] == ["max_rank", "programmatic_launch", "fused", "short_runs"]
+    assert schemas["lora_add"][-6:] == ["short_run_positions", "max_rank", "programmatic_launch", "fused", "short_runs",
+                                        "short_run_list"]
     assert schemas["lora_delta"][-3:] == ["max_rank", "programmatic_launch", "fused"]
     assert schemas["paged_attention"][-2:] == ["scale", "splits"]
     assert not {"segment_starts", "segment_slots"} & set(schemas["lora_add"])
@@ -248,7 +255,7 @@ def test_cuda_backend_passes_its_kernel_config_to_every_call(monkeypatch):
     backend.lora_add(torch.zeros(2, 16), torch.zeros(2, 8), torch.zeros(64), *tables, segments, 4)
     grouped = tuple(table.expand(2, 2).contiguous() for table in tables)
     backend.lora_delta(torch.zeros(2, 8), torch.zeros(64), *grouped, segments, 4, [8, 8])
-    assert add_op.calls[0][-4:] == (4, False, True, False)
+    assert add_op.calls[0][-5:] == (4, False, True, False, True)
     assert [8, 8] in delta_op.calls[0] and delta_op.calls[0][-3:] == (4, False, True)
     assert not backend.takes_unchecked(torch.float64, 8, 8, 4) and backend.takes_unchecked(torch.float32, 8, 16, 4)
 

@@ -22,11 +22,15 @@ class KernelConfig:
             kernel instead of a shrink and an expand launch.
         short_runs: where the tiled tensor-core path runs (prefill sizes), slots with few tokens go to the
             per-token kernels instead (a tiled block would make one pass per such slot).
+        short_run_list: with ``short_runs``, the per-token kernels walk the list of those slots' positions in a grid
+            of a few waves, instead of launching a block for every position of the call (in a mixed step most
+            positions are prefill tokens, which the tiled kernels serve).
     """
 
     programmatic_launch: bool = True
     fused: bool = True
     short_runs: bool = True
+    short_run_list: bool = True
 
     def __post_init__(self) -> None:
         for field in fields(self):

@@ -144,7 +144,8 @@ def _kernels_available() -> bool:
 def _register_fake() -> None:
     @torch.library.register_fake("punica_hf::lora_add")
     def _lora_add_fake(y, x, pool, a_offsets, b_offsets, lora_ranks, sorted_token_ids, sorted_slots, long_run_slots,
-                       short_run_slots, max_rank, programmatic_launch, fused, short_runs) -> None:
+                       short_run_slots, short_run_positions, max_rank, programmatic_launch, fused, short_runs,
+                       short_run_list) -> None:
         return None
 
     @torch.library.register_fake("punica_hf::lora_delta")
@@ -198,7 +199,8 @@ class CudaLoraBackend:
     ``max_rank`` and ``kernels`` only: per-token chunks for T <= 256 or fp32 (one launch of a thread-block cluster
     kernel on sm_90 where the factor slices fit shared memory, else a shrink and an expand launch), segment-tiled
     tensor cores above, for the slots with more than ``SHORT_RUN_TOKENS`` tokens (the per-token kernels take the
-    others). ``lora_delta`` runs the per-token kernels at every ``T`` (grouping pays at decode sizes).
+    others, walking ``segments.short_run_positions``). ``lora_delta`` runs the per-token kernels at every ``T``
+    (grouping pays at decode sizes).
 
     The checked entries raise ValueError naming the problem. The ``*_unchecked`` ones skip the Python checks: an
     eager forward makes one call per targeted module and spends its time on the host, so the hooks check the static
@@ -237,8 +239,8 @@ class CudaLoraBackend:
         dimensions (``[..., H]``, contiguous), which the binding flattens."""
         kernels = self.kernels
         _op(y, x, pool, a_offsets, b_offsets, lora_ranks, segments.sorted_token_ids, segments.sorted_slots,
-            segments.long_run_slots, segments.short_run_slots, max_rank, kernels.programmatic_launch, kernels.fused,
-            kernels.short_runs)
+            segments.long_run_slots, segments.short_run_slots, segments.short_run_positions, max_rank,
+            kernels.programmatic_launch, kernels.fused, kernels.short_runs, kernels.short_run_list)
 
     def lora_delta(self, x: torch.Tensor, pool: torch.Tensor, a_offsets: torch.Tensor, b_offsets: torch.Tensor,
                    lora_ranks: torch.Tensor, segments: LoraSegments, max_rank: int,

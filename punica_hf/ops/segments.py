@@ -28,6 +28,8 @@ class LoraSegments:
             none): the CUDA kernels find a position's adapter with one load instead of a chain of two.
         long_run_slots, short_run_slots: ``[T]`` int32, ``sorted_slots`` split by the size of each position's
             slot run: above ``SHORT_RUN_TOKENS`` tokens in the first, the others in the second, -1 elsewhere.
+        short_run_positions: ``[T]`` int32, the positions ``p`` with ``short_run_slots[p] >= 0`` in increasing
+            order, then ``T`` to the end: the per-token kernels of a tiled call walk it instead of every position.
         num_slots: ``S``.
     """
 
@@ -36,6 +38,7 @@ class LoraSegments:
     sorted_slots: torch.Tensor
     long_run_slots: torch.Tensor
     short_run_slots: torch.Tensor
+    short_run_positions: torch.Tensor
     num_slots: int
 
     @property
@@ -50,6 +53,7 @@ class LoraSegments:
             sorted_slots=self.sorted_slots.to(device),
             long_run_slots=self.long_run_slots.to(device),
             short_run_slots=self.short_run_slots.to(device),
+            short_run_positions=self.short_run_positions.to(device),
             num_slots=self.num_slots,
         )
 
@@ -66,11 +70,16 @@ def build_segments(token_slots: torch.Tensor, num_slots: int) -> LoraSegments:
     tokens_per_key.scatter_add_(0, sort_key, torch.ones_like(sort_key))
     sorted_slots = torch.where(sorted_keys < num_slots, sorted_keys, -1).to(torch.int32)
     long_run = tokens_per_key[sorted_keys] > SHORT_RUN_TOKENS
+    short_run_slots = torch.where(long_run, -1, sorted_slots)
+    # A fixed-size list (no sync): the short positions keep their index as key, the others sort last with key T.
+    positions = torch.arange(slots.shape[0], dtype=torch.int32, device=token_slots.device)
+    short_run_positions = torch.where(short_run_slots >= 0, positions, slots.shape[0]).sort().values
     return LoraSegments(
         token_slots=slots.to(torch.int32),
         sorted_token_ids=sorted_token_ids.to(torch.int32),
         sorted_slots=sorted_slots,
         long_run_slots=torch.where(long_run, sorted_slots, -1),
-        short_run_slots=torch.where(long_run, -1, sorted_slots),
+        short_run_slots=short_run_slots,
+        short_run_positions=short_run_positions,
         num_slots=num_slots,
     )

@@ -539,20 +539,45 @@ def test_decode_call_takes_the_fused_path_where_it_fits(setting, num_tokens, hid
     _assert_matches(y, y_in, expected, slots, tables.ranks, torch.bfloat16, f"seed {seed}")
 
 
-@pytest.mark.parametrize("setting", ["1", "0"], ids=["split", "all_tiled"])
+@pytest.mark.parametrize("setting", ["list", "grid", "all_tiled"])
 def test_a_mixed_step_call_splits_its_positions_between_the_paths(setting):
     """Above 256 tokens, the slots with more than ``SHORT_RUN_TOKENS`` tokens (prefill chunks) run on the tiled
-    kernels and the others (decode tokens) on the per-token ones; ``KernelConfig(short_runs=False)`` runs every
+    kernels and the others (decode tokens) on the per-token ones, which walk the list of their positions
+    (``short_run_list``) or launch a block per position of the call; ``KernelConfig(short_runs=False)`` runs every
     position tiled. Each computes the right thing."""
-    kernels = KernelConfig(short_runs=setting == "1", fused=False)
+    kernels = KernelConfig(short_runs=setting != "all_tiled", short_run_list=setting == "list", fused=False)
     seed = secrets.randbits(31)
     y, x, pool, (tables,), slots = _problem(900, 4096, 14336, 16, 64, "mixed_step", "full", torch.bfloat16, seed)
     y_in = y.clone()
     expected = _reference(y, x, pool, tables, slots, 16)
     names = " ".join(_kernel_names(lambda: _run(y, x, pool, tables, slots, 16, kernels)))
     assert "shrink_tiled_kernel" in names and "expand_tiled_kernel" in names, names
-    assert ("shrink_chunk_kernel" in names) == (setting == "1"), names
+    assert ("shrink_chunk_kernel" in names) == (setting != "all_tiled"), names
     _assert_matches(y, y_in, expected, slots, tables.ranks, torch.bfloat16, f"seed {seed}")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("max_rank, hidden_in, hidden_out", [(16, 4096, 14336), (64, 14336, 4096), (8, 1000, 1008)])
+def test_walking_the_short_run_list_changes_nothing(max_rank, hidden_in, hidden_out, dtype):
+    """The per-token kernels of a split call give the same bits whether a few waves of blocks walk the list of the
+    short runs' positions or a block serves each position of the call, and both match the reference. A third of
+    the call's 2,400 tokens are short runs over 300 slots, far more list entries than walking blocks: every block
+    walks many entries, past prefill runs and base tokens between them."""
+    seed = secrets.randbits(31)
+    gen = torch.Generator().manual_seed(seed)
+    y, x, pool, (tables,), _ = _problem(2400, hidden_in, hidden_out, max_rank, 300, "none", "mixed_rank0", dtype,
+                                        seed)
+    decode = torch.randint(-1, 300, (800,), generator=gen)  # about 2.7 tokens per slot, some base tokens
+    prefill = torch.repeat_interleave(torch.randint(0, 300, (4,), generator=gen), torch.tensor([700, 500, 300, 100]))
+    slots = torch.cat([decode, prefill])[torch.randperm(2400, generator=gen)].to(torch.int32).cuda()
+    outputs = []
+    for short_run_list in (True, False):
+        out = y.clone()
+        _run(out, x, pool, tables, slots, max_rank, KernelConfig(short_run_list=short_run_list))
+        outputs.append(out)
+    assert torch.equal(outputs[0], outputs[1]), f"seed {seed}"
+    expected = _reference(y, x, pool, tables, slots, max_rank)
+    _assert_matches(outputs[0], y, expected, slots, tables.ranks, dtype, f"seed {seed}")
 
 
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] < 9, reason="needs sm_90")
