@@ -34,7 +34,8 @@ size_t per_token_workspace_floats(const PunicaLoraProblem& p) {
 }
 
 cudaError_t per_token_launch(const PunicaLoraProblem& p, float* workspace, cudaStream_t stream) {
-  return punica_fused_fits(p) ? punica_fused_launch(p, stream) : punica_per_token_launch(p, nullptr, workspace, stream);
+  if (punica_fused_fits(p)) return punica_fused_launch(p, stream);
+  return punica_per_token_launch(p, p.chunk_starts, workspace, stream);
 }
 
 }  // namespace
@@ -59,8 +60,7 @@ extern "C" cudaError_t punica_lora_add(const PunicaLoraProblem* problem, float* 
   const cudaError_t err = punica_tiled_launch(tiled, workspace, stream);
   if (err != cudaSuccess) return err;
   // Disjoint rows of y, one launch after the other: the per-token kernels start once the tiled ones are done. Above
-  // kPerTokenMaxTokens the fused kernel never takes a call, so the short half runs the two launches, over the list of
-  // its positions where the caller gave one.
+  // kPerTokenMaxTokens the fused kernel never takes a call, so the short half runs the two launches.
   float* short_workspace = workspace + punica_tiled_workspace_floats(tiled);
-  return punica_per_token_launch(short_runs(p), p.short_run_positions, short_workspace, stream);
+  return punica_per_token_launch(short_runs(p), p.short_run_chunk_starts, short_workspace, stream);
 }

@@ -47,8 +47,8 @@ __device__ __forceinline__ uint4 load_shared_16(const uint4* ptr) {
 }
 
 // Runs serve(position) for each sorted position this block serves, with a barrier after each (the block's shared
-// memory is reused for the next). Without a list (positions null) block x serves position x. With one (ascending
-// positions, then num_tokens), block x serves entries x, x + gridDim.x, ... up to the first value outside [0, T).
+// memory is reused for the next). Without a list (positions null) block x serves position x. With one (chunk starts
+// ascending, then num_tokens), block x serves entries x, x + gridDim.x, ... up to the first value outside [0, T).
 template <typename Serve>
 __device__ __forceinline__ void walk_positions(const int32_t* __restrict__ positions, int num_tokens, Serve serve) {
   for (int entry = blockIdx.x; entry < num_tokens; entry += gridDim.x) {
@@ -145,9 +145,8 @@ __device__ __forceinline__ void shrink_at(const T* __restrict__ x, const T* __re
   }
 }
 
-// Grid (X, K slices / kGroup, G). Without a position list, X = T, a block per position; with one (the short-run
-// half of a split call), X is a few waves of blocks that walk it (walk_positions), so the positions outside the list
-// (long runs, base tokens) cost no block. A call that writes y (zero_y set) has no list: block x zeroes row x.
+// Grid (X, K slices / kGroup, G). Without a chunk-start list, X = T, a block per position; with one, X is a few waves
+// of blocks that walk it (walk_positions), so the positions that start no chunk cost no block.
 template <typename T, int kGroup>
 __global__ void __launch_bounds__(kThreads, 4)
 shrink_chunk_kernel(const T* __restrict__ x, const T* __restrict__ pool, const int64_t* __restrict__ a_offsets,
@@ -156,12 +155,14 @@ shrink_chunk_kernel(const T* __restrict__ x, const T* __restrict__ pool, const i
                     float* __restrict__ v_partial, int num_tokens, int hidden_in, int max_rank, int num_slots,
                     int num_slices, T* __restrict__ zero_y, int row_width) {
   allow_dependent_launch();  // every shrink block has started: the expand grid may fill the free multiprocessors
-  if (zero_y != nullptr) {  // y is written, not added to: zero row blockIdx.x, a share per block of the position
+  if (zero_y != nullptr) {  // y is written, not added to: rows x, x + X, ... zeroed, a share per block of each
     const int row_vectors = row_width / Vec<T>::kSize;
     const int blocks = gridDim.y * gridDim.z, block = blockIdx.z * gridDim.y + blockIdx.y;
     const int first = row_vectors * block / blocks, last = row_vectors * (block + 1) / blocks;
-    uint4* row = reinterpret_cast<uint4*>(zero_y + static_cast<size_t>(blockIdx.x) * row_width);
-    for (int i = first + threadIdx.x; i < last; i += kThreads) row[i] = make_uint4(0, 0, 0, 0);
+    for (int r = blockIdx.x; r < num_tokens; r += gridDim.x) {
+      uint4* row = reinterpret_cast<uint4*>(zero_y + static_cast<size_t>(r) * row_width);
+      for (int i = first + threadIdx.x; i < last; i += kThreads) row[i] = make_uint4(0, 0, 0, 0);
+    }
   }
   const int output = blockIdx.z;
   a_offsets += static_cast<size_t>(output) * num_slots;
@@ -380,7 +381,7 @@ size_t expand_smem_bytes(int max_rank, int group) {
          static_cast<size_t>(kChunk) * max_rank * sizeof(float);
 }
 
-// The grid's x extent: one block per position, or with a position list two waves of resident blocks (the launch
+// The grid: one block per position along x, or with a chunk-start list two waves of resident blocks (the launch
 // bounds' 4 per multiprocessor) over the other extents, which walk the list.
 dim3 walking_grid(const PunicaLoraProblem& p, const int32_t* positions, int blocks_y) {
   int blocks_x = p.num_tokens;
@@ -454,7 +455,6 @@ size_t punica_per_token_workspace_floats(const PunicaLoraProblem& p) {
 
 cudaError_t punica_per_token_launch(const PunicaLoraProblem& p, const int32_t* positions, float* workspace,
                                     cudaStream_t stream) {
-  if (positions != nullptr && !p.accumulate) return cudaErrorInvalidValue;  // a written y needs every row's block
   switch (p.dtype) {
     case PUNICA_FLOAT32: return punica::launch<float>(p, positions, workspace, stream);
     case PUNICA_FLOAT16: return punica::launch<__half>(p, positions, workspace, stream);

@@ -41,10 +41,12 @@ typedef struct {
   // short_run_slots (the others), -1 elsewhere in each: a tiled block would make one pass per short run.
   const int32_t* long_run_slots;    // [T]
   const int32_t* short_run_slots;   // [T]
-  // Optional with the split (null: the per-token kernels launch a block per position of the call): the positions p
-  // with short_run_slots[p] >= 0 in increasing order, then num_tokens up to the end. The per-token kernels then run
-  // a grid of a few waves that walks this list: in a mixed step most positions are long runs' (prefill tokens).
-  const int32_t* short_run_positions;  // [T]
+  // Optional (null: the two-launch per-token kernels launch a block per position of the call): the sorted positions
+  // where chunks (chunks.cuh) of sorted_slots start, in increasing order, then num_tokens up to the end; the kernels
+  // then run a grid of a few waves that walks this list. short_run_chunk_starts: the same over short_run_slots, for
+  // the per-token half of a split call (in a mixed step most positions are the long runs' prefill tokens).
+  const int32_t* chunk_starts;            // [T]
+  const int32_t* short_run_chunk_starts;  // [T]
   int num_tokens, hidden_in, hidden_out, max_rank, num_slots;
   int num_outputs;                                // G, 1..PUNICA_MAX_OUTPUTS; above 1 only on the per-token path
   int accumulate;  // 1: y += updates; 0 (per-token path only): y = updates, zero where a token has none

@@ -15,7 +15,7 @@ import torch
 from punica_hf import ops
 from punica_hf.layers import LoraContext
 from punica_hf.ops import attention, cuda, torch_ops
-from punica_hf.ops.segments import build_segments
+from punica_hf.ops.segments import CHUNK_TOKENS, build_segments
 
 
 def _random_slots(num_tokens: int, num_slots: int, generator: torch.Generator) -> torch.Tensor:
@@ -36,6 +36,36 @@ def test_segments_group_every_token_with_its_slot(num_tokens, num_slots):
     assert segments.sorted_token_ids.tolist() == [token for _, token in sorted(keys)]
 
 
+def _chunk_starts_by_hand(table: list[int]) -> list[int]:
+    """Where the kernels' chunks start (csrc/chunks.cuh, find_chunk): a position with a slot whose slot differs
+    from the previous position's, or at a multiple of the chunk size; the chunk ends before the next such."""
+    starts = []
+    for p, slot in enumerate(table):
+        if slot >= 0 and (p % CHUNK_TOKENS == 0 or table[p - 1] != slot):
+            starts.append(p)
+    return starts
+
+
+def test_chunk_size_is_the_kernels():
+    """The chunk lists are built in Python for chunks the CUDA kernels define: one size in both."""
+    source = (Path(__file__).resolve().parents[1] / "csrc" / "chunks.cuh").read_text()
+    assert int(re.search(r"constexpr int kChunk = (\d+);", source).group(1)) == CHUNK_TOKENS
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_chunk_starts_of_random_steps(seed):
+    """Random slots over random sizes (one token, runs longer than a chunk, base tokens): each chunk list holds
+    exactly the positions where a chunk starts, once, in increasing order."""
+    generator = torch.Generator().manual_seed(seed)
+    count = int(torch.randint(0, 90, (1,), generator=generator))
+    slots = torch.randint(-1, 6, (count,), generator=generator)
+    segments = build_segments(slots, 6)
+    for table, starts in ((segments.sorted_slots, segments.chunk_starts),
+                          (segments.short_run_slots, segments.short_run_chunk_starts)):
+        expected = _chunk_starts_by_hand(table.tolist())
+        assert starts.tolist() == expected + [count] * (count - len(expected))
+
+
 def test_segments_split_positions_by_the_size_of_their_run():
     """A mixed step: one slot's long prefill, single decode tokens of many slots, a run of exactly the threshold,
     base tokens. Positions of runs above ``SHORT_RUN_TOKENS`` keep their slot in ``long_run_slots`` only, the
@@ -51,12 +81,11 @@ def test_segments_split_positions_by_the_size_of_their_run():
         is_long = slot in (5, 9)
         assert long_slot == (slot if is_long else -1) and short_slot == (-1 if is_long else slot)
     assert segments.long_run_slots.dtype == segments.short_run_slots.dtype == torch.int32
-    # The list the per-token kernels walk: exactly the short positions, in increasing order, then T to the end.
-    short_positions = [p for p, slot in enumerate(short_run) if slot >= 0]
-    assert short_positions == [p for p in range(len(sorted_slots)) if sorted_slots[p] not in (-1, 5, 9)]
-    padding = [slots.numel()] * (slots.numel() - len(short_positions))
-    assert segments.short_run_positions.tolist() == short_positions + padding
-    assert segments.short_run_positions.dtype == torch.int32
+    # The lists the per-token kernels walk: where their chunks of each table start, then T to the end.
+    for table, starts in ((sorted_slots, segments.chunk_starts), (short_run, segments.short_run_chunk_starts)):
+        expected = _chunk_starts_by_hand(table)
+        assert starts.tolist() == expected + [slots.numel()] * (slots.numel() - len(expected))
+        assert starts.dtype == torch.int32
 
 
 def test_segments_to_moves_every_tensor():
@@ -222,9 +251,10 @@ def test_op_schemas_carry_the_kernel_choices_and_the_fakes_mirror_them(monkeypat
     nothing the kernels do not read, and each fake implementation (what torch.compile traces) takes exactly the
     schema's arguments."""
     schemas = _op_schemas()
-    assert schemas["lora_add"][-6:] == ["short_run_positions", "max_rank", "programmatic_launch", "fused", "short_runs",
-                                        "short_run_list"]
-    assert schemas["lora_delta"][-3:] == ["max_rank", "programmatic_launch", "fused"]
+    assert schemas["lora_add"][-7:] == ["chunk_starts", "short_run_chunk_starts", "max_rank", "programmatic_launch",
+                                        "fused", "short_runs", "chunk_lists"]
+    assert schemas["lora_delta"][-5:] == ["out_features", "max_rank", "programmatic_launch", "fused", "chunk_lists"]
+    assert "chunk_starts" in schemas["lora_delta"]
     assert schemas["paged_attention"][-2:] == ["scale", "splits"]
     assert not {"segment_starts", "segment_slots"} & set(schemas["lora_add"])
     fakes = {}
@@ -256,7 +286,7 @@ def test_cuda_backend_passes_its_kernel_config_to_every_call(monkeypatch):
     grouped = tuple(table.expand(2, 2).contiguous() for table in tables)
     backend.lora_delta(torch.zeros(2, 8), torch.zeros(64), *grouped, segments, 4, [8, 8])
     assert add_op.calls[0][-5:] == (4, False, True, False, True)
-    assert [8, 8] in delta_op.calls[0] and delta_op.calls[0][-3:] == (4, False, True)
+    assert [8, 8] in delta_op.calls[0] and delta_op.calls[0][-4:] == (4, False, True, True)
     assert not backend.takes_unchecked(torch.float64, 8, 8, 4) and backend.takes_unchecked(torch.float32, 8, 16, 4)
 
 

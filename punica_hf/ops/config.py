@@ -22,15 +22,16 @@ class KernelConfig:
             kernel instead of a shrink and an expand launch.
         short_runs: where the tiled tensor-core path runs (prefill sizes), slots with few tokens go to the
             per-token kernels instead (a tiled block would make one pass per such slot).
-        short_run_list: with ``short_runs``, the per-token kernels walk the list of those slots' positions in a grid
-            of a few waves, instead of launching a block for every position of the call (in a mixed step most
-            positions are prefill tokens, which the tiled kernels serve).
+        chunk_lists: the two-launch per-token kernels run a grid of a few waves that walks the list of their chunks'
+            first positions, instead of launching a block for every position of the call (most of which start no
+            chunk: tokens sharing an adapter, base tokens, and in a mixed step the prefill tokens the tiled kernels
+            serve).
     """
 
     programmatic_launch: bool = True
     fused: bool = True
     short_runs: bool = True
-    short_run_list: bool = True
+    chunk_lists: bool = True
 
     def __post_init__(self) -> None:
         for field in fields(self):

@@ -15,6 +15,9 @@ import torch
 # run (T above their threshold): a tiled block makes one pass per slot among its 64 positions, so a tile of a mixed
 # prefill + decode step's decode tokens (one or a few per adapter) would cost a pass per token.
 SHORT_RUN_TOKENS = 16
+# Most tokens one per-token kernel block serves: kChunk of csrc/chunks.cuh (a test reads it there). A chunk starts
+# where the slot changes and at every multiple of it.
+CHUNK_TOKENS = 4
 
 
 @dataclass(frozen=True)
@@ -28,8 +31,9 @@ class LoraSegments:
             none): the CUDA kernels find a position's adapter with one load instead of a chain of two.
         long_run_slots, short_run_slots: ``[T]`` int32, ``sorted_slots`` split by the size of each position's
             slot run: above ``SHORT_RUN_TOKENS`` tokens in the first, the others in the second, -1 elsewhere.
-        short_run_positions: ``[T]`` int32, the positions ``p`` with ``short_run_slots[p] >= 0`` in increasing
-            order, then ``T`` to the end: the per-token kernels of a tiled call walk it instead of every position.
+        chunk_starts, short_run_chunk_starts: ``[T]`` int32, the sorted positions where the per-token kernels'
+            chunks of ``sorted_slots`` (of ``short_run_slots``) start, in increasing order, then ``T`` to the end:
+            the kernels walk these instead of launching a block for every position.
         num_slots: ``S``.
     """
 
@@ -38,7 +42,8 @@ class LoraSegments:
     sorted_slots: torch.Tensor
     long_run_slots: torch.Tensor
     short_run_slots: torch.Tensor
-    short_run_positions: torch.Tensor
+    chunk_starts: torch.Tensor
+    short_run_chunk_starts: torch.Tensor
     num_slots: int
 
     @property
@@ -53,7 +58,8 @@ class LoraSegments:
             sorted_slots=self.sorted_slots.to(device),
             long_run_slots=self.long_run_slots.to(device),
             short_run_slots=self.short_run_slots.to(device),
-            short_run_positions=self.short_run_positions.to(device),
+            chunk_starts=self.chunk_starts.to(device),
+            short_run_chunk_starts=self.short_run_chunk_starts.to(device),
             num_slots=self.num_slots,
         )
 
@@ -71,15 +77,23 @@ def build_segments(token_slots: torch.Tensor, num_slots: int) -> LoraSegments:
     sorted_slots = torch.where(sorted_keys < num_slots, sorted_keys, -1).to(torch.int32)
     long_run = tokens_per_key[sorted_keys] > SHORT_RUN_TOKENS
     short_run_slots = torch.where(long_run, -1, sorted_slots)
-    # A fixed-size list (no sync): the short positions keep their index as key, the others sort last with key T.
-    positions = torch.arange(slots.shape[0], dtype=torch.int32, device=token_slots.device)
-    short_run_positions = torch.where(short_run_slots >= 0, positions, slots.shape[0]).sort().values
     return LoraSegments(
         token_slots=slots.to(torch.int32),
         sorted_token_ids=sorted_token_ids.to(torch.int32),
         sorted_slots=sorted_slots,
         long_run_slots=torch.where(long_run, sorted_slots, -1),
         short_run_slots=short_run_slots,
-        short_run_positions=short_run_positions,
+        chunk_starts=_chunk_starts(sorted_slots),
+        short_run_chunk_starts=_chunk_starts(short_run_slots),
         num_slots=num_slots,
     )
+
+
+def _chunk_starts(sorted_slots: torch.Tensor) -> torch.Tensor:
+    """The positions where chunks start (slot >= 0, and a slot change or a multiple of ``CHUNK_TOKENS``), in
+    increasing order, then ``T``: a fixed-size list (no sync), the other positions sorted last with key ``T``."""
+    count = sorted_slots.shape[0]
+    positions = torch.arange(count, dtype=torch.int32, device=sorted_slots.device)
+    previous = torch.where(positions == 0, -2, sorted_slots.roll(1))
+    starts = (sorted_slots >= 0) & ((positions % CHUNK_TOKENS == 0) | (sorted_slots != previous))
+    return torch.where(starts, positions, count).sort().values

@@ -542,10 +542,10 @@ def test_decode_call_takes_the_fused_path_where_it_fits(setting, num_tokens, hid
 @pytest.mark.parametrize("setting", ["list", "grid", "all_tiled"])
 def test_a_mixed_step_call_splits_its_positions_between_the_paths(setting):
     """Above 256 tokens, the slots with more than ``SHORT_RUN_TOKENS`` tokens (prefill chunks) run on the tiled
-    kernels and the others (decode tokens) on the per-token ones, which walk the list of their positions
-    (``short_run_list``) or launch a block per position of the call; ``KernelConfig(short_runs=False)`` runs every
+    kernels and the others (decode tokens) on the per-token ones, which walk the list of their chunks
+    (``chunk_lists``) or launch a block per position of the call; ``KernelConfig(short_runs=False)`` runs every
     position tiled. Each computes the right thing."""
-    kernels = KernelConfig(short_runs=setting != "all_tiled", short_run_list=setting == "list", fused=False)
+    kernels = KernelConfig(short_runs=setting != "all_tiled", chunk_lists=setting == "list", fused=False)
     seed = secrets.randbits(31)
     y, x, pool, (tables,), slots = _problem(900, 4096, 14336, 16, 64, "mixed_step", "full", torch.bfloat16, seed)
     y_in = y.clone()
@@ -556,28 +556,61 @@ def test_a_mixed_step_call_splits_its_positions_between_the_paths(setting):
     _assert_matches(y, y_in, expected, slots, tables.ranks, torch.bfloat16, f"seed {seed}")
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("max_rank, hidden_in, hidden_out", [(16, 4096, 14336), (64, 14336, 4096), (8, 1000, 1008)])
-def test_walking_the_short_run_list_changes_nothing(max_rank, hidden_in, hidden_out, dtype):
-    """The per-token kernels of a split call give the same bits whether a few waves of blocks walk the list of the
-    short runs' positions or a block serves each position of the call, and both match the reference. A third of
-    the call's 2,400 tokens are short runs over 300 slots, far more list entries than walking blocks: every block
-    walks many entries, past prefill runs and base tokens between them."""
+def _many_chunks_slots(num_tokens: int, num_slots: int, gen: torch.Generator) -> torch.Tensor:
+    """A third of the tokens a few per slot (about 2.7) or base tokens, the rest in four prefill runs, shuffled."""
+    short = num_tokens // 3
+    rest = num_tokens - short
+    runs = [rest * 4 // 10, rest * 3 // 10, rest * 2 // 10]
+    runs = torch.tensor(runs + [rest - sum(runs)])
+    prefill = torch.repeat_interleave(torch.randint(0, num_slots, (4,), generator=gen), runs)
+    slots = torch.cat([torch.randint(-1, num_slots, (short,), generator=gen), prefill])
+    return slots[torch.randperm(num_tokens, generator=gen)].to(torch.int32).cuda()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("num_tokens, max_rank, hidden_in, hidden_out", [
+    (2400, 16, 4096, 14336), (2400, 64, 14336, 4096), (900, 8, 1000, 1008),  # tiled calls (fp32: per-token only)
+    (200, 64, 4096, 4096), (96, 32, 4096, 14336),  # decode-sized calls
+])
+def test_walking_chunk_lists_changes_nothing(num_tokens, max_rank, hidden_in, hidden_out, dtype):
+    """The two-launch per-token kernels give the same bits whether a few waves of blocks walk the list of their
+    chunks' first positions or a block serves each position of the call, and both match the reference. Many slots
+    with a few tokens each (and prefill runs above 256 tokens): far more list entries than walking blocks, so every
+    block walks many entries."""
     seed = secrets.randbits(31)
     gen = torch.Generator().manual_seed(seed)
-    y, x, pool, (tables,), _ = _problem(2400, hidden_in, hidden_out, max_rank, 300, "none", "mixed_rank0", dtype,
+    y, x, pool, (tables,), _ = _problem(num_tokens, hidden_in, hidden_out, max_rank, 300, "none", "mixed_rank0", dtype,
                                         seed)
-    decode = torch.randint(-1, 300, (800,), generator=gen)  # about 2.7 tokens per slot, some base tokens
-    prefill = torch.repeat_interleave(torch.randint(0, 300, (4,), generator=gen), torch.tensor([700, 500, 300, 100]))
-    slots = torch.cat([decode, prefill])[torch.randperm(2400, generator=gen)].to(torch.int32).cuda()
+    slots = _many_chunks_slots(num_tokens, 300, gen)
     outputs = []
-    for short_run_list in (True, False):
+    for chunk_lists in (True, False):
         out = y.clone()
-        _run(out, x, pool, tables, slots, max_rank, KernelConfig(short_run_list=short_run_list))
+        _run(out, x, pool, tables, slots, max_rank, KernelConfig(chunk_lists=chunk_lists, fused=False))
         outputs.append(out)
     assert torch.equal(outputs[0], outputs[1]), f"seed {seed}"
     expected = _reference(y, x, pool, tables, slots, max_rank)
     _assert_matches(outputs[0], y, expected, slots, tables.ranks, dtype, f"seed {seed}")
+
+
+@pytest.mark.parametrize("num_tokens", [100, 700])
+def test_walking_chunk_lists_of_a_grouped_call_changes_nothing(num_tokens):
+    """``lora_delta`` writes its output whole (zero where a token has no update): with a walking grid the shrink
+    blocks zero every row too, and the bits match a block per position."""
+    seed = secrets.randbits(31)
+    x, pool, tables, stacked, slots = _group_problem(num_tokens, 4096, [4096, 1024, 1024], 64, 300, "random",
+                                                     "mixed_rank0", torch.bfloat16, seed)
+    slots = _many_chunks_slots(num_tokens, 300, torch.Generator().manual_seed(seed))
+    segments = build_segments(slots, 300)
+    outputs = []
+    for chunk_lists in (True, False):
+        poison = torch.full((num_tokens, 6144), float("nan"), dtype=torch.bfloat16, device="cuda")
+        del poison  # the output is made in this memory (the caching allocator hands the freed block back)
+        backend = cuda_ops.CudaLoraBackend(KernelConfig(chunk_lists=chunk_lists, fused=False))
+        outputs.append(backend.lora_delta(x, pool, stacked.a_offsets, stacked.b_offsets, stacked.ranks, segments, 64,
+                                          [4096, 1024, 1024]))
+    assert torch.isfinite(outputs[0]).all(), f"seed {seed}"
+    assert (outputs[0][slots < 0] == 0).all(), f"rows without adapter not zero (seed {seed})"
+    assert torch.equal(outputs[0], outputs[1]), f"seed {seed}"
 
 
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] < 9, reason="needs sm_90")
