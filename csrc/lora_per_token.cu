@@ -145,8 +145,8 @@ __device__ __forceinline__ void shrink_at(const T* __restrict__ x, const T* __re
   }
 }
 
-// Grid (X, K slices / kGroup, G). Without a chunk-start list, X = T, a block per position; with one, X is a few waves
-// of blocks that walk it (walk_positions), so the positions that start no chunk cost no block.
+// Grid (X, K slices / kGroup, G). Without a chunk-start list, X = T, a block per position; with one, X makes
+// kWalkingWaves waves of blocks that walk it (walk_positions), so the positions that start no chunk cost no block.
 template <typename T, int kGroup>
 __global__ void __launch_bounds__(kThreads, 4)
 shrink_chunk_kernel(const T* __restrict__ x, const T* __restrict__ pool, const int64_t* __restrict__ a_offsets,
@@ -381,13 +381,19 @@ size_t expand_smem_bytes(int max_rank, int group) {
          static_cast<size_t>(kChunk) * max_rank * sizeof(float);
 }
 
-// The grid: one block per position along x, or with a chunk-start list two waves of resident blocks (the launch
-// bounds' 4 per multiprocessor) over the other extents, which walk the list.
+// Waves of resident blocks (the launch bounds' 4 per multiprocessor) a walking grid holds. Few waves give each block
+// several list entries in turn, and a block that draws several rank-64 chunks ends long after the others (two waves
+// made the engine's decode-sized calls slower than a block per position); many waves leave blocks past the list's
+// end, which exit after one load. Eight give about one entry per block at decode sizes.
+constexpr int kWalkingWaves = 8;
+
+// The grid: one block per position along x, or with a chunk-start list kWalkingWaves waves of blocks over the other
+// extents, which walk the list.
 dim3 walking_grid(const PunicaLoraProblem& p, const int32_t* positions, int blocks_y) {
   int blocks_x = p.num_tokens;
   if (positions != nullptr) {
     const int per_x = blocks_y * p.num_outputs;
-    blocks_x = std::max(1, std::min(p.num_tokens, (2 * 4 * p.num_sms + per_x - 1) / per_x));
+    blocks_x = std::max(1, std::min(p.num_tokens, (kWalkingWaves * 4 * p.num_sms + per_x - 1) / per_x));
   }
   return dim3(blocks_x, blocks_y, p.num_outputs);
 }

@@ -43,7 +43,7 @@ typedef struct {
   const int32_t* short_run_slots;   // [T]
   // Optional (null: the two-launch per-token kernels launch a block per position of the call): the sorted positions
   // where chunks (chunks.cuh) of sorted_slots start, in increasing order, then num_tokens up to the end; the kernels
-  // then run a grid of a few waves that walks this list. short_run_chunk_starts: the same over short_run_slots, for
+  // then run a grid of a fixed number of waves that walks this list. short_run_chunk_starts: the same over short_run_slots, for
   // the per-token half of a split call (in a mixed step most positions are the long runs' prefill tokens).
   const int32_t* chunk_starts;            // [T]
   const int32_t* short_run_chunk_starts;  // [T]

@@ -22,7 +22,7 @@ class KernelConfig:
             kernel instead of a shrink and an expand launch.
         short_runs: where the tiled tensor-core path runs (prefill sizes), slots with few tokens go to the
             per-token kernels instead (a tiled block would make one pass per such slot).
-        chunk_lists: the two-launch per-token kernels run a grid of a few waves that walks the list of their chunks'
+        chunk_lists: the two-launch per-token kernels run a grid of a fixed number of waves that walks the list of their chunks'
             first positions, instead of launching a block for every position of the call (most of which start no
             chunk: tokens sharing an adapter, base tokens, and in a mixed step the prefill tokens the tiled kernels
             serve).
