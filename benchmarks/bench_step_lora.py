@@ -16,10 +16,10 @@ move at 32 distinct adapters, so ``lora_us`` at ``--distinct 1`` is close to the
 
 ``--mixed P+D,...`` also times the 224 LoRA calls of mixed engine steps (one ``lora_add`` per projection, as the
 engine's eager mixed steps make them): P prefill tokens in four runs and D decode tokens, two per adapter, over 64
-slots of ranks 8/16/32/64 (``max_rank`` 64, as in ``bench_serving.py --mixed-ranks``; P = 0 is a decode step).
-Each kernel path is a row: the per-token kernels walking the list of their chunks (the default), the same kernels
-with a block per position of the call, and every token of a tiled call tiled (the same as the default at decode
-sizes).
+slots of ranks 8/16/32/64 (``max_rank`` 64, as in ``bench_serving.py --mixed-ranks``; P = 0: a decode step, where
+the paths are one). Each kernel path of a tiled call is a row: the decode tokens on the per-token kernels walking
+the list of their chunks (the default), the same kernels with a block per position of the call, every token
+tiled.
 
     python benchmarks/bench_step_lora.py --output benchmarks/results/bench_step_lora_h200.json
 """
@@ -97,8 +97,8 @@ def replay_medians_us(graphs: dict[str, torch.cuda.CUDAGraph], reps: int) -> dic
 
 
 MIXED_SLOTS, MIXED_RANKS = 64, (8, 16, 32, 64)
-MIXED_PATHS = {"per-token kernels walk chunk lists": KernelConfig(),
-               "per-token kernels, a block per position": KernelConfig(chunk_lists=False),
+MIXED_PATHS = {"short runs walk their chunk list": KernelConfig(),
+               "short runs, a block per position": KernelConfig(short_run_chunks=False),
                "every token tiled": KernelConfig(short_runs=False)}
 
 
@@ -148,7 +148,7 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--reps", type=int, default=40)
     parser.add_argument("--label", default="", help="a name for this build, kept in the output (to tell runs of two builds apart)")
-    parser.add_argument("--mixed", default="0+128,432+128,1920+128",
+    parser.add_argument("--mixed", default="432+128,1920+128",
                         help="mixed steps to time after the decode steps, prefill+decode tokens ('' for none)")
     parser.add_argument("--output", type=Path)
     args = parser.parse_args()

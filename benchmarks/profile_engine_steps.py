@@ -10,7 +10,7 @@ short runs of mixed steps), the tiled kernels, attention, GEMMs, the rest.
 Times are per engine step of the window (steps counted by the engine's step listener), split into decode and
 mixed steps by the listener's records. A per-token kernel belongs to a tiled call when it runs right after that
 call's tiled kernels (the split call launches them back to back), else to a decode-sized call.
-``--kernels chunk_lists=false`` (with ``--mixed-ranks``) profiles the model made with that ``KernelConfig``, to
+``--kernels short_run_chunks=false`` (with ``--mixed-ranks``) profiles the model made with that ``KernelConfig``, to
 set a kernel path against the default one in two runs of one device call.
 
     python benchmarks/profile_engine_steps.py --output benchmarks/results/profile_engine_steps_h200.json
@@ -114,7 +114,7 @@ def main() -> None:
     parser.add_argument("--mixed-ranks", action="store_true",
                         help="bench_serving's --mixed-ranks workload rather than 32 rank-16 adapters")
     parser.add_argument("--kernels", default="", help="KernelConfig fields of the model, e.g. "
-                        "'chunk_lists=false' (default: the defaults; --mixed-ranks only)")
+                        "'short_run_chunks=false' (default: the defaults; --mixed-ranks only)")
     parser.add_argument("--output", type=Path, default=Path("profile_engine_steps.json"))
     args = parser.parse_args()
     kernels = KernelConfig(**{name: value.lower() == "true" for name, value in

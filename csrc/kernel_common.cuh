@@ -89,7 +89,7 @@ __device__ __forceinline__ int rank_of(const int32_t* lora_ranks, int slot, int 
 
 // Path launchers (host). Each enqueues its shrink + expand kernels and returns cudaGetLastError().
 size_t punica_per_token_workspace_floats(const PunicaLoraProblem& problem);
-// positions: null (a block per position), or a chunk-start list to walk (punica_lora.h, chunk_starts).
+// positions: null (a block per position), or a chunk-start list to walk (punica_lora.h, short_run_chunk_starts).
 cudaError_t punica_per_token_launch(const PunicaLoraProblem& problem, const int32_t* positions, float* workspace,
                                     cudaStream_t stream);
 // Whether the fused one-launch per-token path takes `problem` (problem.fused set and its slices fit); no workspace.

@@ -34,8 +34,7 @@ size_t per_token_workspace_floats(const PunicaLoraProblem& p) {
 }
 
 cudaError_t per_token_launch(const PunicaLoraProblem& p, float* workspace, cudaStream_t stream) {
-  if (punica_fused_fits(p)) return punica_fused_launch(p, stream);
-  return punica_per_token_launch(p, p.chunk_starts, workspace, stream);
+  return punica_fused_fits(p) ? punica_fused_launch(p, stream) : punica_per_token_launch(p, nullptr, workspace, stream);
 }
 
 }  // namespace

@@ -381,11 +381,10 @@ size_t expand_smem_bytes(int max_rank, int group) {
          static_cast<size_t>(kChunk) * max_rank * sizeof(float);
 }
 
-// Waves of resident blocks (the launch bounds' 4 per multiprocessor) a walking grid holds. Few waves give each block
-// several list entries in turn, and a block that draws several rank-64 chunks ends long after the others (two waves
-// made the engine's decode-sized calls slower than a block per position); many waves leave blocks past the list's
-// end, which exit after one load. Eight give about one entry per block at decode sizes.
-constexpr int kWalkingWaves = 8;
+// Waves of resident blocks (the launch bounds' 4 per multiprocessor) a walking grid holds: each block serves several
+// list entries in turn. Walking pays where most positions start no chunk (a mixed step's prefill tokens), not at
+// decode sizes, where a block that draws several rank-64 chunks holds the call (benchmarks/KERNEL_NOTES.md).
+constexpr int kWalkingWaves = 2;
 
 // The grid: one block per position along x, or with a chunk-start list kWalkingWaves waves of blocks over the other
 // extents, which walk the list.

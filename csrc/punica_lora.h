@@ -41,11 +41,10 @@ typedef struct {
   // short_run_slots (the others), -1 elsewhere in each: a tiled block would make one pass per short run.
   const int32_t* long_run_slots;    // [T]
   const int32_t* short_run_slots;   // [T]
-  // Optional (null: the two-launch per-token kernels launch a block per position of the call): the sorted positions
-  // where chunks (chunks.cuh) of sorted_slots start, in increasing order, then num_tokens up to the end; the kernels
-  // then run a grid of a fixed number of waves that walks this list. short_run_chunk_starts: the same over short_run_slots, for
-  // the per-token half of a split call (in a mixed step most positions are the long runs' prefill tokens).
-  const int32_t* chunk_starts;            // [T]
+  // Optional with the split (null: the per-token kernels launch a block per position of the call): the positions
+  // where chunks (chunks.cuh) of short_run_slots start, in increasing order, then num_tokens up to the end. The
+  // per-token kernels then run a grid of two waves that walks this list: in a mixed step most positions are the
+  // long runs' (prefill tokens), which start no chunk of the short runs.
   const int32_t* short_run_chunk_starts;  // [T]
   int num_tokens, hidden_in, hidden_out, max_rank, num_slots;
   int num_outputs;                                // G, 1..PUNICA_MAX_OUTPUTS; above 1 only on the per-token path

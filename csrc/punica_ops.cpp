@@ -163,12 +163,6 @@ PunicaLoraProblem make_problem(const char* op, const at::Tensor& y, const at::Te
   return problem;
 }
 
-// The call's chunk-start list [T] (entries outside [0, T) end the kernels' walk: never read out of bounds).
-void set_chunk_starts(const char* op, PunicaLoraProblem& problem, const at::Tensor& chunk_starts, const at::Tensor& y) {
-  check_table(op, chunk_starts, "chunk_starts", at::kInt, {problem.num_tokens}, y);
-  problem.chunk_starts = chunk_starts.data_ptr<int32_t>();
-}
-
 void run(const PunicaLoraProblem& problem, const at::Tensor& y) {
   // Scratch for the fp32 partials of v (none for the fused kernel): from the caching allocator, so graph capture
   // and reuse are free.
@@ -182,26 +176,25 @@ void run(const PunicaLoraProblem& problem, const at::Tensor& y) {
 // y [..., H_out] += per-token LoRA of x [..., H_in] (T tokens in the leading dimensions); tables [S].
 // long_run_slots / short_run_slots [T] split the positions between the tiled and per-token kernels where the
 // tiled path runs; short_runs false: the tiled kernels serve every position (the split's tables are not read).
-// chunk_starts / short_run_chunk_starts [T]: the lists the per-token kernels walk (punica_lora.h), read where
-// chunk_lists is set (the second only with short_runs).
+// short_run_chunk_starts [T]: the list the split's per-token kernels walk (punica_lora.h), read where
+// short_run_chunks is set too.
 void lora_add(at::Tensor y, const at::Tensor& x, const at::Tensor& pool, const at::Tensor& a_offsets,
               const at::Tensor& b_offsets, const at::Tensor& lora_ranks, const at::Tensor& sorted_token_ids,
               const at::Tensor& sorted_slots, const at::Tensor& long_run_slots, const at::Tensor& short_run_slots,
-              const at::Tensor& chunk_starts, const at::Tensor& short_run_chunk_starts, int64_t max_rank,
-              bool programmatic_launch, bool fused, bool short_runs, bool chunk_lists) {
+              const at::Tensor& short_run_chunk_starts, int64_t max_rank, bool programmatic_launch, bool fused,
+              bool short_runs, bool short_run_chunks) {
   TORCH_CHECK_VALUE(y.dim() >= 2 && lora_ranks.dim() == 1,
                     "punica_hf::lora_add: expected y [..., H_out] and lora_ranks 1-D");
   const int64_t hidden_out = y.size(-1);
   PunicaLoraProblem problem =
       make_problem(kAdd, y, x, pool, a_offsets, b_offsets, lora_ranks, sorted_token_ids, sorted_slots, {hidden_out},
                    max_rank, programmatic_launch, fused);
-  if (chunk_lists) set_chunk_starts(kAdd, problem, chunk_starts, y);
   if (short_runs) {
     check_table(kAdd, long_run_slots, "long_run_slots", at::kInt, {problem.num_tokens}, y);
     check_table(kAdd, short_run_slots, "short_run_slots", at::kInt, {problem.num_tokens}, y);
     problem.long_run_slots = long_run_slots.data_ptr<int32_t>();
     problem.short_run_slots = short_run_slots.data_ptr<int32_t>();
-    if (chunk_lists) {  // entries outside [0, T) end the kernels' walk: never read out of bounds
+    if (short_run_chunks) {  // entries outside [0, T) end the kernels' walk: never read out of bounds
       check_table(kAdd, short_run_chunk_starts, "short_run_chunk_starts", at::kInt, {problem.num_tokens}, y);
       problem.short_run_chunk_starts = short_run_chunk_starts.data_ptr<int32_t>();
     }
@@ -215,8 +208,8 @@ void lora_add(at::Tensor y, const at::Tensor& x, const at::Tensor& pool, const a
 // Per-token kernels at any T: callers group projections at decode sizes.
 at::Tensor lora_delta(const at::Tensor& x, const at::Tensor& pool, const at::Tensor& a_offsets,
                       const at::Tensor& b_offsets, const at::Tensor& lora_ranks, const at::Tensor& sorted_token_ids,
-                      const at::Tensor& sorted_slots, const at::Tensor& chunk_starts, at::IntArrayRef out_features,
-                      int64_t max_rank, bool programmatic_launch, bool fused, bool chunk_lists) {
+                      const at::Tensor& sorted_slots, at::IntArrayRef out_features, int64_t max_rank,
+                      bool programmatic_launch, bool fused) {
   TORCH_CHECK_VALUE(x.dim() == 2, "punica_hf::lora_delta: expected x 2-D");
   TORCH_CHECK_VALUE(x.is_cuda(), "punica_hf::lora_delta: x must be on a CUDA device");
   const c10::cuda::CUDAGuard device_guard(x.device());
@@ -226,7 +219,6 @@ at::Tensor lora_delta(const at::Tensor& x, const at::Tensor& pool, const at::Ten
   PunicaLoraProblem problem = make_problem(kDelta, y, x, pool, a_offsets, b_offsets, lora_ranks, sorted_token_ids,
                                            sorted_slots, out_features, max_rank, programmatic_launch, fused);
   problem.accumulate = 0;
-  if (chunk_lists) set_chunk_starts(kDelta, problem, chunk_starts, y);
   run(problem, y);
   return y;
 }
@@ -329,12 +321,12 @@ TORCH_LIBRARY(punica_hf, m) {
   m.def(
       "lora_add(Tensor(a!) y, Tensor x, Tensor pool, Tensor a_offsets, Tensor b_offsets, Tensor lora_ranks, "
       "Tensor sorted_token_ids, Tensor sorted_slots, Tensor long_run_slots, Tensor short_run_slots, "
-      "Tensor chunk_starts, Tensor short_run_chunk_starts, int max_rank, bool programmatic_launch, bool fused, "
-      "bool short_runs, bool chunk_lists) -> ()");
+      "Tensor short_run_chunk_starts, int max_rank, bool programmatic_launch, bool fused, bool short_runs, "
+      "bool short_run_chunks) -> ()");
   m.def(
       "lora_delta(Tensor x, Tensor pool, Tensor a_offsets, Tensor b_offsets, Tensor lora_ranks, "
-      "Tensor sorted_token_ids, Tensor sorted_slots, Tensor chunk_starts, int[] out_features, int max_rank, "
-      "bool programmatic_launch, bool fused, bool chunk_lists) -> Tensor");
+      "Tensor sorted_token_ids, Tensor sorted_slots, int[] out_features, int max_rank, bool programmatic_launch, "
+      "bool fused) -> Tensor");
   m.def(
       "paged_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor key_slots, Tensor cu_seq_lens_q, "
       "Tensor cu_seq_lens_k, float scale, int splits) -> Tensor");

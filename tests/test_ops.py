@@ -54,16 +54,15 @@ def test_chunk_size_is_the_kernels():
 
 @pytest.mark.parametrize("seed", range(20))
 def test_chunk_starts_of_random_steps(seed):
-    """Random slots over random sizes (one token, runs longer than a chunk, base tokens): each chunk list holds
-    exactly the positions where a chunk starts, once, in increasing order."""
+    """Random slots over random sizes (single tokens, runs of a few tokens, runs longer than ``SHORT_RUN_TOKENS``,
+    base tokens): the chunk list holds exactly the positions where a chunk of the short runs starts, once, in
+    increasing order."""
     generator = torch.Generator().manual_seed(seed)
-    count = int(torch.randint(0, 90, (1,), generator=generator))
-    slots = torch.randint(-1, 6, (count,), generator=generator)
-    segments = build_segments(slots, 6)
-    for table, starts in ((segments.sorted_slots, segments.chunk_starts),
-                          (segments.short_run_slots, segments.short_run_chunk_starts)):
-        expected = _chunk_starts_by_hand(table.tolist())
-        assert starts.tolist() == expected + [count] * (count - len(expected))
+    count = int(torch.randint(0, 200, (1,), generator=generator))
+    slots = torch.randint(-1, int(torch.randint(1, 40, (1,), generator=generator)), (count,), generator=generator)
+    segments = build_segments(slots, 40)
+    expected = _chunk_starts_by_hand(segments.short_run_slots.tolist())
+    assert segments.short_run_chunk_starts.tolist() == expected + [count] * (count - len(expected))
 
 
 def test_segments_split_positions_by_the_size_of_their_run():
@@ -81,11 +80,11 @@ def test_segments_split_positions_by_the_size_of_their_run():
         is_long = slot in (5, 9)
         assert long_slot == (slot if is_long else -1) and short_slot == (-1 if is_long else slot)
     assert segments.long_run_slots.dtype == segments.short_run_slots.dtype == torch.int32
-    # The lists the per-token kernels walk: where their chunks of each table start, then T to the end.
-    for table, starts in ((sorted_slots, segments.chunk_starts), (short_run, segments.short_run_chunk_starts)):
-        expected = _chunk_starts_by_hand(table)
-        assert starts.tolist() == expected + [slots.numel()] * (slots.numel() - len(expected))
-        assert starts.dtype == torch.int32
+    # The list the per-token kernels walk: where their chunks of the short runs start, then T to the end.
+    expected = _chunk_starts_by_hand(short_run)
+    starts = segments.short_run_chunk_starts
+    assert starts.tolist() == expected + [slots.numel()] * (slots.numel() - len(expected))
+    assert starts.dtype == torch.int32 and len(expected) >= 20  # every single decode token starts a chunk
 
 
 def test_segments_to_moves_every_tensor():
@@ -251,10 +250,9 @@ def test_op_schemas_carry_the_kernel_choices_and_the_fakes_mirror_them(monkeypat
     nothing the kernels do not read, and each fake implementation (what torch.compile traces) takes exactly the
     schema's arguments."""
     schemas = _op_schemas()
-    assert schemas["lora_add"][-7:] == ["chunk_starts", "short_run_chunk_starts", "max_rank", "programmatic_launch",
-                                        "fused", "short_runs", "chunk_lists"]
-    assert schemas["lora_delta"][-5:] == ["out_features", "max_rank", "programmatic_launch", "fused", "chunk_lists"]
-    assert "chunk_starts" in schemas["lora_delta"]
+    assert schemas["lora_add"][-6:] == ["short_run_chunk_starts", "max_rank", "programmatic_launch", "fused",
+                                        "short_runs", "short_run_chunks"]
+    assert schemas["lora_delta"][-3:] == ["max_rank", "programmatic_launch", "fused"]
     assert schemas["paged_attention"][-2:] == ["scale", "splits"]
     assert not {"segment_starts", "segment_slots"} & set(schemas["lora_add"])
     fakes = {}
@@ -286,7 +284,7 @@ def test_cuda_backend_passes_its_kernel_config_to_every_call(monkeypatch):
     grouped = tuple(table.expand(2, 2).contiguous() for table in tables)
     backend.lora_delta(torch.zeros(2, 8), torch.zeros(64), *grouped, segments, 4, [8, 8])
     assert add_op.calls[0][-5:] == (4, False, True, False, True)
-    assert [8, 8] in delta_op.calls[0] and delta_op.calls[0][-4:] == (4, False, True, True)
+    assert [8, 8] in delta_op.calls[0] and delta_op.calls[0][-3:] == (4, False, True)
     assert not backend.takes_unchecked(torch.float64, 8, 8, 4) and backend.takes_unchecked(torch.float32, 8, 16, 4)
 
 

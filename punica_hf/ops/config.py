@@ -22,16 +22,15 @@ class KernelConfig:
             kernel instead of a shrink and an expand launch.
         short_runs: where the tiled tensor-core path runs (prefill sizes), slots with few tokens go to the
             per-token kernels instead (a tiled block would make one pass per such slot).
-        chunk_lists: the two-launch per-token kernels run a grid of a fixed number of waves that walks the list of their chunks'
-            first positions, instead of launching a block for every position of the call (most of which start no
-            chunk: tokens sharing an adapter, base tokens, and in a mixed step the prefill tokens the tiled kernels
-            serve).
+        short_run_chunks: with ``short_runs``, the per-token kernels run a grid of two waves that walks the list of
+            the short runs' chunks, instead of launching a block for every position of the call (in a mixed step
+            most positions are prefill tokens, which the tiled kernels serve).
     """
 
     programmatic_launch: bool = True
     fused: bool = True
     short_runs: bool = True
-    chunk_lists: bool = True
+    short_run_chunks: bool = True
 
     def __post_init__(self) -> None:
         for field in fields(self):

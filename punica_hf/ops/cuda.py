@@ -144,13 +144,13 @@ def _kernels_available() -> bool:
 def _register_fake() -> None:
     @torch.library.register_fake("punica_hf::lora_add")
     def _lora_add_fake(y, x, pool, a_offsets, b_offsets, lora_ranks, sorted_token_ids, sorted_slots, long_run_slots,
-                       short_run_slots, chunk_starts, short_run_chunk_starts, max_rank, programmatic_launch, fused,
-                       short_runs, chunk_lists) -> None:
+                       short_run_slots, short_run_chunk_starts, max_rank, programmatic_launch, fused, short_runs,
+                       short_run_chunks) -> None:
         return None
 
     @torch.library.register_fake("punica_hf::lora_delta")
-    def _lora_delta_fake(x, pool, a_offsets, b_offsets, lora_ranks, sorted_token_ids, sorted_slots, chunk_starts,
-                         out_features, max_rank, programmatic_launch, fused, chunk_lists):
+    def _lora_delta_fake(x, pool, a_offsets, b_offsets, lora_ranks, sorted_token_ids, sorted_slots, out_features,
+                         max_rank, programmatic_launch, fused):
         return x.new_empty(x.shape[0], sum(out_features))
 
     @torch.library.register_fake("punica_hf::paged_attention")
@@ -199,8 +199,8 @@ class CudaLoraBackend:
     ``max_rank`` and ``kernels`` only: per-token chunks for T <= 256 or fp32 (one launch of a thread-block cluster
     kernel on sm_90 where the factor slices fit shared memory, else a shrink and an expand launch), segment-tiled
     tensor cores above, for the slots with more than ``SHORT_RUN_TOKENS`` tokens (the per-token kernels take the
-    others). ``lora_delta`` runs the per-token kernels at every ``T`` (grouping pays at decode sizes). The
-    two-launch per-token kernels walk the segments' chunk lists (``KernelConfig.chunk_lists``).
+    others, walking the list of their chunks: ``KernelConfig.short_run_chunks``). ``lora_delta`` runs the per-token
+    kernels at every ``T`` (grouping pays at decode sizes).
 
     The checked entries raise ValueError naming the problem. The ``*_unchecked`` ones skip the Python checks: an
     eager forward makes one call per targeted module and spends its time on the host, so the hooks check the static
@@ -239,8 +239,8 @@ class CudaLoraBackend:
         dimensions (``[..., H]``, contiguous), which the binding flattens."""
         kernels = self.kernels
         _op(y, x, pool, a_offsets, b_offsets, lora_ranks, segments.sorted_token_ids, segments.sorted_slots,
-            segments.long_run_slots, segments.short_run_slots, segments.chunk_starts, segments.short_run_chunk_starts,
-            max_rank, kernels.programmatic_launch, kernels.fused, kernels.short_runs, kernels.chunk_lists)
+            segments.long_run_slots, segments.short_run_slots, segments.short_run_chunk_starts, max_rank,
+            kernels.programmatic_launch, kernels.fused, kernels.short_runs, kernels.short_run_chunks)
 
     def lora_delta(self, x: torch.Tensor, pool: torch.Tensor, a_offsets: torch.Tensor, b_offsets: torch.Tensor,
                    lora_ranks: torch.Tensor, segments: LoraSegments, max_rank: int,
@@ -266,5 +266,4 @@ class CudaLoraBackend:
         """``lora_delta`` where the caller guarantees what it checks (``out_features`` a list of ints)."""
         kernels = self.kernels
         return _delta_op(x, pool, a_offsets, b_offsets, lora_ranks, segments.sorted_token_ids,
-                         segments.sorted_slots, segments.chunk_starts, out_features, max_rank,
-                         kernels.programmatic_launch, kernels.fused, kernels.chunk_lists)
+                         segments.sorted_slots, out_features, max_rank, kernels.programmatic_launch, kernels.fused)

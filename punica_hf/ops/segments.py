@@ -31,9 +31,9 @@ class LoraSegments:
             none): the CUDA kernels find a position's adapter with one load instead of a chain of two.
         long_run_slots, short_run_slots: ``[T]`` int32, ``sorted_slots`` split by the size of each position's
             slot run: above ``SHORT_RUN_TOKENS`` tokens in the first, the others in the second, -1 elsewhere.
-        chunk_starts, short_run_chunk_starts: ``[T]`` int32, the sorted positions where the per-token kernels'
-            chunks of ``sorted_slots`` (of ``short_run_slots``) start, in increasing order, then ``T`` to the end:
-            the kernels walk these instead of launching a block for every position.
+        short_run_chunk_starts: ``[T]`` int32, the positions where the per-token kernels' chunks of
+            ``short_run_slots`` start, in increasing order, then ``T`` to the end: the per-token half of a tiled call
+            walks it instead of launching a block for every position.
         num_slots: ``S``.
     """
 
@@ -42,7 +42,6 @@ class LoraSegments:
     sorted_slots: torch.Tensor
     long_run_slots: torch.Tensor
     short_run_slots: torch.Tensor
-    chunk_starts: torch.Tensor
     short_run_chunk_starts: torch.Tensor
     num_slots: int
 
@@ -58,7 +57,6 @@ class LoraSegments:
             sorted_slots=self.sorted_slots.to(device),
             long_run_slots=self.long_run_slots.to(device),
             short_run_slots=self.short_run_slots.to(device),
-            chunk_starts=self.chunk_starts.to(device),
             short_run_chunk_starts=self.short_run_chunk_starts.to(device),
             num_slots=self.num_slots,
         )
@@ -83,7 +81,6 @@ def build_segments(token_slots: torch.Tensor, num_slots: int) -> LoraSegments:
         sorted_slots=sorted_slots,
         long_run_slots=torch.where(long_run, sorted_slots, -1),
         short_run_slots=short_run_slots,
-        chunk_starts=_chunk_starts(sorted_slots),
         short_run_chunk_starts=_chunk_starts(short_run_slots),
         num_slots=num_slots,
     )
