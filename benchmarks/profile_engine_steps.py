@@ -117,8 +117,10 @@ def main() -> None:
                         "'short_run_chunks=false' (default: the defaults; --mixed-ranks only)")
     parser.add_argument("--output", type=Path, default=Path("profile_engine_steps.json"))
     args = parser.parse_args()
-    kernels = KernelConfig(**{name: value.lower() == "true" for name, value in
-                              (pair.split("=") for pair in args.kernels.split(",") if pair)})
+    settings = dict(pair.split("=", 1) for pair in args.kernels.split(",") if pair)
+    if any(value.lower() not in ("true", "false") for value in settings.values()):
+        raise SystemExit(f"--kernels: name=true or name=false, comma-separated; got {args.kernels!r}")
+    kernels = KernelConfig(**{name: value.lower() == "true" for name, value in settings.items()})
     if args.kernels and not args.mixed_ranks:
         raise SystemExit("--kernels: only with --mixed-ranks")
     if args.mixed_ranks:

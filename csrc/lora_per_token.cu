@@ -3,13 +3,15 @@
 // chunks.cuh; with every token its own adapter, each chunk is one token.
 // Every block moves up to 64 rank rows x 512 bytes = 32 KB of factors: small ranks take kGroup (2 or 4) K slices
 // (shrink) or column chunks (expand) of 32 lanes x 16 bytes per block.
-//   shrink: grid (T, K slices / kGroup); the block's 64 (row, slice) pieces of A and the chunk's x slices go to
+//   shrink: grid (positions, K slices / kGroup); the block's 64 (row, slice) pieces of A and the chunk's x slices go to
 //           shared memory by cp.async; warp w dots its 8 pieces with two tokens at a time, one warp_sum_8 per
 //           token; one fp32 partial per (slice, position, row).
-//   expand: grid (T, column chunks / kGroup); the chunk's Bt columns and y rows go to shared memory by
+//   expand: grid (positions, column chunks / kGroup); the chunk's Bt columns and y rows go to shared memory by
 //           cp.async, v = sum of the slice partials; warps then own (token, column chunk) items, each lane a
 //           16-byte run of outputs, looping over the rank rows (from rank 32, a chunk with few items shares each
 //           one's rows among several warps).
+// "positions" is a block per sorted position, or for a split call's short runs two waves of blocks that walk the
+// list of their chunk starts (walk_positions).
 // The expand is launched as a programmatic dependent of the shrink: its chunk lookup, Bt and y loads overlap
 // the shrink, and it waits for the shrink grid only before reading the partials.
 // A grouped call (G outputs sharing x) adds a grid dimension: block z works on output z, with row z of the tables

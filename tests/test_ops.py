@@ -277,13 +277,20 @@ def test_cuda_backend_passes_its_kernel_config_to_every_call(monkeypatch):
     add_op, delta_op = _RecordingOp(), _RecordingOp(torch.zeros(2, 16))
     monkeypatch.setattr(cuda, "_op", add_op)
     monkeypatch.setattr(cuda, "_delta_op", delta_op)
-    backend = cuda.CudaLoraBackend(ops.KernelConfig(programmatic_launch=False, short_runs=False))
+    backend = cuda.CudaLoraBackend(ops.KernelConfig(programmatic_launch=False, short_runs=False, short_run_chunks=True))
     segments = build_segments(torch.tensor([0, -1]), 2)
     tables = (torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int32))
     backend.lora_add(torch.zeros(2, 16), torch.zeros(2, 8), torch.zeros(64), *tables, segments, 4)
     grouped = tuple(table.expand(2, 2).contiguous() for table in tables)
     backend.lora_delta(torch.zeros(2, 8), torch.zeros(64), *grouped, segments, 4, [8, 8])
     assert add_op.calls[0][-5:] == (4, False, True, False, True)
+    # The split's tables are the segments' own, each in its place (a swap would pass the shape checks).
+    assert [id(t) for t in add_op.calls[0][6:11]] == [id(segments.sorted_token_ids), id(segments.sorted_slots),
+                                                       id(segments.long_run_slots), id(segments.short_run_slots),
+                                                       id(segments.short_run_chunk_starts)]
+    cuda.CudaLoraBackend(ops.KernelConfig(short_run_chunks=False)).lora_add(
+        torch.zeros(2, 16), torch.zeros(2, 8), torch.zeros(64), *tables, segments, 4)
+    assert add_op.calls[1][-2:] == (True, False)
     assert [8, 8] in delta_op.calls[0] and delta_op.calls[0][-3:] == (4, False, True)
     assert not backend.takes_unchecked(torch.float64, 8, 8, 4) and backend.takes_unchecked(torch.float32, 8, 16, 4)
 

@@ -10,6 +10,7 @@ block: a read outside an adapter's own factors shows up as NaN. Imports only ``p
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 import secrets
 import subprocess
@@ -508,6 +509,17 @@ def _kernel_names(call) -> set[str]:
     return {event.name for event in profile.events() if event.device_type == torch.autograd.DeviceType.CUDA}
 
 
+def _kernel_grids(call, tmp_path) -> dict[str, list[int]]:
+    """The grid of each CUDA kernel ``call()`` launches, by name (the profiler's trace records it)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+        call()
+        torch.cuda.synchronize()
+    trace = tmp_path / "trace.json"
+    profile.export_chrome_trace(str(trace))
+    events = json.loads(trace.read_text())["traceEvents"]
+    return {e["name"]: e["args"]["grid"] for e in events if e.get("cat") == "kernel"}
+
+
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] < 9, reason="needs sm_90")
 @pytest.mark.parametrize(
     "setting, num_tokens, hidden_in, hidden_out, max_rank, kernel",
@@ -540,7 +552,7 @@ def test_decode_call_takes_the_fused_path_where_it_fits(setting, num_tokens, hid
 
 
 @pytest.mark.parametrize("setting", ["list", "grid", "all_tiled"])
-def test_a_mixed_step_call_splits_its_positions_between_the_paths(setting):
+def test_a_mixed_step_call_splits_its_positions_between_the_paths(setting, tmp_path):
     """Above 256 tokens, the slots with more than ``SHORT_RUN_TOKENS`` tokens (prefill chunks) run on the tiled
     kernels and the others (decode tokens) on the per-token ones, which walk the list of their chunks
     (``short_run_chunks``) or launch a block per position of the call; ``KernelConfig(short_runs=False)`` runs every
@@ -550,9 +562,16 @@ def test_a_mixed_step_call_splits_its_positions_between_the_paths(setting):
     y, x, pool, (tables,), slots = _problem(900, 4096, 14336, 16, 64, "mixed_step", "full", torch.bfloat16, seed)
     y_in = y.clone()
     expected = _reference(y, x, pool, tables, slots, 16)
-    names = " ".join(_kernel_names(lambda: _run(y, x, pool, tables, slots, 16, kernels)))
+    grids = _kernel_grids(lambda: _run(y, x, pool, tables, slots, 16, kernels), tmp_path)
+    names = " ".join(grids)
     assert "shrink_tiled_kernel" in names and "expand_tiled_kernel" in names, names
     assert ("shrink_chunk_kernel" in names) == (setting != "all_tiled"), names
+    # The short half's grids: a block per position of the call, or fewer blocks that walk the chunk list.
+    per_token_x = {grid[0] for name, grid in grids.items() if "_chunk_kernel" in name}
+    if setting == "list":
+        assert per_token_x and max(per_token_x) < 900, grids
+    elif setting == "grid":
+        assert per_token_x == {900}, grids
     _assert_matches(y, y_in, expected, slots, tables.ranks, torch.bfloat16, f"seed {seed}")
 
 
