@@ -1,8 +1,9 @@
 // Chunks of sorted positions, shared by the per-token kernels (two-launch and fused): a chunk is up to kChunk
 // consecutive positions of sorted_token_ids that share one slot; it starts where the slot changes and at every
 // multiple of kChunk. A block (or cluster) at the chunk's first position serves all its tokens and loads the
-// adapter's factors once for them; blocks at other positions exit after the lookup (a grid walking a list of chunk
-// starts, punica_hf/ops/segments.py, visits the first positions only: the rule is CHUNK_TOKENS's there too).
+// adapter's factors once for them; blocks at other positions exit after the lookup. A grid walking a list of chunk
+// starts visits the first positions only: punica_hf/ops/segments.py (_chunk_starts) repeats this rule to build the
+// list, so a change here must change it there.
 #pragma once
 
 #include "kernel_common.cuh"

@@ -15,7 +15,7 @@ import torch
 from punica_hf import ops
 from punica_hf.layers import LoraContext
 from punica_hf.ops import attention, cuda, torch_ops
-from punica_hf.ops.segments import CHUNK_TOKENS, build_segments
+from punica_hf.ops.segments import CHUNK_TOKENS, PER_TOKEN_MAX_TOKENS, build_segments
 
 
 def _random_slots(num_tokens: int, num_slots: int, generator: torch.Generator) -> torch.Tensor:
@@ -46,10 +46,15 @@ def _chunk_starts_by_hand(table: list[int]) -> list[int]:
     return starts
 
 
-def test_chunk_size_is_the_kernels():
-    """The chunk lists are built in Python for chunks the CUDA kernels define: one size in both."""
-    source = (Path(__file__).resolve().parents[1] / "csrc" / "chunks.cuh").read_text()
-    assert int(re.search(r"constexpr int kChunk = (\d+);", source).group(1)) == CHUNK_TOKENS
+def test_chunk_size_and_tiled_threshold_are_the_kernels():
+    """The chunk list is built in Python for chunks the CUDA kernels define, and left empty at sizes the kernels
+    never tile: one chunk size and one threshold in both."""
+    csrc = Path(__file__).resolve().parents[1] / "csrc"
+    assert int(re.search(r"constexpr int kChunk = (\d+);", (csrc / "chunks.cuh").read_text()).group(1)) == CHUNK_TOKENS
+    threshold = re.search(r"constexpr int kPerTokenMaxTokens = (\d+);", (csrc / "lora_add.cu").read_text())
+    assert int(threshold.group(1)) == PER_TOKEN_MAX_TOKENS
+    small = build_segments(torch.tensor([1, 2, 2, -1, 3] * 51 + [4]), 6)  # 256 tokens: never tiled
+    assert small.short_run_chunk_starts.tolist() == [256] * 256
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -58,7 +63,7 @@ def test_chunk_starts_of_random_steps(seed):
     base tokens): the chunk list holds exactly the positions where a chunk of the short runs starts, once, in
     increasing order."""
     generator = torch.Generator().manual_seed(seed)
-    count = int(torch.randint(0, 200, (1,), generator=generator))
+    count = int(torch.randint(PER_TOKEN_MAX_TOKENS + 1, 600, (1,), generator=generator))
     slots = torch.randint(-1, int(torch.randint(1, 40, (1,), generator=generator)), (count,), generator=generator)
     segments = build_segments(slots, 40)
     expected = _chunk_starts_by_hand(segments.short_run_slots.tolist())

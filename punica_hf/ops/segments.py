@@ -18,6 +18,9 @@ SHORT_RUN_TOKENS = 16
 # Most tokens one per-token kernel block serves: kChunk of csrc/chunks.cuh (a test reads it there). A chunk starts
 # where the slot changes and at every multiple of it.
 CHUNK_TOKENS = 4
+# Up to this many tokens a call never takes the tiled path, so its short runs' chunk list is never read:
+# kPerTokenMaxTokens of csrc/lora_add.cu (a test reads it there).
+PER_TOKEN_MAX_TOKENS = 256
 
 
 @dataclass(frozen=True)
@@ -33,7 +36,8 @@ class LoraSegments:
             slot run: above ``SHORT_RUN_TOKENS`` tokens in the first, the others in the second, -1 elsewhere.
         short_run_chunk_starts: ``[T]`` int32, the positions where the per-token kernels' chunks of
             ``short_run_slots`` start, in increasing order, then ``T`` to the end: the per-token half of a tiled call
-            walks it instead of launching a block for every position.
+            walks it instead of launching a block for every position. All ``T`` (an empty list) up to
+            ``PER_TOKEN_MAX_TOKENS`` tokens, where no call is tiled: one fill instead of the list's dozen ops.
         num_slots: ``S``.
     """
 
@@ -81,7 +85,8 @@ def build_segments(token_slots: torch.Tensor, num_slots: int) -> LoraSegments:
         sorted_slots=sorted_slots,
         long_run_slots=torch.where(long_run, sorted_slots, -1),
         short_run_slots=short_run_slots,
-        short_run_chunk_starts=_chunk_starts(short_run_slots),
+        short_run_chunk_starts=_chunk_starts(short_run_slots) if slots.shape[0] > PER_TOKEN_MAX_TOKENS
+        else torch.full_like(short_run_slots, slots.shape[0]),
         num_slots=num_slots,
     )
 

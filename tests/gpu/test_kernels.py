@@ -589,6 +589,7 @@ def _many_chunks_slots(num_tokens: int, num_slots: int, gen: torch.Generator) ->
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("num_tokens, max_rank, hidden_in, hidden_out", [
     (2400, 16, 4096, 14336), (2400, 64, 14336, 4096), (900, 8, 1000, 1008),
+    (2400, 128, 4096, 4096),  # the largest tiled rank: the expand's two Bt buffers and the shrink's second pass
 ])
 def test_walking_the_short_run_chunks_changes_nothing(num_tokens, max_rank, hidden_in, hidden_out, dtype):
     """The per-token kernels of a split call give the same bits whether two waves of blocks walk the list of the
