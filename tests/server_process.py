@@ -94,6 +94,22 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+def start_serve_on_a_free_port(serve, attempts: int = 5) -> int:
+    """``serve.start`` (``serve``: the ``ray.serve`` module) listening on a free local port, which it returns. A port
+    found free can be taken before Ray Serve's proxy binds it (a Ray cluster's processes keep opening ports): on that
+    failure Ray Serve is shut down and started again on another port."""
+    for attempt in range(attempts):
+        port = free_port()
+        try:
+            serve.start(http_options={"host": "127.0.0.1", "port": port})
+            return port
+        except RuntimeError as error:  # Ray raises the proxy's error as a RayTaskError that is also a RuntimeError
+            if "Failed to bind" not in str(error) or attempt == attempts - 1:
+                raise
+            serve.shutdown()
+    raise AssertionError("unreachable")
+
+
 def child_env() -> dict[str, str]:
     """The test's environment, with this checkout first on the path (the tests may run from another folder)."""
     root = str(Path(__file__).absolute().parents[1])

@@ -26,7 +26,8 @@ serve = pytest.importorskip("ray.serve", reason="needs the ray extra (pip instal
 import psutil  # noqa: E402 (Ray's dependency)
 
 from server_process import (  # noqa: E402
-    child_env, demo_lora_dir, free_port, metric_samples, offline_demo_answers, wait_for_health,
+    child_env, demo_lora_dir, free_port, metric_samples, offline_demo_answers, start_serve_on_a_free_port,
+    wait_for_health,
 )
 
 from punica_hf import MultiLoraModel, demo  # noqa: E402
@@ -58,7 +59,6 @@ def base_url(request, lora_dir):
     with pytest.MonkeyPatch.context() as patch:  # the cluster's processes inherit the mode
         patch.setenv(RAY_THROUGHPUT_VARIABLE, "1" if request.param == "throughput" else "0")
         os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
-        port = free_port()
         args = build_parser().parse_args([
             "serve", "--model", "demo", "--replicas", "2", "--device", "cpu", "--max-running", "8",
             "--allow-runtime-lora", "--lora-dir", str(lora_dir),
@@ -67,7 +67,7 @@ def base_url(request, lora_dir):
                  log_to_driver=False,
                  runtime_env={"env_vars": {"RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": "1"}})
         try:
-            serve.start(http_options={"host": "127.0.0.1", "port": port})
+            port = start_serve_on_a_free_port(serve)
             serve.run(build_ray_app(args), name="punica-hf", route_prefix="/")
             yield f"http://127.0.0.1:{port}"
         finally:

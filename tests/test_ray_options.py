@@ -11,7 +11,7 @@ import time
 
 import pytest
 from fastapi.testclient import TestClient
-from server_process import demo_lora_dir, free_port
+from server_process import demo_lora_dir, free_port, start_serve_on_a_free_port
 
 from punica_hf import MultiLoraModel, demo
 from punica_hf.cli import main
@@ -217,3 +217,35 @@ def test_a_load_the_others_refuse_is_undone_and_answered_409(lora_dir):
         assert response.json()["error"]["code"] == "conflict" and "on another replica" in response.text
         assert "sort2" not in {card["id"] for card in client.get("/v1/models").json()["data"]}
 
+
+
+class _ServeThatLosesPorts:
+    """Stands in for ``ray.serve``: the first ``lost`` starts fail as Ray Serve's proxy does when its port was
+    taken meanwhile, then starts succeed; records every call."""
+
+    def __init__(self, lost: int, error: str = "Failed to bind to address '127.0.0.1:{port}'.") -> None:
+        self.lost, self.error, self.calls = lost, error, []
+
+    def start(self, http_options: dict) -> None:
+        self.calls.append(("start", http_options["port"]))
+        if self.lost:
+            self.lost -= 1
+            raise RuntimeError(self.error.format(port=http_options["port"]))
+
+    def shutdown(self) -> None:
+        self.calls.append(("shutdown", None))
+
+
+def test_ray_serve_in_the_tests_starts_again_on_another_port_when_its_port_was_taken():
+    """The Ray test fixtures pick a free port, and Ray's own processes may take it before the proxy binds it: the
+    helper shuts Ray Serve down and starts it on another port; any other error, or too many losses, is raised."""
+    serve = _ServeThatLosesPorts(lost=2)
+    port = start_serve_on_a_free_port(serve)
+    assert [call[0] for call in serve.calls] == ["start", "shutdown", "start", "shutdown", "start"]
+    assert serve.calls[-1] == ("start", port)
+    with pytest.raises(RuntimeError, match="Failed to bind"):
+        start_serve_on_a_free_port(_ServeThatLosesPorts(lost=5), attempts=5)
+    other = _ServeThatLosesPorts(lost=1, error="the controller died")
+    with pytest.raises(RuntimeError, match="controller died"):
+        start_serve_on_a_free_port(other)
+    assert other.calls == [("start", other.calls[0][1])]

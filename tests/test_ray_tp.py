@@ -25,7 +25,7 @@ ray = pytest.importorskip("ray", reason="needs the ray extra (pip install 'punic
 serve = pytest.importorskip("ray.serve", reason="needs the ray extra (pip install 'punica-hf[ray]')")
 
 from helpers import save_peft_adapter, save_word_level_model  # noqa: E402
-from server_process import child_env, free_port  # noqa: E402
+from server_process import child_env, start_serve_on_a_free_port  # noqa: E402
 from test_tp_serve import PROMPTS, _unsplit_answers  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
@@ -50,12 +50,11 @@ def served(tmp_path_factory):
                                 target_modules=["o_proj", "down_proj"], seed=7)
     expected = {**_unsplit_answers(model_dir, adapters), "b": _unsplit_answers(model_dir, {"a": runtime})["a"]}
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
-    port = free_port()
     ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
              runtime_env={"env_vars": {"RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": "1",
                                        "CUDA_VISIBLE_DEVICES": ""}})
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        port = start_serve_on_a_free_port(serve)
         app = serve_command.ray_app({  # as `serve run punica_hf.cli.serve:ray_app ...` builds it
             "model": str(model_dir), "adapter": [f"a={adapters['a']}"], "replicas": 1, "tp": 2,
             "allow_runtime_lora": True, "lora_dir": [str(lora_dir)],
