@@ -117,15 +117,15 @@ def mixed_step_rows(mixes: list[tuple[int, int]], reps: int, label: str) -> list
         segments = build_segments(token_slots, MIXED_SLOTS)
         inputs = {name: torch.randn(tokens, hidden_in, device="cuda", generator=generator).bfloat16()
                   for name, (hidden_in, _) in CALLS.items()}
-        outputs = {name: torch.zeros(tokens, width, device="cuda", dtype=torch.bfloat16)
-                   for _, widths in CALLS.values() for name, width in [(str(w), w) for w in widths]}
+        outputs = {width: torch.zeros(tokens, width, device="cuda", dtype=torch.bfloat16)  # one per output width
+                   for _, widths in CALLS.values() for width in widths}
 
         def step(backend) -> None:
             for layer in layers:
                 for name, (_, widths) in CALLS.items():
                     a_offsets, b_offsets, table = layer.tables[name]
                     for member, width in enumerate(widths):
-                        backend.lora_add_unchecked(outputs[str(width)], inputs[name], layer.pool, a_offsets[member],
+                        backend.lora_add_unchecked(outputs[width], inputs[name], layer.pool, a_offsets[member],
                                                    b_offsets[member], table[member], segments, max_rank)
 
         graphs = {path: capture(lambda b=cuda_ops.CudaLoraBackend(kernels): step(b))

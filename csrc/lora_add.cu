@@ -5,10 +5,9 @@
 
 namespace {
 
-// Up to this many tokens (decode batches) the per-token path runs (punica_hf/ops/segments.py relies on it:
-// PER_TOKEN_MAX_TOKENS): latency-bound, and its chunks already share
+// Up to this many tokens (decode batches) the per-token path runs: latency-bound, and its chunks already share
 // each adapter's factors among up to 16 tokens. Above it, the segment-tiled tensor-core path shares them among
-// the 64 positions of a tile.
+// the 64 positions of a tile. punica_hf/ops/segments.py relies on it (PER_TOKEN_MAX_TOKENS).
 constexpr int kPerTokenMaxTokens = 256;
 
 bool use_tiled(const PunicaLoraProblem& p) {
