@@ -1,12 +1,15 @@
 // Per-token path in two launches (what the fused one-launch path of lora_fused.cu does not take: more than 64
-// tokens, slices too large for its shared memory, GPUs without thread-block clusters, KernelConfig(fused=False)): bound by latency and bytes, not arithmetic, so fp32 FMAs on CUDA cores. Work is cut into the chunks of
-// chunks.cuh; with every token its own adapter, each chunk is one token.
+// tokens, slices too large for its shared memory, GPUs without thread-block clusters, KernelConfig(fused=False)):
+// bound by latency and bytes, not arithmetic, so fp32 FMAs on CUDA cores. Work is cut into the chunks of chunks.cuh;
+// with every token its own adapter, each chunk is one token.
 // Every block moves up to 64 rank rows x 512 bytes = 32 KB of factors: small ranks take kGroup (2 or 4) K slices
-// (shrink) or column chunks (expand) of 32 lanes x 16 bytes per block.
-//   shrink: grid (positions, K slices / kGroup); the block's 64 (row, slice) pieces of A and the chunk's x slices go to
+// (shrink) or column chunks (expand) of 32 lanes x 16 bytes per block. The grid is sized for the call's max_rank;
+// each block picks its group by its own chunk's rank (group_for), so a rank-8 chunk in a call of max_rank 64 takes
+// a quarter of the grid's blocks, each moving four slices, and the rest of its blocks exit after the lookup.
+//   shrink: grid (positions, K slices / group); the block's 64 (row, slice) pieces of A and the chunk's x slices go to
 //           shared memory by cp.async; warp w dots its 8 pieces with two tokens at a time, one warp_sum_8 per
 //           token; one fp32 partial per (slice, position, row).
-//   expand: grid (positions, column chunks / kGroup); the chunk's Bt columns and y rows go to shared memory by
+//   expand: grid (positions, column chunks / group); the chunk's Bt columns and y rows go to shared memory by
 //           cp.async, v = sum of the slice partials; warps then own (token, column chunk) items, each lane a
 //           16-byte run of outputs, looping over the rank rows (from rank 32, a chunk with few items shares each
 //           one's rows among several warps).
@@ -35,6 +38,19 @@ constexpr int kMaxGroup = 4;         // most K slices / column chunks one block 
 static_assert(kChunk * kMaxGroup <= kWarps * kItemsPerWarp, "the expand serves a chunk's items in one pass");
 constexpr int kSumBatch = 16;        // expand: slice partials a thread loads at once
 constexpr int kSplitMinRank = 32;    // expand: smallest rank whose rows several warps share (below)
+
+// K slices (shrink) or column chunks (expand) of 32 x 16 bytes a block takes for an adapter of rank `rank`:
+// 64 / (the rank rounded up to a power of two), at most kMaxGroup and `available` (the call's slices or its widest
+// output's column chunks), so every block moves up to 64 rank rows x 512 bytes = 32 KB of factors; a power of two
+// dividing kWarps. Never larger for a larger rank: the grid, sized by group_for(max_rank), covers every chunk's.
+// A group of 2 or more holds ranks up to 64 / group.
+__host__ __device__ constexpr int group_for(int rank, int available) {
+  int rows = 8;
+  while (rows < rank && rows < 64) rows *= 2;
+  int group = 64 / rows < kMaxGroup ? 64 / rows : kMaxGroup;
+  while (group > 1 && group > available) group /= 2;
+  return group;
+}
 
 // A 16-byte shared-memory load ptxas may not hoist out of a loop (a volatile PTX load; an asm volatile plain load
 // was still hoisted): re-reading the A pieces for every pair of tokens keeps 8 x 8 widened floats out of the
@@ -66,27 +82,22 @@ __device__ __forceinline__ void walk_positions(const int32_t* __restrict__ posit
 // kGroup consecutive K slices (1, 2 or 4) and kPieces (row, slice) pieces of A per pass: piece q = w + 8 i belongs
 // to warp w, slice w % group, row w / group + (8 / group) i. Pieces and x go to shared memory by cp.async (no
 // registers held while loads fly, so more blocks fit). Dynamic shared memory: A [kPieces][32], x [kChunk][group][32]
-// (16 B each). This is the work for the chunk that starts at sorted position `position` (none: nothing).
+// (16 B each). This is the work for `chunk` (looked up, size > 0), which starts at sorted position `position`.
 template <typename T, int kGroup>
 __device__ __forceinline__ void shrink_at(const T* __restrict__ x, const T* __restrict__ pool,
-                                          const int64_t* __restrict__ a_offsets, const int32_t* __restrict__ lora_ranks,
-                                          const int32_t* __restrict__ sorted_token_ids,
-                                          const int32_t* __restrict__ sorted_slots, float* __restrict__ v_partial,
-                                          int num_tokens, int hidden_in, int max_rank, int num_slots, int num_slices,
-                                          int position, Chunk& chunk) {
+                                          float* __restrict__ v_partial, int num_tokens, int hidden_in, int max_rank,
+                                          int num_slices, int position, const Chunk& chunk) {
   constexpr int kVec = Vec<T>::kSize;
   extern __shared__ uint4 smem_vectors[];
   uint4* a_shared = smem_vectors;
   uint4* x_shared = smem_vectors + kPieces * 32;
-  find_chunk(sorted_token_ids, sorted_slots, lora_ranks, a_offsets, nullptr, num_tokens, num_slots, max_rank, position,
-             chunk);
+  const int first_slice = blockIdx.y * kGroup;
+  if (first_slice >= num_slices) return;  // a chunk of small rank needs fewer blocks than the grid has
   const int size = chunk.size;
-  if (size == 0) return;
   const int rank = chunk.rank;
   const T* lora_a = pool + chunk.a_offset;
   const int lane = threadIdx.x % 32;
   const int warp = threadIdx.x / 32;
-  const int first_slice = blockIdx.y * kGroup;
   const int slice = first_slice + warp % kGroup;
   const int row_stride = kWarps / kGroup;
   const int rows_per_pass = kPieces / kGroup;
@@ -147,9 +158,10 @@ __device__ __forceinline__ void shrink_at(const T* __restrict__ x, const T* __re
   }
 }
 
-// Grid (X, K slices / kGroup, G). Without a chunk-start list, X = T, a block per position; with one, X makes
-// kWalkingWaves waves of blocks that walk it (walk_positions), so the positions that start no chunk cost no block.
-template <typename T, int kGroup>
+// Grid (X, K slices / kLeastGroup, G), kLeastGroup = group_for(max_rank, K slices); each chunk's blocks take the
+// group of its rank. Without a chunk-start list, X = T, a block per position; with one, X makes kWalkingWaves waves
+// of blocks that walk it (walk_positions), so the positions that start no chunk cost no block.
+template <typename T, int kLeastGroup>
 __global__ void __launch_bounds__(kThreads, 4)
 shrink_chunk_kernel(const T* __restrict__ x, const T* __restrict__ pool, const int64_t* __restrict__ a_offsets,
                     const int32_t* __restrict__ lora_ranks, const int32_t* __restrict__ sorted_token_ids,
@@ -172,51 +184,73 @@ shrink_chunk_kernel(const T* __restrict__ x, const T* __restrict__ pool, const i
   v_partial += static_cast<size_t>(output) * num_slices * num_tokens * max_rank;
   __shared__ Chunk chunk;
   walk_positions(positions, num_tokens, [&](int position) {
-    shrink_at<T, kGroup>(x, pool, a_offsets, lora_ranks, sorted_token_ids, sorted_slots, v_partial, num_tokens,
-                         hidden_in, max_rank, num_slots, num_slices, position, chunk);
+    find_chunk(sorted_token_ids, sorted_slots, lora_ranks, a_offsets, nullptr, num_tokens, num_slots, max_rank,
+               position, chunk);
+    if (chunk.size == 0) return;
+    // Groups below kLeastGroup never occur here (the rank is at most max_rank): not compiled.
+    switch (group_for(chunk.rank, num_slices)) {
+      case 4:
+        if constexpr (kLeastGroup <= 4)
+          shrink_at<T, 4>(x, pool, v_partial, num_tokens, hidden_in, max_rank, num_slices, position, chunk);
+        break;
+      case 2:
+        if constexpr (kLeastGroup <= 2)
+          shrink_at<T, 2>(x, pool, v_partial, num_tokens, hidden_in, max_rank, num_slices, position, chunk);
+        break;
+      default:
+        if constexpr (kLeastGroup <= 1)
+          shrink_at<T, 1>(x, pool, v_partial, num_tokens, hidden_in, max_rank, num_slices, position, chunk);
+        break;
+    }
   });
 }
 
-// The expand's Bt tiles in 16-byte vectors: one buffer of up to kTileRanks rank rows (two when the rank needs more),
-// and at least room for the warps' fp32 sums (up to 8 per lane), which reuse it at the end.
-__host__ __device__ constexpr int expand_tile_vectors(int max_rank, int group) {
-  const int tile_rows = max_rank < kTileRanks ? max_rank : kTileRanks;
-  const int tiles = (max_rank > kTileRanks ? 2 : 1) * tile_rows * group * 32;
-  return tiles > kWarps * 32 * 2 ? tiles : kWarps * 32 * 2;
+// Rank rows of the expand's Bt tile for a block of `group` column chunks: up to kTileRanks rows, and up to the
+// 64 / group rows a chunk of that group can have.
+__host__ __device__ constexpr int expand_tile_rows(int max_rank, int group) {
+  return max_rank < kTileRanks / group ? max_rank : kTileRanks / group;
 }
 
-// y[token(p), n] += sum_{r < rank} Bt_s[r, n] * v[p, r] for the positions p of the chunk that starts at sorted
-// position `position` (none: nothing), v[p, r] = sum over slices of
+// The expand's Bt tiles in 16-byte vectors, for any group a block may take: one buffer of a tile (two when a rank
+// needs more than kTileRanks rows), and at least room for the warps' fp32 sums (up to 8 per lane), which reuse it
+// at the end.
+__host__ __device__ constexpr int expand_tile_vectors(int max_rank) {
+  int vectors = kWarps * 32 * 2;
+  for (int group = 1; group <= kMaxGroup; group *= 2) {
+    const int buffers = group == 1 && max_rank > kTileRanks ? 2 : 1;
+    const int tiles = buffers * expand_tile_rows(max_rank, group) * group * 32;
+    vectors = tiles > vectors ? tiles : vectors;
+  }
+  return vectors;
+}
+
+// y[token(p), n] += sum_{r < rank} Bt_s[r, n] * v[p, r] for the positions p of `chunk` (looked up, size > 0),
+// which starts at sorted position `position`, v[p, r] = sum over slices of
 // v_partial; n runs over output blockIdx.z's columns of y. The block takes kGroup consecutive column chunks of
 // 32 x 16 bytes. Work items are (token, column chunk) pairs, each lane a 16-byte run of outputs: with 8 items or
 // more, warp w owns items w and w + 8; with fewer, each item has several warps, each taking every split-th rank row.
-// Dynamic shared memory: Bt tiles [buffers][tile_rows][kGroup * 32] (expand_tile_vectors), y [kChunk][kGroup * 32]
-// (16-byte vectors), then v [kChunk][max_rank] fp32. Two buffers only when the rank needs more than one tile (kGroup
-// > 1 needs rank <= 32).
+// Dynamic shared memory: Bt tiles [buffers][tile_rows][kGroup * 32] (room for expand_tile_vectors),
+// y [kChunk][kGroup * 32] (room for kMaxGroup; 16-byte vectors), then v [kChunk][max_rank] fp32. Two buffers only
+// when the rank needs more than one tile (kGroup > 1 means rank <= 32).
 template <typename T, int kGroup>
 __device__ __forceinline__ void expand_at(T* __restrict__ y, const T* __restrict__ pool,
-                                          const int64_t* __restrict__ b_offsets,
-                                          const int32_t* __restrict__ lora_ranks,
-                                          const int32_t* __restrict__ sorted_token_ids,
-                                          const int32_t* __restrict__ sorted_slots,
                                           const float* __restrict__ v_partial, int num_tokens, int hidden_out,
-                                          size_t row_width, int col0, int max_rank, int num_slots, int num_slices,
-                                          bool accumulate, int position, Chunk& chunk) {
+                                          size_t row_width, int max_rank, int num_slices, bool accumulate,
+                                          int position, const Chunk& chunk) {
   constexpr int kVec = Vec<T>::kSize;
   extern __shared__ uint4 smem_vectors[];
-  find_chunk(sorted_token_ids, sorted_slots, lora_ranks, nullptr, b_offsets, num_tokens, num_slots, max_rank, position,
-             chunk);
+  const int col0 = blockIdx.y * kGroup * slice_elems<T>();
+  if (col0 >= hidden_out) return;  // a chunk of small rank (or a narrow output) needs fewer blocks than the grid has
   const int size = chunk.size;
-  if (size == 0) return;
   const int rank = chunk.rank;
   const T* lora_bt = pool + chunk.b_offset;
   const int lane = threadIdx.x % 32;
   const int warp = threadIdx.x / 32;
   constexpr int row_vectors = kGroup * 32;
-  const int tile_rows = min(max_rank, kTileRanks);
+  const int tile_rows = expand_tile_rows(max_rank, kGroup);
   uint4* tiles = smem_vectors;
-  uint4* y_tile = tiles + expand_tile_vectors(max_rank, kGroup);
-  float* v_shared = reinterpret_cast<float*>(y_tile + kChunk * row_vectors);
+  uint4* y_tile = tiles + expand_tile_vectors(max_rank);
+  float* v_shared = reinterpret_cast<float*>(y_tile + kChunk * kMaxGroup * 32);
 
   // Rank rows [tile * kTileRanks, +kTileRanks) of Bt, this block's columns, into buffer `buffer`.
   auto load_tile = [&](int tile, int buffer) {
@@ -338,18 +372,19 @@ __device__ __forceinline__ void expand_at(T* __restrict__ y, const T* __restrict
   }
 }
 
-// Grid (X, column chunks / kGroup, G), X and the position list as for the shrink.
-template <typename T, int kGroup>
+// Grid (X, column chunks / kLeastGroup, G), X, the position list and the groups as for the shrink; the groups are
+// chosen with the widest output's column chunks (`widest_chunks`), as the grid is.
+template <typename T, int kLeastGroup>
 __global__ void __launch_bounds__(kThreads, 4)
 expand_chunk_kernel(T* __restrict__ y, const T* __restrict__ pool, const int64_t* __restrict__ b_offsets,
                     const int32_t* __restrict__ lora_ranks, const int32_t* __restrict__ sorted_token_ids,
                     const int32_t* __restrict__ sorted_slots, const int32_t* __restrict__ positions,
                     const float* __restrict__ v_partial, int num_tokens, const __grid_constant__ OutputColumns columns,
-                    int max_rank, int num_slots, int num_slices, bool accumulate) {
+                    int widest_chunks, int max_rank, int num_slots, int num_slices, bool accumulate) {
   const int output = blockIdx.z;
   const int hidden_out = columns.begin[output + 1] - columns.begin[output];
-  const int col0 = blockIdx.y * kGroup * slice_elems<T>();
-  if (col0 >= hidden_out) return;  // the grid covers the widest output of a group
+  // Past this output's columns at every group (the grid covers the widest output of a group): no lookup.
+  if (blockIdx.y * kLeastGroup * slice_elems<T>() >= hidden_out) return;
   const size_t row_width = columns.begin[columns.count];
   y += columns.begin[output];
   b_offsets += static_cast<size_t>(output) * num_slots;
@@ -357,8 +392,26 @@ expand_chunk_kernel(T* __restrict__ y, const T* __restrict__ pool, const int64_t
   v_partial += static_cast<size_t>(output) * num_slices * num_tokens * max_rank;
   __shared__ Chunk chunk;
   walk_positions(positions, num_tokens, [&](int position) {
-    expand_at<T, kGroup>(y, pool, b_offsets, lora_ranks, sorted_token_ids, sorted_slots, v_partial, num_tokens,
-                         hidden_out, row_width, col0, max_rank, num_slots, num_slices, accumulate, position, chunk);
+    find_chunk(sorted_token_ids, sorted_slots, lora_ranks, nullptr, b_offsets, num_tokens, num_slots, max_rank,
+               position, chunk);
+    if (chunk.size == 0) return;
+    switch (group_for(chunk.rank, widest_chunks)) {  // as in the shrink
+      case 4:
+        if constexpr (kLeastGroup <= 4)
+          expand_at<T, 4>(y, pool, v_partial, num_tokens, hidden_out, row_width, max_rank, num_slices, accumulate,
+                          position, chunk);
+        break;
+      case 2:
+        if constexpr (kLeastGroup <= 2)
+          expand_at<T, 2>(y, pool, v_partial, num_tokens, hidden_out, row_width, max_rank, num_slices, accumulate,
+                          position, chunk);
+        break;
+      default:
+        if constexpr (kLeastGroup <= 1)
+          expand_at<T, 1>(y, pool, v_partial, num_tokens, hidden_out, row_width, max_rank, num_slices, accumulate,
+                          position, chunk);
+        break;
+    }
   });
 }
 
@@ -367,19 +420,8 @@ int num_slices_for(const PunicaLoraProblem& p) {
   return (p.hidden_in + slice - 1) / slice;
 }
 
-// K slices (shrink) or column chunks (expand) of 32 x 16 bytes a block takes: 64 / (max_rank rounded up to a
-// power of two), at most kMaxGroup and `available`, so every block moves up to 64 rank rows x 512 bytes = 32 KB
-// of factors (small ranks: several slices); a power of two dividing kWarps.
-int group_for(int max_rank, int available) {
-  int rows = 8;
-  while (rows < max_rank && rows < 64) rows *= 2;
-  int group = 64 / rows < kMaxGroup ? 64 / rows : kMaxGroup;
-  while (group > 1 && group > available) group /= 2;
-  return group;
-}
-
-size_t expand_smem_bytes(int max_rank, int group) {
-  return (static_cast<size_t>(expand_tile_vectors(max_rank, group)) + kChunk * group * 32) * sizeof(uint4) +
+size_t expand_smem_bytes(int max_rank) {
+  return (static_cast<size_t>(expand_tile_vectors(max_rank)) + kChunk * kMaxGroup * 32) * sizeof(uint4) +
          static_cast<size_t>(kChunk) * max_rank * sizeof(float);
 }
 
@@ -399,15 +441,16 @@ dim3 walking_grid(const PunicaLoraProblem& p, const int32_t* positions, int bloc
   return dim3(blocks_x, blocks_y, p.num_outputs);
 }
 
-template <typename T, int kGroup>
+template <typename T, int kLeastGroup>
 cudaError_t launch_shrink(const PunicaLoraProblem& p, const int32_t* positions, float* v_partial, int num_slices,
                           cudaStream_t stream) {
-  const size_t smem = static_cast<size_t>(kPieces + kChunk * kGroup) * 32 * sizeof(uint4);
+  const size_t smem = static_cast<size_t>(kPieces + kChunk * kMaxGroup) * 32 * sizeof(uint4);
   static DynamicSmemLimit smem_limit;
   const cudaError_t err =
-      smem_limit.ensure(reinterpret_cast<const void*>(shrink_chunk_kernel<T, kGroup>), p.device, smem);
+      smem_limit.ensure(reinterpret_cast<const void*>(shrink_chunk_kernel<T, kLeastGroup>), p.device, smem);
   if (err != cudaSuccess) return err;
-  return launch_kernel(shrink_chunk_kernel<T, kGroup>, walking_grid(p, positions, (num_slices + kGroup - 1) / kGroup),
+  return launch_kernel(shrink_chunk_kernel<T, kLeastGroup>,
+                       walking_grid(p, positions, (num_slices + kLeastGroup - 1) / kLeastGroup),
                        dim3(kThreads), smem, stream, LaunchOptions{}, static_cast<const T*>(p.x),
                        static_cast<const T*>(p.pool), p.a_offsets, p.lora_ranks, p.sorted_token_ids, p.sorted_slots,
                        positions, v_partial, p.num_tokens, p.hidden_in, p.max_rank, p.num_slots, num_slices,
@@ -420,20 +463,21 @@ int widest_col_chunks(const PunicaLoraProblem& p) {
   return (widest_output(p) + slice_elems<T>() - 1) / slice_elems<T>();
 }
 
-template <typename T, int kGroup>
+template <typename T, int kLeastGroup>
 cudaError_t launch_expand(const PunicaLoraProblem& p, const int32_t* positions, const float* v_partial,
                           int num_slices, cudaStream_t stream) {
-  const size_t smem = expand_smem_bytes(p.max_rank, kGroup);
+  const size_t smem = expand_smem_bytes(p.max_rank);
   static DynamicSmemLimit smem_limit;
   const cudaError_t err =
-      smem_limit.ensure(reinterpret_cast<const void*>(expand_chunk_kernel<T, kGroup>), p.device, smem);
+      smem_limit.ensure(reinterpret_cast<const void*>(expand_chunk_kernel<T, kLeastGroup>), p.device, smem);
   if (err != cudaSuccess) return err;
-  return launch_kernel(expand_chunk_kernel<T, kGroup>,
-                       walking_grid(p, positions, (widest_col_chunks<T>(p) + kGroup - 1) / kGroup), dim3(kThreads),
+  const int widest_chunks = widest_col_chunks<T>(p);
+  return launch_kernel(expand_chunk_kernel<T, kLeastGroup>,
+                       walking_grid(p, positions, (widest_chunks + kLeastGroup - 1) / kLeastGroup), dim3(kThreads),
                        smem, stream, LaunchOptions{p.programmatic_launch != 0}, static_cast<T*>(p.y),
                        static_cast<const T*>(p.pool), p.b_offsets, p.lora_ranks, p.sorted_token_ids, p.sorted_slots,
-                       positions, v_partial, p.num_tokens, output_columns_of(p), p.max_rank, p.num_slots, num_slices,
-                       p.accumulate != 0);
+                       positions, v_partial, p.num_tokens, output_columns_of(p), widest_chunks, p.max_rank,
+                       p.num_slots, num_slices, p.accumulate != 0);
 }
 
 template <typename T>

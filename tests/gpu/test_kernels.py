@@ -397,6 +397,9 @@ GROUP_CASES = [
     (64, 2048, [1024, 2048], 64, 8, "random", "mixed"),
     (100, 5120, [5120, 1024, 1024], 13, 7, "requests", "mixed_rank0"),
     (300, 512, [256, 264, 256, 128], 160, 8, "random", "mixed"),  # 4 outputs, 3 Bt tiles, above 256 tokens
+    # max_rank 64, ranks 1-64: each chunk's blocks take the group of its own rank (1, 2 or 4 slices or column
+    # chunks); the widest output has 3 column chunks at 16 bits (a rank-8 chunk takes 2 there, not 4)
+    (96, 1000, [768, 200, 8], 64, 12, "random", "mixed"),
     (5, 8, [16, 8], 2, 2, "random", "full"),
 ]
 
