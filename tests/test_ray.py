@@ -533,20 +533,49 @@ def test_a_request_gets_the_lost_replica_503_once_retries_run_out(monkeypatch):
     assert sent[0]["status"] == 503 and b"replica_lost" in sent[1]["body"] and replicas.calls > 1
 
 
-def test_an_answer_cut_by_a_dying_replica_is_not_sent_again(monkeypatch):
-    """Part of the answer is out when the replica dies: sending the request again would repeat tokens, so the
-    answer ends there (the client's connection closes) and no replica is asked again."""
+class _CutReplicas(_ScriptedReplicas):
+    """Replicas whose every answer is ``script[0]``'s messages, each in a batch of its own, then the replica dies."""
 
-    class Cut(_ScriptedReplicas):
-        async def answer(self, request, catalog_version):
-            self.calls += 1
-            yield [{"type": "http.response.start", "status": 200, "headers": []},
-                   {"type": "http.response.body", "body": b"data: {}\n\n", "more_body": True}]
-            raise ray.exceptions.ActorUnavailableError("the replica died", None)
+    async def answer(self, request, catalog_version):
+        self.calls += 1
+        for message in self.script[0]:
+            yield [message]
+        raise ray.exceptions.ActorUnavailableError("the replica died", None)
 
-    replicas = Cut([])
+
+def test_a_stream_cut_by_a_dying_replica_ends_with_an_error_event_and_is_not_sent_again(monkeypatch):
+    """Part of a stream is out when the replica dies: sending the request again would repeat tokens, so no replica
+    is asked again; the stream ends with an error event naming the loss, then ``[DONE]``, where the client's
+    connection used to close with neither (a client could not tell a cut answer from a network fault)."""
+    start = {"type": "http.response.start", "status": 200,
+             "headers": [(b"content-type", b"text/event-stream; charset=utf-8")]}
+    token = {"type": "http.response.body", "body": b'data: {"choices": []}\n\n', "more_body": True}
+    replicas = _CutReplicas([[start, token]])
+    sent = _through_router(replicas, monkeypatch, retry_seconds=30)
+    assert replicas.calls == 1
+    assert sent[:2] == [start, token] and len(sent) == 3 and sent[2]["more_body"] is False
+    events = sent[2]["body"].decode().split("\n\n")
+    assert events[1:] == ["data: [DONE]", ""]
+    error = json.loads(events[0].removeprefix("data: "))["error"]
+    assert error["code"] == "replica_lost" and error["type"] == "server_error" and "incomplete" in error["message"]
+
+
+def test_a_plain_answer_cut_by_a_dying_replica_closes_the_connection(monkeypatch):
+    """A body that is no stream cannot carry an error after part of it: the answer ends by the connection's close,
+    and the request is not sent again."""
+    start = {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]}
+    replicas = _CutReplicas([[start, {"type": "http.response.body", "body": b'{"ch', "more_body": True}]])
     with pytest.raises(ray.exceptions.ActorUnavailableError):
         _through_router(replicas, monkeypatch, retry_seconds=30)
+    assert replicas.calls == 1
+
+
+def test_a_replica_that_dies_after_its_whole_answer_leaves_the_answer_as_it_is(monkeypatch):
+    """The answer's last message is out when the replica's death reaches the ingress: nothing is added to it and
+    nothing raised."""
+    answer = _answer(200, b"data: [DONE]\n\n", (b"content-type", b"text/event-stream"))
+    replicas = _CutReplicas([answer])
+    assert _through_router(replicas, monkeypatch, retry_seconds=30) == answer
     assert replicas.calls == 1
 
 

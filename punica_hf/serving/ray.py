@@ -19,7 +19,8 @@
   dies, Ray Serve starts an empty one (a new epoch), and replicas started after that do not get the earlier loads.
 
 A replica that dies is restarted by Ray Serve. A request it was serving is sent again (to the replica Ray Serve
-picks then) if nothing of its answer was sent yet; otherwise the answer ends early. A replica that cannot run a
+picks then) if nothing of its answer was sent yet; otherwise the answer ends early: a stream with an error event
+(code ``replica_lost``) and ``data: [DONE]``, any other answer by the connection's close. A replica that cannot run a
 step (its engine stopped, or it lost one of its ranks) answers every request at once with a 503 that says so, and
 the ingress sends such a request again too, until Ray Serve has replaced that replica. After ``RETRY_SECONDS`` of
 such answers the client gets the 503.
@@ -48,6 +49,7 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 from .app import OPEN_PATHS, APIError, BodySizeLimit, KeyRequired, RequestLimits, create_app
 from .engine import Engine
 from .follower_ranks import FollowerRanks
+from .protocol import ErrorDetail, ErrorResponse
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +67,11 @@ FIRST_BATCH_HEADER = "x-punica-replica-first-ms"
 # How long the ingress keeps sending a request again while replicas are lost (Ray Serve replaces one within three
 # health checks), and its pause between two tries.
 RETRY_SECONDS = 15.0
+# How a streamed answer cut by its replica's death ends: an error event a client can read (OpenAI's error body, as
+# the server's own streams end on a failed request), then the stream's usual end.
+LOST_STREAM_END = ("data: " + ErrorResponse(error=ErrorDetail(
+    message="the replica serving this request stopped mid-answer (Ray Serve restarts it): the answer is incomplete",
+    type="server_error", code="replica_lost")).model_dump_json() + "\n\ndata: [DONE]\n\n").encode()
 RETRY_PAUSE_SECONDS = 0.5
 # A replica whose engine or one of its ranks has stopped answers nothing but 503s: Ray Serve replaces it after three
 # failed health checks in a row, so check often (the check reads flags, and polls the ranks' processes).
@@ -400,7 +407,7 @@ class Router:
     async def _try_replica(self, request: dict, adapter: str, send) -> int | list[dict] | None:
         """One try: the answer's status once it is sent; or, when the replica was lost before any of it was sent,
         nothing sent and the replica's marked 503 (its messages) or None (its actor died)."""
-        status = None
+        status, ended = None, False
         answer = self.replica.options(stream=True, multiplexed_model_id=adapter).handle_http.remote(
             request, self.catalog_version
         )
@@ -411,16 +418,21 @@ class Router:
             if start["status"] == 503 and _has_header(start, LOST_REPLICA_HEADER):
                 return [*first, *[message async for batch in batches for message in batch]]
             status = start["status"]
-            for message in first:
-                await send(message)
+            ended = await _send_batch(first, send)
             async for batch in batches:
-                for message in batch:
-                    await send(message)
+                ended = await _send_batch(batch, send) or ended
             return status
         except REPLICA_LOST:
-            if status is not None:  # part of the answer is out: end it here (the connection closes)
+            if status is None:
+                return None
+            if ended:  # the whole answer is out: the replica died after it
+                return status
+            # Part of the answer is out, and sending the request again would repeat it: a stream ends with an
+            # error event, any other answer by closing the connection.
+            if status != 200 or _media_type(start) != "text/event-stream":
                 raise
-            return None
+            await send({"type": "http.response.body", "body": LOST_STREAM_END, "more_body": False})
+            return status
         except BaseException:
             answer.cancel()  # the client went away, or this task was cancelled: stop the replica's work
             raise
@@ -609,6 +621,23 @@ class _Batch:
 def _has_header(start: dict, name: str) -> bool:
     """Whether an ASGI ``http.response.start`` message carries the header ``name`` (lower case)."""
     return any(bytes(key).lower() == name.encode() for key, _ in start.get("headers", []))
+
+
+def _media_type(start: dict) -> str | None:
+    """The media type of a ``http.response.start`` message's content type (lower case, no parameters); None without
+    one."""
+    for key, value in start.get("headers", []):
+        if bytes(key).lower() == b"content-type":
+            return bytes(value).decode("latin-1").split(";")[0].strip().lower()
+    return None
+
+
+async def _send_batch(messages: list[dict], send) -> bool:
+    """Send a batch of an answer's ASGI messages; whether its last one ended the answer's body."""
+    for message in messages:
+        await send(message)
+    last = messages[-1] if messages else {}
+    return last.get("type") == "http.response.body" and not last.get("more_body", False)
 
 
 async def _read_body(receive) -> bytes:
