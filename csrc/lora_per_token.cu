@@ -2,7 +2,7 @@
 // tokens, slices too large for its shared memory, GPUs without thread-block clusters, KernelConfig(fused=False)):
 // bound by latency and bytes, not arithmetic, so fp32 FMAs on CUDA cores. Work is cut into the chunks of chunks.cuh;
 // with every token its own adapter, each chunk is one token.
-// Every block moves up to 64 rank rows x 512 bytes = 32 KB of factors: small ranks take kGroup (2 or 4) K slices
+// Every block moves up to 64 rank rows x 512 bytes = 32 KB of factors: small ranks take a group of 2 or 4 K slices
 // (shrink) or column chunks (expand) of 32 lanes x 16 bytes per block. The grid is sized for the call's max_rank;
 // each block picks its group by its own chunk's rank (group_for), so a rank-8 chunk in a call of max_rank 64 takes
 // a quarter of the grid's blocks, each moving four slices, and the rest of its blocks exit after the lookup.
@@ -33,6 +33,9 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kRowsPerWarp = 8;      // shrink: pieces of A one warp dots with a token (one warp_sum_8)
 constexpr int kPieces = kWarps * kRowsPerWarp;  // shrink: (row, K slice) pieces of A per block and pass
 constexpr int kTileRanks = 64;       // expand: rank rows of Bt staged in shared memory at a time
+constexpr int kBlockRows = 64;       // rank rows a block moves at most (group_for): a group of g holds ranks <= 64 / g
+static_assert(kBlockRows / 2 <= kTileRanks, "a chunk of a group of 2 or more fits one Bt tile");
+static_assert(kChunk % 4 == 0, "the expand's v (kChunk x max_rank floats) ends on a 16-byte boundary");
 constexpr int kItemsPerWarp = 2;     // expand: (token, column chunk) items a warp owns (chunks of 8 items or more)
 constexpr int kMaxGroup = 4;         // most K slices / column chunks one block takes
 static_assert(kChunk * kMaxGroup <= kWarps * kItemsPerWarp, "the expand serves a chunk's items in one pass");
@@ -40,14 +43,14 @@ constexpr int kSumBatch = 16;        // expand: slice partials a thread loads at
 constexpr int kSplitMinRank = 32;    // expand: smallest rank whose rows several warps share (below)
 
 // K slices (shrink) or column chunks (expand) of 32 x 16 bytes a block takes for an adapter of rank `rank`:
-// 64 / (the rank rounded up to a power of two), at most kMaxGroup and `available` (the call's slices or its widest
-// output's column chunks), so every block moves up to 64 rank rows x 512 bytes = 32 KB of factors; a power of two
-// dividing kWarps. Never larger for a larger rank: the grid, sized by group_for(max_rank), covers every chunk's.
-// A group of 2 or more holds ranks up to 64 / group.
+// kBlockRows / (the rank rounded up to a power of two), at most kMaxGroup and `available` (the call's slices, or
+// the output's column chunks), so every block moves up to 64 rank rows x 512 bytes = 32 KB of factors; a power of
+// two dividing kWarps. Never larger for a larger rank: the grid, sized by group_for(max_rank), covers every chunk's.
+// A group of 2 or more holds ranks up to kBlockRows / group.
 __host__ __device__ constexpr int group_for(int rank, int available) {
   int rows = 8;
-  while (rows < rank && rows < 64) rows *= 2;
-  int group = 64 / rows < kMaxGroup ? 64 / rows : kMaxGroup;
+  while (rows < rank && rows < kBlockRows) rows *= 2;
+  int group = kBlockRows / rows < kMaxGroup ? kBlockRows / rows : kMaxGroup;
   while (group > 1 && group > available) group /= 2;
   return group;
 }
@@ -205,23 +208,20 @@ shrink_chunk_kernel(const T* __restrict__ x, const T* __restrict__ pool, const i
   });
 }
 
-// Rank rows of the expand's Bt tile for a block of `group` column chunks: up to kTileRanks rows, and up to the
-// 64 / group rows a chunk of that group can have.
+// Rank rows of the expand's Bt tile for a block of `group` column chunks: up to kTileRanks rows, and for a group of
+// 2 or more up to the kBlockRows / group rows its chunk can have.
 __host__ __device__ constexpr int expand_tile_rows(int max_rank, int group) {
-  return max_rank < kTileRanks / group ? max_rank : kTileRanks / group;
+  const int rows = group == 1 ? kTileRanks : kBlockRows / group;
+  return max_rank < rows ? max_rank : rows;
 }
 
-// The expand's Bt tiles in 16-byte vectors, for any group a block may take: one buffer of a tile (two when a rank
-// needs more than kTileRanks rows), and at least room for the warps' fp32 sums (up to 8 per lane), which reuse it
-// at the end.
-__host__ __device__ constexpr int expand_tile_vectors(int max_rank) {
-  int vectors = kWarps * 32 * 2;
-  for (int group = 1; group <= kMaxGroup; group *= 2) {
-    const int buffers = group == 1 && max_rank > kTileRanks ? 2 : 1;
-    const int tiles = buffers * expand_tile_rows(max_rank, group) * group * 32;
-    vectors = tiles > vectors ? tiles : vectors;
-  }
-  return vectors;
+// The expand's Bt tiles of a block of `group` column chunks, in 16-byte vectors: one buffer of a tile (two when a
+// rank needs more than kTileRanks rows), and at least room for the warps' fp32 sums (up to 8 per lane), which reuse
+// it at the end.
+__host__ __device__ constexpr int expand_tile_vectors(int max_rank, int group) {
+  const int buffers = group == 1 && max_rank > kTileRanks ? 2 : 1;
+  const int tiles = buffers * expand_tile_rows(max_rank, group) * group * 32;
+  return tiles > kWarps * 32 * 2 ? tiles : kWarps * 32 * 2;
 }
 
 // y[token(p), n] += sum_{r < rank} Bt_s[r, n] * v[p, r] for the positions p of `chunk` (looked up, size > 0),
@@ -229,9 +229,9 @@ __host__ __device__ constexpr int expand_tile_vectors(int max_rank) {
 // v_partial; n runs over output blockIdx.z's columns of y. The block takes kGroup consecutive column chunks of
 // 32 x 16 bytes. Work items are (token, column chunk) pairs, each lane a 16-byte run of outputs: with 8 items or
 // more, warp w owns items w and w + 8; with fewer, each item has several warps, each taking every split-th rank row.
-// Dynamic shared memory: Bt tiles [buffers][tile_rows][kGroup * 32] (room for expand_tile_vectors),
-// y [kChunk][kGroup * 32] (room for kMaxGroup; 16-byte vectors), then v [kChunk][max_rank] fp32. Two buffers only
-// when the rank needs more than one tile (kGroup > 1 means rank <= 32).
+// Dynamic shared memory: v [kChunk][max_rank] fp32, Bt tiles [buffers][tile_rows][kGroup * 32]
+// (expand_tile_vectors), then y [kChunk][kGroup * 32] (16-byte vectors): each group's layout within
+// expand_smem_bytes. Two buffers only when the rank needs more than one tile (kGroup > 1 means rank <= 32).
 template <typename T, int kGroup>
 __device__ __forceinline__ void expand_at(T* __restrict__ y, const T* __restrict__ pool,
                                           const float* __restrict__ v_partial, int num_tokens, int hidden_out,
@@ -248,9 +248,9 @@ __device__ __forceinline__ void expand_at(T* __restrict__ y, const T* __restrict
   const int warp = threadIdx.x / 32;
   constexpr int row_vectors = kGroup * 32;
   const int tile_rows = expand_tile_rows(max_rank, kGroup);
-  uint4* tiles = smem_vectors;
-  uint4* y_tile = tiles + expand_tile_vectors(max_rank);
-  float* v_shared = reinterpret_cast<float*>(y_tile + kChunk * kMaxGroup * 32);
+  float* v_shared = reinterpret_cast<float*>(smem_vectors);
+  uint4* tiles = smem_vectors + kChunk * max_rank / 4;
+  uint4* y_tile = tiles + expand_tile_vectors(max_rank, kGroup);
 
   // Rank rows [tile * kTileRanks, +kTileRanks) of Bt, this block's columns, into buffer `buffer`.
   auto load_tile = [&](int tile, int buffer) {
@@ -372,19 +372,20 @@ __device__ __forceinline__ void expand_at(T* __restrict__ y, const T* __restrict
   }
 }
 
-// Grid (X, column chunks / kLeastGroup, G), X, the position list and the groups as for the shrink; the groups are
-// chosen with the widest output's column chunks (`widest_chunks`), as the grid is.
+// Grid (X, expand_extent's blocks, G), X, the position list and the groups as for the shrink, each output's groups
+// chosen with its own column chunks: an output computes the same bits in a grouped call as alone.
 template <typename T, int kLeastGroup>
 __global__ void __launch_bounds__(kThreads, 4)
 expand_chunk_kernel(T* __restrict__ y, const T* __restrict__ pool, const int64_t* __restrict__ b_offsets,
                     const int32_t* __restrict__ lora_ranks, const int32_t* __restrict__ sorted_token_ids,
                     const int32_t* __restrict__ sorted_slots, const int32_t* __restrict__ positions,
                     const float* __restrict__ v_partial, int num_tokens, const __grid_constant__ OutputColumns columns,
-                    int widest_chunks, int max_rank, int num_slots, int num_slices, bool accumulate) {
+                    int max_rank, int num_slots, int num_slices, bool accumulate) {
   const int output = blockIdx.z;
   const int hidden_out = columns.begin[output + 1] - columns.begin[output];
   // Past this output's columns at every group (the grid covers the widest output of a group): no lookup.
   if (blockIdx.y * kLeastGroup * slice_elems<T>() >= hidden_out) return;
+  const int col_chunks = (hidden_out + slice_elems<T>() - 1) / slice_elems<T>();
   const size_t row_width = columns.begin[columns.count];
   y += columns.begin[output];
   b_offsets += static_cast<size_t>(output) * num_slots;
@@ -395,7 +396,7 @@ expand_chunk_kernel(T* __restrict__ y, const T* __restrict__ pool, const int64_t
     find_chunk(sorted_token_ids, sorted_slots, lora_ranks, nullptr, b_offsets, num_tokens, num_slots, max_rank,
                position, chunk);
     if (chunk.size == 0) return;
-    switch (group_for(chunk.rank, widest_chunks)) {  // as in the shrink
+    switch (group_for(chunk.rank, col_chunks)) {  // as in the shrink
       case 4:
         if constexpr (kLeastGroup <= 4)
           expand_at<T, 4>(y, pool, v_partial, num_tokens, hidden_out, row_width, max_rank, num_slices, accumulate,
@@ -420,9 +421,12 @@ int num_slices_for(const PunicaLoraProblem& p) {
   return (p.hidden_in + slice - 1) / slice;
 }
 
-size_t expand_smem_bytes(int max_rank) {
-  return (static_cast<size_t>(expand_tile_vectors(max_rank)) + kChunk * kMaxGroup * 32) * sizeof(uint4) +
-         static_cast<size_t>(kChunk) * max_rank * sizeof(float);
+// The expand's shared memory: v, then the largest of the Bt tiles and y tile of the groups from least_group up.
+size_t expand_smem_bytes(int max_rank, int least_group) {
+  int vectors = 0;
+  for (int group = least_group; group <= kMaxGroup; group *= 2)
+    vectors = std::max(vectors, expand_tile_vectors(max_rank, group) + kChunk * group * 32);
+  return static_cast<size_t>(kChunk) * max_rank * sizeof(float) + static_cast<size_t>(vectors) * sizeof(uint4);
 }
 
 // Waves of resident blocks (the launch bounds' 4 per multiprocessor) a walking grid holds: each block serves several
@@ -457,27 +461,37 @@ cudaError_t launch_shrink(const PunicaLoraProblem& p, const int32_t* positions, 
                        p.accumulate ? static_cast<T*>(nullptr) : static_cast<T*>(p.y), p.hidden_out);
 }
 
-// Column chunks of the widest output: the expand grid's y extent.
+// The expand's least group (the smallest group_for(max_rank, column chunks) over the outputs: no block takes a
+// smaller one) and its grid's y extent (the most blocks an output needs at its group for max_rank).
+struct ExpandExtent {
+  int least_group = kMaxGroup;
+  int blocks = 1;
+};
 template <typename T>
-int widest_col_chunks(const PunicaLoraProblem& p) {
-  return (widest_output(p) + slice_elems<T>() - 1) / slice_elems<T>();
+ExpandExtent expand_extent(const PunicaLoraProblem& p) {
+  ExpandExtent extent;
+  for (int g = 0; g < p.num_outputs; ++g) {
+    const int chunks = (p.output_columns[g + 1] - p.output_columns[g] + slice_elems<T>() - 1) / slice_elems<T>();
+    const int group = group_for(p.max_rank, chunks);
+    extent.least_group = std::min(extent.least_group, group);
+    extent.blocks = std::max(extent.blocks, (chunks + group - 1) / group);
+  }
+  return extent;
 }
 
 template <typename T, int kLeastGroup>
 cudaError_t launch_expand(const PunicaLoraProblem& p, const int32_t* positions, const float* v_partial,
-                          int num_slices, cudaStream_t stream) {
-  const size_t smem = expand_smem_bytes(p.max_rank);
+                          int num_slices, int blocks_y, cudaStream_t stream) {
+  const size_t smem = expand_smem_bytes(p.max_rank, kLeastGroup);
   static DynamicSmemLimit smem_limit;
   const cudaError_t err =
       smem_limit.ensure(reinterpret_cast<const void*>(expand_chunk_kernel<T, kLeastGroup>), p.device, smem);
   if (err != cudaSuccess) return err;
-  const int widest_chunks = widest_col_chunks<T>(p);
-  return launch_kernel(expand_chunk_kernel<T, kLeastGroup>,
-                       walking_grid(p, positions, (widest_chunks + kLeastGroup - 1) / kLeastGroup), dim3(kThreads),
+  return launch_kernel(expand_chunk_kernel<T, kLeastGroup>, walking_grid(p, positions, blocks_y), dim3(kThreads),
                        smem, stream, LaunchOptions{p.programmatic_launch != 0}, static_cast<T*>(p.y),
                        static_cast<const T*>(p.pool), p.b_offsets, p.lora_ranks, p.sorted_token_ids, p.sorted_slots,
-                       positions, v_partial, p.num_tokens, output_columns_of(p), widest_chunks, p.max_rank,
-                       p.num_slots, num_slices, p.accumulate != 0);
+                       positions, v_partial, p.num_tokens, output_columns_of(p), p.max_rank, p.num_slots,
+                       num_slices, p.accumulate != 0);
 }
 
 template <typename T>
@@ -490,10 +504,11 @@ cudaError_t launch(const PunicaLoraProblem& p, const int32_t* positions, float* 
     default: err = launch_shrink<T, 1>(p, positions, v_partial, num_slices, stream); break;
   }
   if (err != cudaSuccess) return err;
-  switch (group_for(p.max_rank, widest_col_chunks<T>(p))) {
-    case 4: return launch_expand<T, 4>(p, positions, v_partial, num_slices, stream);
-    case 2: return launch_expand<T, 2>(p, positions, v_partial, num_slices, stream);
-    default: return launch_expand<T, 1>(p, positions, v_partial, num_slices, stream);
+  const ExpandExtent extent = expand_extent<T>(p);
+  switch (extent.least_group) {
+    case 4: return launch_expand<T, 4>(p, positions, v_partial, num_slices, extent.blocks, stream);
+    case 2: return launch_expand<T, 2>(p, positions, v_partial, num_slices, extent.blocks, stream);
+    default: return launch_expand<T, 1>(p, positions, v_partial, num_slices, extent.blocks, stream);
   }
 }
 

@@ -388,6 +388,10 @@ def test_torch_compile_fullgraph_no_recompile(num_tokens):
                             f"{mapping}, tables {call % 2}, seed {seed}")
 
 
+# max_rank 64, ranks 1-64: each chunk's blocks take the group of its own rank (1, 2 or 4 slices or column chunks) and
+# of its output's width: the first output has 3 column chunks at 16 bits (a rank-8 chunk takes 2 there), the second
+# one, the third one narrower than a chunk
+PER_RANK_GROUPS_CASE = (96, 1000, [768, 200, 8], 64, 12, "random", "mixed")
 GROUP_CASES = [
     # tokens, hidden_in, widths, max_rank, slots, mapping, ranks
     (32, 4096, [4096, 1024, 1024], 16, 32, "distinct", "mixed_rank0"),  # Llama-3-8B q/k/v at decode
@@ -397,9 +401,7 @@ GROUP_CASES = [
     (64, 2048, [1024, 2048], 64, 8, "random", "mixed"),
     (100, 5120, [5120, 1024, 1024], 13, 7, "requests", "mixed_rank0"),
     (300, 512, [256, 264, 256, 128], 160, 8, "random", "mixed"),  # 4 outputs, 3 Bt tiles, above 256 tokens
-    # max_rank 64, ranks 1-64: each chunk's blocks take the group of its own rank (1, 2 or 4 slices or column
-    # chunks); the widest output has 3 column chunks at 16 bits (a rank-8 chunk takes 2 there, not 4)
-    (96, 1000, [768, 200, 8], 64, 12, "random", "mixed"),
+    PER_RANK_GROUPS_CASE,
     (5, 8, [16, 8], 2, 2, "random", "full"),
 ]
 
@@ -439,9 +441,12 @@ def test_lora_delta_matches_float64_reference(case, dtype, per_token_path):
         first += width
 
 
-@pytest.mark.parametrize("case", GROUP_CASES[:5], ids=lambda c: "-".join(map(str, c)).replace(", ", "_"))
+@pytest.mark.parametrize("case", GROUP_CASES[:5] + [PER_RANK_GROUPS_CASE],
+                         ids=lambda c: "-".join(map(str, c)).replace(", ", "_"))
 def test_grouped_call_gives_the_bits_of_separate_calls(case, per_token_path):
-    """Per-token path: output g of one grouped call is bit for bit ``lora_add`` into zeros with table row g."""
+    """Per-token path: output g of one grouped call is bit for bit ``lora_add`` into zeros with table row g. The
+    expand's blocks choose their column chunks by their output's width, not the widest output's: with max_rank 64,
+    a rank-32 chunk of 2-4 tokens split its rows over warps differently in the two calls (PER_RANK_GROUPS_CASE)."""
     x, pool, tables, stacked, slots = _group_problem(*case, torch.bfloat16, secrets.randbits(31))
     widths, max_rank = case[2], case[3]
     segments = build_segments(slots, stacked.ranks.shape[1])
