@@ -543,12 +543,12 @@ class _CutReplicas(_ScriptedReplicas):
         raise ray.exceptions.ActorUnavailableError("the replica died", None)
 
 
-def test_a_stream_cut_by_a_dying_replica_ends_with_an_error_event_and_is_not_sent_again(monkeypatch):
+@pytest.mark.parametrize("content_type", [b"text/event-stream; charset=utf-8", b"Text/Event-Stream"])
+def test_a_stream_cut_by_a_dying_replica_ends_with_an_error_event_and_is_not_sent_again(monkeypatch, content_type):
     """Part of a stream is out when the replica dies: sending the request again would repeat tokens, so no replica
     is asked again; the stream ends with an error event naming the loss, then ``[DONE]``, where the client's
     connection used to close with neither (a client could not tell a cut answer from a network fault)."""
-    start = {"type": "http.response.start", "status": 200,
-             "headers": [(b"content-type", b"text/event-stream; charset=utf-8")]}
+    start = {"type": "http.response.start", "status": 200, "headers": [(b"Content-Type", content_type)]}
     token = {"type": "http.response.body", "body": b'data: {"choices": []}\n\n', "more_body": True}
     replicas = _CutReplicas([[start, token]])
     sent = _through_router(replicas, monkeypatch, retry_seconds=30)
@@ -560,10 +560,12 @@ def test_a_stream_cut_by_a_dying_replica_ends_with_an_error_event_and_is_not_sen
     assert error["code"] == "replica_lost" and error["type"] == "server_error" and "incomplete" in error["message"]
 
 
-def test_a_plain_answer_cut_by_a_dying_replica_closes_the_connection(monkeypatch):
-    """A body that is no stream cannot carry an error after part of it: the answer ends by the connection's close,
-    and the request is not sent again."""
-    start = {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]}
+@pytest.mark.parametrize("status, headers", [(200, [(b"content-type", b"application/json")]), (200, []),
+                                             (500, [(b"content-type", b"text/event-stream")])])
+def test_an_answer_cut_by_a_dying_replica_that_is_no_stream_closes_the_connection(monkeypatch, status, headers):
+    """A body that is no stream (another media type, none, or an error's) cannot carry an error event after part of
+    it: the answer ends by the connection's close, and the request is not sent again."""
+    start = {"type": "http.response.start", "status": status, "headers": headers}
     replicas = _CutReplicas([[start, {"type": "http.response.body", "body": b'{"ch', "more_body": True}]])
     with pytest.raises(ray.exceptions.ActorUnavailableError):
         _through_router(replicas, monkeypatch, retry_seconds=30)
