@@ -19,7 +19,9 @@ engine's eager mixed steps make them): P prefill tokens in four runs and D decod
 slots of ranks 8/16/32/64 (``max_rank`` 64, as in ``bench_serving.py --mixed-ranks``; P = 0: a decode step, where
 the paths are one). Each kernel path of a tiled call is a row: the decode tokens on the per-token kernels walking
 the list of their chunks (the default), the same kernels with a block per position of the call, every token
-tiled.
+tiled. ``--kernel-times`` adds each row's device time by kernel (per-token shrink and expand, tiled shrink and
+expand) from the profiler over replays; a programmatic dependent expand starts before its shrink ends, so the
+kinds overlap and add up to more than the replay.
 
     python benchmarks/bench_step_lora.py --output benchmarks/results/bench_step_lora_h200.json
 """
@@ -27,6 +29,7 @@ tiled.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import statistics
 from pathlib import Path
@@ -96,14 +99,35 @@ def replay_medians_us(graphs: dict[str, torch.cuda.CUDAGraph], reps: int) -> dic
     return {name: statistics.median(values) for name, values in times.items()}
 
 
+def kernel_times_us(graph: torch.cuda.CUDAGraph, reps: int) -> dict[str, float]:
+    """Device time of one replay of ``graph`` by kernel (``lora_per_token`` and ``lora_tiled`` kernels by kind, the
+    rest by name), mean over ``reps`` replays under the profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as trace:
+        for _ in range(reps):
+            graph.replay()
+        torch.cuda.synchronize()
+    times = collections.defaultdict(float)
+    for event in trace.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            path = "tiled" if "tiled" in event.name else "per-token"
+            kind = next((f"{path} {k}" for k in ("shrink", "expand") if k in event.name), event.name[:80])
+            times[kind] += event.device_time / reps
+    return dict(times)
+
+
 MIXED_SLOTS, MIXED_RANKS = 64, (8, 16, 32, 64)
 MIXED_PATHS = {"short runs walk their chunk list": KernelConfig(),
                "short runs, a block per position": KernelConfig(short_run_chunks=False),
                "every token tiled": KernelConfig(short_runs=False)}
 
 
-def mixed_step_rows(mixes: list[tuple[int, int]], reps: int, label: str) -> list[dict]:
-    """Median replay time of the 224 ``lora_add`` calls of a mixed step, per mix (prefill, decode) and kernel path."""
+def mixed_step_rows(mixes: list[tuple[int, int]], reps: int, label: str, kernel_times: bool = False) -> list[dict]:
+    """Median replay time of the 224 ``lora_add`` calls of a mixed step, per mix (prefill, decode) and kernel path;
+    with ``kernel_times``, each path's device time by kernel too."""
     generator = torch.Generator(device="cuda").manual_seed(1)
     ranks = torch.tensor(MIXED_RANKS).repeat(MIXED_SLOTS // len(MIXED_RANKS))
     max_rank = max(MIXED_RANKS)
@@ -137,6 +161,9 @@ def mixed_step_rows(mixes: list[tuple[int, int]], reps: int, label: str) -> list
                          "lora_us_per_call": us / calls})
             print(f"{label:11s} mixed step {prefill}+{decode} tokens, {path:34s}: {us:8.1f} us "
                   f"({us / calls:5.2f} per call)", flush=True)
+            if kernel_times:
+                rows[-1]["kernel_us"] = kernel_times_us(graphs[path], reps)
+                print("    by kernel: " + ", ".join(f"{kind} {t:.1f} us" for kind, t in rows[-1]["kernel_us"].items()))
         del graphs
     return rows
 
@@ -150,6 +177,8 @@ def main() -> None:
     parser.add_argument("--label", default="", help="a name for this build, kept in the output (to tell runs of two builds apart)")
     parser.add_argument("--mixed", default="432+128,1920+128",
                         help="mixed steps to time after the decode steps, prefill+decode tokens ('' for none)")
+    parser.add_argument("--kernel-times", action="store_true",
+                        help="the mixed steps' device time by kernel too (profiled replays)")
     parser.add_argument("--output", type=Path)
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -193,7 +222,7 @@ def main() -> None:
               f"({row['lora_us_per_call']:5.2f} per call), GEMMs {row['gemm_us']:7.1f}, both {row['both_us']:7.1f}, "
               f"added {row['added_us']:7.1f}, floor {row['floor_us']:6.1f}", flush=True)
         del graphs
-    mixed = mixed_step_rows(mixes, args.reps, args.label) if mixes else []
+    mixed = mixed_step_rows(mixes, args.reps, args.label, args.kernel_times) if mixes else []
     if args.output:
         args.output.parent.mkdir(parents=True, exist_ok=True)
         setup = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
