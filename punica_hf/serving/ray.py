@@ -67,12 +67,12 @@ FIRST_BATCH_HEADER = "x-punica-replica-first-ms"
 # How long the ingress keeps sending a request again while replicas are lost (Ray Serve replaces one within three
 # health checks), and its pause between two tries.
 RETRY_SECONDS = 15.0
+RETRY_PAUSE_SECONDS = 0.5
 # How a streamed answer cut by its replica's death ends: an error event a client can read (OpenAI's error body, as
 # the server's own streams end on a failed request), then the stream's usual end.
 LOST_STREAM_END = ("data: " + ErrorResponse(error=ErrorDetail(
     message="the replica serving this request stopped mid-answer (Ray Serve restarts it): the answer is incomplete",
     type="server_error", code="replica_lost")).model_dump_json() + "\n\ndata: [DONE]\n\n").encode()
-RETRY_PAUSE_SECONDS = 0.5
 # A replica whose engine or one of its ranks has stopped answers nothing but 503s: Ray Serve replaces it after three
 # failed health checks in a row, so check often (the check reads flags, and polls the ranks' processes).
 HEALTH_CHECK_SECONDS = 2.0
