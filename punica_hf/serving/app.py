@@ -46,6 +46,7 @@ from .engine import (
 from .metrics import ServingMetrics
 from .names import shortened
 from .protocol import (
+    STREAM_END,
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
@@ -64,6 +65,7 @@ from .protocol import (
     UnloadLoraAdapterRequest,
     Usage,
     new_id,
+    stream_event,
 )
 from .text import PromptTooLong, check_prompt_chars
 
@@ -408,14 +410,14 @@ class _Server:
                     return
                 if delta.text or delta.finish_reason:
                     choice = CompletionChoice(index=index, text=delta.text, finish_reason=delta.finish_reason)
-                    yield _event(CompletionResponse(id=response_id, model=model, choices=[choice]))
+                    yield stream_event(CompletionResponse(id=response_id, model=model, choices=[choice]))
         usage = Usage.of([handle.result(timeout=0) for handle in handles])
-        yield _event(CompletionResponse(id=response_id, model=model, choices=[], usage=usage))
+        yield stream_event(CompletionResponse(id=response_id, model=model, choices=[], usage=usage))
 
     async def stream_chat(self, response_id: str, model: str, handle: RequestHandle) -> AsyncIterator[str]:
         def chunk(delta: ChatDelta, finish_reason: str | None = None) -> str:
             choice = ChatChunkChoice(index=0, delta=delta, finish_reason=finish_reason)
-            return _event(ChatCompletionChunk(id=response_id, model=model, choices=[choice]))
+            return stream_event(ChatCompletionChunk(id=response_id, model=model, choices=[choice]))
 
         yield chunk(ChatDelta(role="assistant", content=""))
         async with aclosing(aiter(handle)) as pieces:
@@ -428,7 +430,7 @@ class _Server:
                 if delta.finish_reason:
                     yield chunk(ChatDelta(), delta.finish_reason)
         usage = Usage.of([handle.result(timeout=0)])
-        yield _event(ChatCompletionChunk(id=response_id, model=model, choices=[], usage=usage))
+        yield stream_event(ChatCompletionChunk(id=response_id, model=model, choices=[], usage=usage))
 
 
 def _bad_request_on_value_error(make):
@@ -495,7 +497,7 @@ def _event_stream(events: AsyncIterator[str], handles: list[RequestHandle]) -> S
             async with aclosing(events):
                 async for event in events:
                     yield event
-            yield "data: [DONE]\n\n"
+            yield STREAM_END
         finally:
             for handle in handles:
                 handle.cancel()
@@ -537,14 +539,10 @@ async def _merged(handles: list[RequestHandle]) -> AsyncIterator[tuple[int, Delt
             task.cancel()
 
 
-def _event(body) -> str:
-    return f"data: {body.model_dump_json()}\n\n"
-
-
 def _error_event(handle: RequestHandle) -> str:
     failure = _failure(handle.result(timeout=0))
     error = ErrorDetail(message=failure.message, type=failure.type, param=failure.param, code=failure.code)
-    return _event(ErrorResponse(error=error))
+    return stream_event(ErrorResponse(error=error))
 
 
 OPEN_PATHS = frozenset({"/health"})  # the paths a server with an API key serves to anyone

@@ -276,5 +276,14 @@ class ErrorResponse(BaseModel):
     error: ErrorDetail
 
 
+# The server-sent events of a streamed answer: one per body, then the end OpenAI's clients wait for.
+STREAM_END = "data: [DONE]\n\n"
+
+
+def stream_event(body: BaseModel) -> str:
+    """``body`` as one server-sent event."""
+    return f"data: {body.model_dump_json()}\n\n"
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"

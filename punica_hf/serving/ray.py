@@ -49,7 +49,7 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 from .app import OPEN_PATHS, APIError, BodySizeLimit, KeyRequired, RequestLimits, create_app
 from .engine import Engine
 from .follower_ranks import FollowerRanks
-from .protocol import ErrorDetail, ErrorResponse
+from .protocol import STREAM_END, ErrorDetail, ErrorResponse, stream_event
 
 logger = logging.getLogger(__name__)
 
@@ -70,9 +70,9 @@ RETRY_SECONDS = 15.0
 RETRY_PAUSE_SECONDS = 0.5
 # How a streamed answer cut by its replica's death ends: an error event a client can read (OpenAI's error body, as
 # the server's own streams end on a failed request), then the stream's usual end.
-LOST_STREAM_END = ("data: " + ErrorResponse(error=ErrorDetail(
+LOST_STREAM_END = (stream_event(ErrorResponse(error=ErrorDetail(
     message="the replica serving this request stopped mid-answer (Ray Serve restarts it): the answer is incomplete",
-    type="server_error", code="replica_lost")).model_dump_json() + "\n\ndata: [DONE]\n\n").encode()
+    type="server_error", code="replica_lost"))) + STREAM_END).encode()
 # A replica whose engine or one of its ranks has stopped answers nothing but 503s: Ray Serve replaces it after three
 # failed health checks in a row, so check often (the check reads flags, and polls the ranks' processes).
 HEALTH_CHECK_SECONDS = 2.0
