@@ -313,6 +313,21 @@ def test_a_copy_that_cannot_fit_the_host_tier_drops_no_other_copy(base, paths):
     assert model.adapter_stats["disk_loads"] == loads
 
 
+def test_the_host_tier_drops_no_copy_where_the_room_it_would_free_lies_in_pieces():
+    """Its free bytes after dropping may suffice while no free extent is long enough: it used to drop the copies all
+    the same (their adapters read from disk again later), and keep the new one outside the tier anyway."""
+    tier, cpu = host_module.HostTier(budget=4096), torch.device("cpu")
+    for index in range(4):  # 1,024 bytes each: the one segment full
+        assert tier.put(index, tier.allocate({cpu: (256, torch.float32)}))
+    # 1 and 3 held: dropping 0 and 2 would free 2,048 bytes, in two pieces of 1,024
+    outside = tier.allocate({cpu: (512, torch.float32)}, keep=[1, 3])
+    assert not outside.extents and [index in tier for index in range(4)] == [True] * 4
+    # 2 held: dropping 0, then 1 (least recently used first), frees 2,048 bytes in one piece; 3 stays
+    inside = tier.allocate({cpu: (512, torch.float32)}, keep=[2])
+    assert inside.extents and [index in tier for index in range(4)] == [False, False, True, True]
+    assert tier.used == 4096
+
+
 def test_the_host_tier_drops_the_copy_used_least_recently_not_the_one_placed_least_recently(base, tmp_path):
     """An adapter served from the device again and again kept the age of its placement in the host tier: once off
     the device, its copy went before those of adapters last used long before it."""

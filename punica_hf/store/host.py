@@ -93,16 +93,9 @@ class HostTier:
         needs = {device: _round_up(count * torch.empty(0, dtype=dtype).element_size()) for device, (count, dtype) in
                  sizes.items()}
         keep = set(keep)
-        victims = [index for index in self._copies if index not in keep]
-        # Only where the budget less what stays held has room for it could dropping help: else drop nothing
-        victim_bytes = sum(self._copies[index].tier_bytes for index in victims)
-        if sum(needs.values()) > self.budget - (self.used - victim_bytes):
-            victims = []
-        while True:
-            extents = self._carve(list(needs.values()))
-            if extents is not None or not victims:
-                break
-            self.drop(victims.pop(0))
+        for index in self._drops_for(list(needs.values()), [index for index in self._copies if index not in keep]):
+            self.drop(index)
+        extents = self._carve(list(needs.values()))
         if extents is None:  # no room in the budget: a plain pinned buffer, not counted, not kept
             pin = torch.cuda.is_available()
             return HostCopy({d: torch.empty(n, dtype=dt, pin_memory=pin) for d, (n, dt) in sizes.items()})
@@ -111,6 +104,34 @@ class HostTier:
             nbytes = count * torch.empty(0, dtype=dtype).element_size()
             chunks[device] = self._segments[segment][0][start : start + nbytes].view(dtype)
         return HostCopy(chunks, extents)
+
+    def _drops_for(self, sizes: list[int], victims: list[int]) -> list[int]:
+        """The fewest of ``victims`` (least recently used first) whose dropping lets ``sizes`` be carved, tried on
+        copies of the segments' allocators; none where dropping them all would not do (free bytes may suffice
+        while no free extent is long enough: dropping copies then only loses them)."""
+        allocators = [allocator.copy() for _, allocator in self._segments]
+        for count in range(len(victims) + 1):
+            if count:
+                for segment, start, size in self._copies[victims[count - 1]].extents:
+                    allocators[segment].free(start, size)
+            if self._carvable(sizes, [allocator.copy() for allocator in allocators]):
+                return victims[:count]
+        return []
+
+    def _carvable(self, sizes: list[int], allocators: list[ExtentAllocator]) -> bool:
+        """Whether ``_carve`` would place ``sizes`` with the segments' allocators in the state of ``allocators``
+        (which it changes)."""
+        capacity = sum(allocator.capacity for allocator in allocators)
+        for size in sizes:
+            if any(allocator.allocate(size) is not None for allocator in allocators):
+                continue
+            if self.budget - capacity < size:
+                return False
+            segment_bytes = max(size, min(SEGMENT_BYTES, self.budget - capacity))  # a new segment, as _carve's
+            allocators.append(ExtentAllocator(segment_bytes))
+            allocators[-1].allocate(size)
+            capacity += segment_bytes
+        return True
 
     def _carve(self, sizes: list[int]) -> list[tuple[int, int, int]] | None:
         """Places for ``sizes`` bytes in the segments (a new segment while the budget allows), or None."""
