@@ -4,6 +4,7 @@ Greedy outputs are compared with ``generate()`` of the same prompt and adapter, 
 the model (transformers' continuous batching may switch the model's attention implementation while it runs).
 """
 
+import math
 import re
 import shutil
 import threading
@@ -27,7 +28,7 @@ from punica_hf.serving import (
     SamplingParams,
     TextStream,
 )
-from punica_hf.serving.engine import ADAPTER_NOT_FOUND, GENERATION_FAILED, MAX_REQUEST_ID_LENGTH
+from punica_hf.serving.engine import ADAPTER_NOT_FOUND, GENERATION_FAILED, MAX_REQUEST_ID_LENGTH, SHUT_DOWN
 
 WORDS = demo.sample_words(6, seed=7, held_out=True)
 DEMO_ADAPTERS = [*demo.TASKS, None]
@@ -941,6 +942,55 @@ def test_shutdown_without_drain_cancels(tiny_model):
     next(iter(handle))
     engine.shutdown(drain=False, timeout=60)
     assert handle.result(timeout=0).finish_reason == "cancelled"
+
+
+def test_a_bounded_drain_fails_what_it_could_not_finish_and_frees_its_kv(tiny_model):
+    """``shutdown(drain_seconds=...)``: requests that finish within it end as usual; those still running or queued
+    then fail with ``SHUT_DOWN`` (a caller can answer them: nothing ends silently), and the engine stops soon
+    after, its KV blocks all free. A second thread shutting down at the same time returns too."""
+    config = EngineConfig(max_running=2, max_queue=8)
+    engine = Engine(tiny_model, config=config).start()
+    short = engine.submit(tiny_prompt(70, 5), "a", SamplingParams(max_new_tokens=2))
+    long = [engine.submit(tiny_prompt(71 + i, 5), TINY_ADAPTERS[i % 3],
+                          SamplingParams(max_new_tokens=240)) for i in range(5)]
+    assert short.result(timeout=60).finish_reason == "length"
+    next(iter(long[0]))  # running: one token out
+    other = threading.Thread(target=engine.shutdown, kwargs={"timeout": 60})  # no bound of its own
+    started = time.monotonic()
+    other.start()
+    engine.shutdown(timeout=60, drain_seconds=0.1)
+    other.join(60)
+    assert not other.is_alive() and time.monotonic() - started < 30
+    ends = [handle.result(timeout=0) for handle in long]
+    assert {(c.finish_reason, c.error_code) for c in ends} == {("error", SHUT_DOWN)}, ends
+    assert all("had 0.1 s to finish" in c.error for c in ends) and ends[0].completion_tokens >= 1
+    stats = engine.stats()
+    assert stats.running == stats.queued == 0 and stats.finished["error"] == 5
+    with pytest.raises(EngineClosedError):
+        engine.submit([1, 2, 3])
+    engine.shutdown(drain_seconds=0)  # again: nothing left to do
+
+
+def test_an_engine_shut_down_before_it_started_does_not_start(tiny_model):
+    """A stop signal while a server is still starting shuts its engine down first: starting it after must fail,
+    not run an engine that nothing will shut down."""
+    engine = Engine(tiny_model)
+    engine.shutdown(drain_seconds=5)
+    with pytest.raises(RuntimeError, match="the engine was shut down"):
+        engine.start()
+    assert not engine.running
+
+
+@pytest.mark.parametrize("drain_seconds", [-1, math.inf, math.nan, True, "5"])
+def test_a_bad_drain_bound_is_refused_before_anything_stops(tiny_model, drain_seconds):
+    engine = Engine(tiny_model).start()
+    try:
+        with pytest.raises(ValueError, match="drain_seconds must be a number of seconds"):
+            engine.shutdown(drain_seconds=drain_seconds)
+        assert engine.running
+        assert engine.submit(tiny_prompt(80, 4), None, SamplingParams(max_new_tokens=2)).result(timeout=60)
+    finally:
+        engine.shutdown(timeout=60)
 
 
 def test_bad_requests_are_refused_by_name(demo_model, tiny_model):

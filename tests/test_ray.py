@@ -35,7 +35,9 @@ from punica_hf.cli import build_parser  # noqa: E402
 from punica_hf.cli.serve import RAY_THROUGHPUT_VARIABLE, build_ray_app  # noqa: E402
 from punica_hf.serving import DemoTokenizer, Engine, EngineConfig  # noqa: E402
 from punica_hf.serving.app import create_app  # noqa: E402
-from punica_hf.serving.ray import FIRST_BATCH_HEADER, REPLICA_HEADER, _asgi_batches, _Lifespan  # noqa: E402
+from punica_hf.serving.ray import (  # noqa: E402
+    FIRST_BATCH_HEADER, REPLICA_HEADER, _asgi_batches, _Lifespan, stop_seconds,
+)
 
 WORDS = demo.sample_words(5, seed=23, held_out=True)
 ADAPTERS = [*demo.TASKS, None]
@@ -263,14 +265,47 @@ def test_sigterm_answers_the_requests_in_flight_then_stops_the_whole_local_clust
         assert [(a.status_code, a.json()["usage"]["completion_tokens"] if a.status_code == 200 else a.text)
                 for a in answers] == [(200, 48 * choices)] * backlog
         assert process.wait(timeout=60) == 0, (tmp_path / "serve.log").read_text()[-3000:]
-        deadline = time.monotonic() + 20
-        while _group_alive(process.pid):
-            assert time.monotonic() < deadline, "processes of the cluster outlived the command"
-            time.sleep(0.5)
+        _wait_until_group_gone(process.pid)
     finally:
-        if _group_alive(process.pid):
-            os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
+        _kill_group(process)
+
+
+def test_a_drain_bound_answers_what_the_replicas_could_not_finish_then_stops(tmp_path):
+    """``--drain-seconds 2`` with a queue of ~10 s behind a stream: SIGTERM, and after 2 s Ray Serve kills the
+    replica; every request still in it gets an answer that says so (the stream: an error event and ``[DONE]``; the
+    others a 503 or their answer), and the command exits 0 within its bound, its cluster gone."""
+    port, backlog = free_port(), 40
+    base = f"http://127.0.0.1:{port}"
+    command = [sys.executable, "-m", "punica_hf", "serve", "--model", "demo", "--replicas", "1", "--device", "cpu",
+               "--max-running", "1", "--host", "127.0.0.1", "--port", str(port), "--drain-seconds", "2"]
+    with open(tmp_path / "serve.log", "w") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                   env={**child_env(), "RAY_USAGE_STATS_ENABLED": "0"})
+    try:
+        wait_for_health(process, base, tmp_path / "serve.log")
+        body = {**_body("upper", WORDS[1]), "max_tokens": 48, "ignore_eos": True}
+        with ThreadPoolExecutor(backlog) as pool, \
+                httpx.stream("POST", f"{base}/v1/completions", json={**body, "stream": True}, timeout=120) as stream:
+            events = stream.iter_lines()
+            first = next(line for line in events if line.startswith("data: "))
+            queued = [pool.submit(httpx.post, f"{base}/v1/completions", json=body, timeout=120) for _ in range(backlog)]
+            _wait_for_requests_in_the_engine(base, backlog + 1)
+            process.send_signal(signal.SIGTERM)
+            signalled = time.monotonic()
+            rest = [line for line in events if line.startswith("data: ")]
+            answers = [future.result() for future in queued]
+        assert json.loads(first[len("data: "):])["choices"][0]["finish_reason"] is None
+        ended = [json.loads(line[len("data: "):]) for line in rest[:-1]]
+        assert rest[-1] == "data: [DONE]" and (ended[-1].get("usage") or ended[-1]["error"]["code"]), rest[-3:]
+        statuses = [answer.status_code for answer in answers]
+        assert set(statuses) <= {200, 503} and statuses.count(503) >= backlog // 2, [a.text for a in answers]
+        assert all(a.json()["error"]["type"] == "server_error" for a in answers if a.status_code == 503)
+        assert all(a.json()["usage"]["completion_tokens"] == 48 for a in answers if a.status_code == 200)
+        assert process.wait(timeout=120) == 0, (tmp_path / "serve.log").read_text()[-3000:]
+        assert time.monotonic() - signalled < stop_seconds(2) + 30, "the command outlived its bound"
+        _wait_until_group_gone(process.pid)
+    finally:
+        _kill_group(process)
 
 
 def test_the_ingress_killed_takes_its_port_back(tmp_path):
@@ -307,9 +342,7 @@ def test_the_ingress_killed_takes_its_port_back(tmp_path):
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=60) == 0, (tmp_path / "serve.log").read_text()[-3000:]
     finally:
-        if _group_alive(process.pid):
-            os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
+        _kill_group(process)
 
 
 def _wait_for_requests_in_the_engine(base: str, count: int, timeout: float = 60) -> None:
@@ -336,6 +369,20 @@ def _listening_on(port: int) -> str:
     """The command line of the process listening on ``port`` (a Ray worker's names its role: ``ray::ProxyActor``)."""
     pid = _listening_pid(port)
     return "" if pid is None else " ".join(psutil.Process(pid).cmdline())
+
+
+def _wait_until_group_gone(group: int, timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while _group_alive(group):
+        assert time.monotonic() < deadline, "processes of the cluster outlived the command"
+        time.sleep(0.5)
+
+
+def _kill_group(process: subprocess.Popen) -> None:
+    """The command and whatever of its process group (its Ray cluster) is left."""
+    if _group_alive(process.pid):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
 
 
 def _group_alive(group: int) -> bool:

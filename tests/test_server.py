@@ -14,6 +14,8 @@ import signal
 import socket
 import subprocess
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -491,5 +493,37 @@ def test_sigterm_finishes_running_requests_then_exits(tmp_path, tiny_model_dirs)
         finish = [c["finish_reason"] for event in rest[:-1] for c in json.loads(event)["choices"] if c["finish_reason"]]
         assert usage["completion_tokens"] == 400 and finish == ["length"]
         assert server.process.wait(timeout=60) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal it handled
+    finally:
+        server.stop()
+
+
+def test_sigterm_with_a_drain_bound_answers_what_it_could_not_finish_with_503s_and_exits_in_time(
+        tmp_path, tiny_model_dirs):
+    """``--drain-seconds 1``: after SIGTERM the requests in flight (running and queued, streamed and not) that cannot
+    finish within the bound get an answer that says so (a 503 ``shut_down``; a stream: its tokens so far, an error
+    event, then ``[DONE]``), and the command exits soon after the bound, not when they would have finished."""
+    model_dir, adapter_dir = tiny_model_dirs
+    server = Server(["--model", str(model_dir), "--adapter", f"tiny={adapter_dir}", "--max-running", "1",
+                     "--drain-seconds", "1"], tmp_path / "server.log")
+    try:
+        body = {"model": "tiny", "prompt": [1, 5, 6], "max_tokens": 3000, "ignore_eos": True, "temperature": 0}
+        with ThreadPoolExecutor(3) as pool, \
+                httpx.stream("POST", f"{server.url}/completions", json={**body, "stream": True}, timeout=60) as stream:
+            events = (line[len("data: "):] for line in stream.iter_lines() if line.startswith("data: "))
+            first = json.loads(next(events))
+            waiting = [pool.submit(httpx.post, f"{server.url}/completions", json=body, timeout=60) for _ in range(3)]
+            wait_until(lambda: server.metrics()["punica_queue_length"] == 3)
+            server.process.send_signal(signal.SIGTERM)
+            signalled = time.monotonic()
+            rest = list(events)
+            answers = [future.result() for future in waiting]
+        assert first["choices"][0]["finish_reason"] is None
+        assert rest[-1] == "[DONE]" and json.loads(rest[-2])["error"]["code"] == "shut_down", rest[-3:]
+        assert all(json.loads(event)["choices"][0]["finish_reason"] is None for event in rest[:-2])
+        assert [(a.status_code, a.json()["error"]["code"]) for a in answers] == [(503, "shut_down")] * 3
+        assert "had 1 s to finish the requests in flight" in answers[0].json()["error"]["message"]
+        assert server.process.wait(timeout=60) in (0, -signal.SIGTERM)
+        assert time.monotonic() - signalled < 20, "the command outlived its drain by far"
+        assert "Traceback" not in server.log_text()
     finally:
         server.stop()

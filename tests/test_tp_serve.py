@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -21,7 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from helpers import save_peft_adapter, save_word_level_model
 from punica_hf import MultiLoraModel
 from punica_hf.serving import Engine, SamplingParams
-from server_process import child_env, free_port, wait_for_health
+from server_process import child_env, free_port, metric_samples, wait_for_health
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch without torch.distributed")
 
@@ -62,6 +63,18 @@ def _serving(command: list[str], log):
             if process.poll() is None:
                 os.killpg(process.pid, signal.SIGKILL)
                 process.wait()
+
+
+def _wait_until_session_gone(process, timeout: float = 30) -> None:
+    """Until the command's session (the ranks and torchrun are in it) is empty."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            os.killpg(process.pid, 0)
+        except ProcessLookupError:
+            return
+        assert time.monotonic() < deadline, "a rank or torchrun outlived the command"
+        time.sleep(0.2)
 
 
 def _completion(base: str, model: str, prompt: str) -> httpx.Response:
@@ -109,6 +122,32 @@ def test_serve_split_over_two_ranks_answers_as_the_unsplit_model_and_drains_on_s
         assert process.wait(timeout=60) == 0, log.read_text()[-6000:]
 
 
+def test_a_drain_bound_over_ranks_fails_what_is_left_then_stops_every_rank(tmp_path):
+    """``--tp 2 --drain-seconds 1``: a SIGTERM, and the requests that cannot finish in 1 s (a stream of 2,000 tokens
+    and one queued behind it) fail on rank 0 with a 503 ``shut_down`` (the stream: an error event, then
+    ``[DONE]``) while rank 1 drops them as rank 0 does; then the command exits 0 with no rank left."""
+    model_dir, adapters = save_word_level_model(tmp_path)
+    log = tmp_path / "serve.log"
+    with _serve_tp(model_dir, adapters, log, ["--drain-seconds", "1", "--max-running", "1"]) as (process, base):
+        body = {"model": "a", "prompt": PROMPTS["a"], "max_tokens": 2000, "ignore_eos": True, "temperature": 0}
+        with ThreadPoolExecutor(1) as pool, \
+                httpx.stream("POST", f"{base}/v1/completions", json={**body, "stream": True}, timeout=60) as stream:
+            events = (line[len("data: "):] for line in stream.iter_lines() if line.startswith("data: "))
+            next(events)
+            queued = pool.submit(httpx.post, f"{base}/v1/completions", json=body, timeout=60)
+            deadline = time.monotonic() + 30
+            while metric_samples(httpx.get(f"{base}/metrics", timeout=10).text)["punica_queue_length"] != 1:
+                assert time.monotonic() < deadline, "the second request never queued"
+                time.sleep(0.1)
+            process.send_signal(signal.SIGTERM)
+            rest = list(events)
+            answer = queued.result()
+        assert rest[-1] == "[DONE]" and json.loads(rest[-2])["error"]["code"] == "shut_down", rest[-3:]
+        assert answer.status_code == 503 and answer.json()["error"]["code"] == "shut_down", answer.text
+        assert process.wait(timeout=60) == 0, log.read_text()[-6000:]
+        _wait_until_session_gone(process)
+
+
 def test_a_sigint_to_the_serve_tp_command_stops_every_rank(tmp_path):
     """SIGINT sent to the command alone (``kill -INT``, not a terminal's Ctrl-C, which reaches every process): the
     command used to exit at once and leave torchrun and both ranks serving on the port."""
@@ -118,14 +157,7 @@ def test_a_sigint_to_the_serve_tp_command_stops_every_rank(tmp_path):
         try:
             process.send_signal(signal.SIGINT)
             assert process.wait(timeout=60) == 130, log.read_text()[-6000:]
-            deadline = time.monotonic() + 30
-            while True:  # its session (the ranks and torchrun are in it) is empty
-                try:
-                    os.killpg(process.pid, 0)
-                except ProcessLookupError:
-                    break
-                assert time.monotonic() < deadline, "a rank or torchrun outlived the command"
-                time.sleep(0.2)
+            _wait_until_session_gone(process)
             with pytest.raises(httpx.TransportError):
                 httpx.get(f"{base}/health", timeout=2)
         finally:  # whatever is left of its session

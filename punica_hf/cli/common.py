@@ -42,6 +42,12 @@ def milliseconds(value: str) -> int:
     return int(value)
 
 
+def seconds(value: str) -> int:
+    if not value.isdigit() or int(value) > 86_400:
+        raise argparse.ArgumentTypeError(f"expected seconds, an integer from 0 to 86400, got {value!r}")
+    return int(value)
+
+
 def name_and_path(value: str) -> tuple[str, str]:
     name, separator, path = value.partition("=")
     if not (separator and name and path):

@@ -20,10 +20,12 @@ from ..serving.names import ADAPTER_NAME_RULES, check_adapter_name
 from . import ranks
 from .common import (
     BASE, DEMO_MODEL, AppendUniqueName, adapter_name_and_path, add_device_arguments, demo_adapter_sources, load_model,
-    milliseconds, positive_int, resolve_device, resolve_dtype,
+    milliseconds, positive_int, resolve_device, resolve_dtype, seconds,
 )
 
-ENGINE_WATCH_SECONDS = 0.2  # how often a server over --tp ranks checks that its engine still runs
+ENGINE_WATCH_SECONDS = 0.2  # how often the server checks for a signal to stop and (over --tp ranks) its engine
+# After a shutdown's drain, how long the server may take to send the answers the drain ended (to slow readers too)
+ANSWERS_SENT_SECONDS = 10
 RAY_APP_NAME = "punica-hf"  # the application's name on Ray Serve
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 RAY_INGRESS_DRAIN_VARIABLE = "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"
@@ -56,9 +58,9 @@ def register(command: Callable[..., argparse.ArgumentParser]) -> None:
         "model): POST /v1/completions and /v1/chat/completions (stream: true for server-sent events), "
         "GET /v1/models, GET /health, GET /metrics (Prometheus), and with --allow-runtime-lora vLLM's "
         "POST /v1/load_lora_adapter and /v1/unload_lora_adapter. Needs the serve extra "
-        "(pip install 'punica-hf[serve]'). SIGTERM finishes the requests in flight, then exits. With --tp N the "
-        "model is split over N ranks the command starts itself; rank 0 serves HTTP (with --replicas, each replica "
-        "is such a group).",
+        "(pip install 'punica-hf[serve]'). SIGTERM finishes the requests in flight (for --drain-seconds at most), "
+        "then exits. With --tp N the model is split over N ranks the command starts itself; rank 0 serves HTTP "
+        "(with --replicas, each replica is such a group).",
         "  punica-hf serve --model demo\n"
         "  punica-hf serve --model meta-llama/Llama-3.1-8B-Instruct --adapter sql=./sql-lora --adapter "
         "math=org/math-lora \\\n"
@@ -123,6 +125,12 @@ def register(command: Callable[..., argparse.ArgumentParser]) -> None:
     sizing.add_argument("--compile-steps", choices=["on", "off"], default="off",
                         help="compile each step's forward with torch.compile, fusing the work between the GEMMs "
                         "(default: off; compiling takes minutes at start, more with more layers)")
+    parser.add_argument(
+        "--drain-seconds", type=seconds, default=600, metavar="S",
+        help="on SIGTERM or Ctrl-C, how long the requests already taken (running and queued) may take to finish; "
+        "those left then fail with a 503 (a stream: with an error event), and the command exits. Set it below "
+        "your supervisor's stop timeout (Kubernetes: terminationGracePeriodSeconds) (default: 600)",
+    )
     replicas = parser.add_argument_group("replicas on Ray Serve (needs the ray extra: pip install 'punica-hf[ray]')")
     replicas.add_argument(
         "--replicas", type=positive_int, default=None, metavar="N",
@@ -232,22 +240,29 @@ def _serve_http(args: argparse.Namespace, console: Console) -> None:
     host_budget = engine.model.adapter_stats["host_bytes_budget"]
     console.print(f"adapter host tier: {host_budget / 2**30:.1f} GiB ({host_budget} bytes) of CPU memory",
                   highlight=False)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=None)
+    # uvicorn's own bound is a backstop past the engine's: a client that does not read its answer cannot hold the
+    # command up beyond it.
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
+                            timeout_graceful_shutdown=args.drain_seconds + ANSWERS_SENT_SECONDS)
     server = uvicorn.Server(config)
-    if args.tp > 1:  # the ranks cannot go on once one has failed: the server stops, and the command fails
-        threading.Thread(target=_stop_on_engine_error, args=(engine, server), daemon=True).start()
+    threading.Thread(target=_watch_server, args=(engine, server, args.drain_seconds, args.tp > 1),
+                     daemon=True).start()
     server.run(sockets=[listener])
     if args.tp > 1 and engine.error is not None:
         raise RuntimeError(f"the engine stopped: {engine.error}") from engine.error
 
 
-def _stop_on_engine_error(engine, server) -> None:
-    """Have uvicorn shut down (its requests have failed already) once the engine has stopped with an error."""
+def _watch_server(engine, server, drain_seconds: float, stop_on_engine_error: bool) -> None:
+    """Once uvicorn starts to shut down (a signal), shut the engine down with ``drain_seconds`` to finish the
+    requests in flight: uvicorn itself would wait for them for as long as they take, and would only shut the
+    engine down after them. ``stop_on_engine_error``: have uvicorn shut down once the engine has stopped with an
+    error (its requests have failed already; over --tp ranks, which cannot go on once one has failed)."""
     while not server.should_exit:
-        if engine.error is not None:
+        if stop_on_engine_error and engine.error is not None:
             server.should_exit = True
-            return
         time.sleep(ENGINE_WATCH_SECONDS)
+    if engine.running:  # else it has no requests to drain (not started yet, or failed): the app's shutdown stops it
+        engine.shutdown(drain_seconds=drain_seconds)
 
 
 def check_arguments(args: argparse.Namespace) -> None:
@@ -365,6 +380,7 @@ def build_ray_app(args: argparse.Namespace):
         lora_dirs=args.lora_dir if args.allow_runtime_lora else None, limits=request_limits(args),
         replica_actor_options={"num_gpus": gpus}, tp=args.tp, stream_interval=args.stream_interval_ms / 1000,
         follower_args=["-m", "punica_hf", *args.argv, ranks.RANK_OPTION] if args.tp > 1 else (),
+        drain_seconds=args.drain_seconds,
     )
 
 
@@ -510,7 +526,7 @@ def _run_on_ray(args: argparse.Namespace, console: Console) -> None:
         finally:
             for signum in STOP_SIGNALS:  # the drain is not cut short by a second signal
                 signal.signal(signum, signal.SIG_IGN)
-            _stop_ray(console, deployed=deployed, stop_serve=started and local)
+            _stop_ray(console, deployed=deployed, stop_serve=started and local, drain_seconds=args.drain_seconds)
 
 
 def _run_app(app, args: argparse.Namespace, direct: bool) -> None:
@@ -529,7 +545,7 @@ def _run_app(app, args: argparse.Namespace, direct: bool) -> None:
         _wait_until_listening(args.host, args.port, INGRESS_WAIT_SECONDS)
 
 
-def _stop_ray(console: Console, *, deployed: bool, stop_serve: bool) -> None:
+def _stop_ray(console: Console, *, deployed: bool, stop_serve: bool, drain_seconds: float) -> None:
     """The application first, while Ray Serve still runs, so its replicas drain; then Ray Serve (``stop_serve``:
     only the one this command started, not another cluster's) and this process's Ray connection."""
     import ray
@@ -537,7 +553,7 @@ def _stop_ray(console: Console, *, deployed: bool, stop_serve: bool) -> None:
 
     try:
         if deployed:
-            _delete_application()
+            _delete_application(drain_seconds)
     except Exception as error:  # Ray Serve failed: what stops next goes on
         console.print(f"stopping the application on Ray Serve: {error}", style="red", highlight=False)
     finally:
@@ -546,17 +562,17 @@ def _stop_ray(console: Console, *, deployed: bool, stop_serve: bool) -> None:
         ray.shutdown()
 
 
-def _delete_application(poll: float = 0.5) -> None:
+def _delete_application(drain_seconds: float, poll: float = 0.5) -> None:
     """Remove the application and wait until its replicas have answered the requests in flight. Ray Serve's own
     wait (``serve.delete``) gives up after 60 s, and Ray Serve would then be stopped under replicas still draining
     a longer queue: wait as long as they may drain."""
     from ray import serve
     from ray.serve.schema import ApplicationStatus
 
-    from ..serving.ray import DRAIN_SECONDS
+    from ..serving.ray import stop_seconds
 
     serve.delete(RAY_APP_NAME, _blocking=False)
-    limit = DRAIN_SECONDS + APPLICATION_STOP_MARGIN_SECONDS
+    limit = stop_seconds(drain_seconds) + APPLICATION_STOP_MARGIN_SECONDS
     deadline = time.monotonic() + limit
     while (application := serve.status().applications.get(RAY_APP_NAME)) is not None and \
             application.status != ApplicationStatus.NOT_STARTED:

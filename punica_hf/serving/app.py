@@ -6,7 +6,8 @@ runtime loading is on, and only from paths under the allowed directories), ``GET
 The request's ``model`` names an adapter, or the base model. Errors are OpenAI's error JSON: 400 bad body, too
 long or beyond the ``RequestLimits``, 401 wrong or missing API key (every route but ``/health``), 404 unknown
 model (or an adapter unloaded while the request waited), 413 body too large, 429 queue full, 500 this request's
-generation failed (the others go on) or an unexpected error (no internals shown), 503 the engine is not running;
+generation failed (the others go on) or an unexpected error (no internals shown), 503 the engine is not running
+(or shut down before the request finished: ``Engine.shutdown``'s ``drain_seconds``);
 every answer, 500s too, is JSON. Text prompts are tokenized on a few threads, off the event loop, so a long prompt
 does not hold up the other clients; one longer than the tokenizer could ever make fit (``max_chars_per_token``) is
 refused before it is tokenized. A client that disconnects has its requests cancelled (their KV blocks freed). The
@@ -35,6 +36,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .engine import (
     ADAPTER_NOT_FOUND,
+    SHUT_DOWN,
     Completion,
     Delta,
     Engine,
@@ -482,9 +484,12 @@ async def _results_unless_disconnected(request: Request, handles: list[RequestHa
 
 
 def _failure(completion: Completion) -> APIError:
-    """The error of a request that failed alone: 404 if its adapter was unloaded before it started, else 500."""
+    """The error of a failed request: 404 if its adapter was unloaded before it started, 503 if the server shut
+    down before it finished (another server may answer it), else 500 (it failed alone)."""
     if completion.error_code == ADAPTER_NOT_FOUND:
         return _model_not_found(completion.adapter)
+    if completion.error_code == SHUT_DOWN:
+        return APIError(503, completion.error, type="server_error", code="shut_down")
     return APIError(500, f"generation failed: {completion.error}", type="server_error", code="generation_failed")
 
 

@@ -40,8 +40,8 @@ from .text import Tokenizer, as_tokenizer
 from .tp_loop import IDLE_POLL_SECONDS, TensorParallelLoop
 # The public types, importable from here as before the split (the server imports some of them from here).
 from .types import (  # noqa: F401
-    ADAPTER_NOT_FOUND, FINISH_REASONS, GENERATION_FAILED, MAX_REQUEST_ID_LENGTH, MIN_TEMPERATURE, Completion, Delta,
-    EngineClosedError, EngineConfig, EngineStats, QueueFullError, SamplingParams, StepRecord,
+    ADAPTER_NOT_FOUND, FINISH_REASONS, GENERATION_FAILED, MAX_REQUEST_ID_LENGTH, MIN_TEMPERATURE, SHUT_DOWN,
+    Completion, Delta, EngineClosedError, EngineConfig, EngineStats, QueueFullError, SamplingParams, StepRecord,
 )
 
 logger = logging.getLogger(__name__)
@@ -95,6 +95,7 @@ class Engine(TensorParallelLoop):
         self._wake = threading.Event()
         self._accepting = False
         self._stop = False
+        self._closed = False  # shut down: the batch processor closed
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._ids = itertools.count()
@@ -111,6 +112,8 @@ class Engine(TensorParallelLoop):
         """Build transformers' batch processor (and capture CUDA graphs), then start the engine thread."""
         if self._thread is not None:
             raise RuntimeError("the engine was started already")
+        if self._stop:
+            raise RuntimeError("the engine was shut down: make a new one")
         self.attention = attention.choose(self.hf_model)
         logger.info("attention: %s (%s)", self.attention.path, self.attention.reason)
         self.model.decide_backends()  # before any step is compiled or captured
@@ -138,10 +141,18 @@ class Engine(TensorParallelLoop):
             threading.Thread(target=self._watch_other_ranks, name="punica-hf-tp-watch", daemon=True).start()
         return self
 
-    def shutdown(self, drain: bool = True, timeout: float | None = None) -> None:
+    def shutdown(self, drain: bool = True, timeout: float | None = None, *, drain_seconds: float | None = None) -> None:
         """Stop taking requests; finish the ones in flight (``drain``) or cancel them; stop the engine thread.
 
-        On a tensor-parallel follower (rank > 0) this waits for rank 0's shutdown, which decides ``drain``."""
+        ``drain_seconds`` bounds the drain: the requests still unfinished then fail (``finish_reason`` "error",
+        ``error_code`` ``SHUT_DOWN``; their KV freed), so that a caller can answer them, and the engine stops.
+        None drains for as long as the requests take. ``timeout``: how long to wait for the engine thread after
+        that (``TimeoutError`` beyond). Several threads may shut the engine down at once: each returns once it
+        has stopped, and the earliest drain deadline holds. On a tensor-parallel follower (rank > 0) this waits
+        for rank 0's shutdown, which decides ``drain``."""
+        if drain_seconds is not None and (isinstance(drain_seconds, bool) or not isinstance(drain_seconds, (int, float))
+                                          or not 0 <= drain_seconds < math.inf):
+            raise ValueError(f"drain_seconds must be a number of seconds >= 0 or None, got {drain_seconds!r}")
         self._accepting = False
         if not drain:
             with self._lock:
@@ -149,11 +160,29 @@ class Engine(TensorParallelLoop):
         self._stop = True
         self._wake.set()
         if self._thread is not None:
+            if drain and drain_seconds is not None:
+                self._thread.join(drain_seconds)
+                if self._thread.is_alive():
+                    self._cut_off(f"the server shut down before this request finished (it had {drain_seconds:g} s "
+                                  "to finish the requests in flight); retry")
             self._thread.join(timeout)
             if self._thread.is_alive():
                 raise TimeoutError(f"the engine did not stop within {timeout} s")
-        if self._backend is not None:
+        with self._lock:  # once, where several threads shut down together
+            closing, self._closed = not self._closed, True
+        if closing and self._backend is not None:
             self._backend.close()  # the model's attention implementation as before start()
+
+    def _cut_off(self, reason: str) -> None:
+        """End every request in flight as failed with ``reason``: the engine thread drops them (and frees their KV)
+        as it drops cancelled ones, and ends them with this reason instead of "cancelled"."""
+        with self._lock:
+            for request in self._requests.values():
+                request.cut_off = reason
+            self._cancels.update(self._requests)
+            count = len(self._requests)
+        logger.warning("shutting down: %d requests still in flight fail: %s", count, reason)
+        self._wake.set()
 
     def __enter__(self) -> Engine:
         return self.start() if self._thread is None else self
@@ -457,7 +486,7 @@ class Engine(TensorParallelLoop):
         for request in cancelled:
             self._counters["dropped_and_freed"] += 1
             if not request.handle.done:
-                self._complete(request, "cancelled")
+                self._end_cancelled(request)
             self._release(request)
         if has_batch:
             prepared = time.perf_counter()
@@ -530,7 +559,7 @@ class Engine(TensorParallelLoop):
             for request in queued:
                 self._queue.remove(request)
         for request in queued:
-            self._complete(request, "cancelled")
+            self._end_cancelled(request)
             self._release(request)
         handed_over = []
         for request_id in cancels:
@@ -655,6 +684,13 @@ class Engine(TensorParallelLoop):
                 listener(completion)
             except Exception:  # an observer (metrics, logs): its failure must not leave the request half ended
                 logger.exception("a completion listener failed on request %s", completion.request_id)
+
+    def _end_cancelled(self, request: RequestState) -> None:
+        """End a request dropped on a cancel: "cancelled", or failed if a shutdown cut it off (``_cut_off``)."""
+        if request.cut_off is None:
+            self._complete(request, "cancelled")
+        else:
+            self._complete(request, "error", error=request.cut_off, error_code=SHUT_DOWN)
 
     def _release(self, request: RequestState) -> None:
         """Forget a request transformers no longer runs, and give its adapter lease back. Once released, its id may

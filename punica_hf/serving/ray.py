@@ -37,6 +37,7 @@ import asyncio
 import concurrent.futures
 import json
 import logging
+import math
 import os
 import time
 import uuid
@@ -45,6 +46,7 @@ from pathlib import Path
 
 from ray import serve
 from ray.exceptions import ActorUnavailableError, RayActorError
+from ray.serve.exceptions import DeploymentUnavailableError
 
 from .app import OPEN_PATHS, APIError, BodySizeLimit, KeyRequired, RequestLimits, create_app
 from .engine import Engine
@@ -82,9 +84,12 @@ FOLLOWER_EXIT_SECONDS = 10.0  # how long a stopping replica waits for its ranks 
 # server wrote during each such interval, as one item (Ray Serve's own LLM deployments batch their streams the same
 # way).
 STREAM_INTERVAL_SECONDS = 0.05
-# How long a stopping replica (and the ingress) may take to answer the requests in flight before Ray Serve kills it
-# (Ray Serve's default is 20 s: a queue of minutes would be cut).
+# How long a stopping replica may take to answer the requests in flight before Ray Serve kills it, by default (Ray
+# Serve's own default is 20 s: a queue of minutes would be cut). The ingress may take longer, by the time it sends a
+# request again while replicas are lost and a margin: what a killed replica leaves unanswered, the ingress answers
+# with an error (a 503; a stream: an error event).
 DRAIN_SECONDS = 600.0
+INGRESS_MARGIN_SECONDS = 10.0
 # How long a runtime load or unload waits for the catalog to record it; beyond, the change is undone here (503).
 CATALOG_SECONDS = 30.0
 
@@ -102,6 +107,7 @@ def build_app(
     tp: int = 1,
     follower_args: Sequence[str] = (),
     stream_interval: float = STREAM_INTERVAL_SECONDS,
+    drain_seconds: float = DRAIN_SECONDS,
 ) -> serve.Application:
     """The Ray Serve application of ``replicas`` engines behind one OpenAI-compatible HTTP ingress.
 
@@ -119,7 +125,9 @@ def build_app(
     (``punica-hf serve ... --as-tp-rank`` does).
 
     ``stream_interval``: seconds a replica gathers a streamed answer's tokens before it sends them on (after the
-    first, sent at once); 0 sends each as it comes.
+    first, sent at once); 0 sends each as it comes. ``drain_seconds``: how long a stopping replica may take to
+    answer the requests it holds before Ray Serve kills it (the ingress then answers them with errors;
+    ``stop_seconds(drain_seconds)`` is how long the whole application may take to stop).
     """
     if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
         raise ValueError(f"replicas must be a positive integer, got {replicas!r}")
@@ -130,6 +138,9 @@ def build_app(
     if isinstance(stream_interval, bool) or not isinstance(stream_interval, (int, float)) or not (
             0 <= stream_interval <= 10):
         raise ValueError(f"stream_interval must be a number of seconds in [0, 10], got {stream_interval!r}")
+    if isinstance(drain_seconds, bool) or not isinstance(drain_seconds, (int, float)) or not (
+            0 <= drain_seconds < math.inf):
+        raise ValueError(f"drain_seconds must be a number of seconds >= 0, got {drain_seconds!r}")
     limits = limits or RequestLimits()
     catalog = serve.deployment(AdapterCatalog, ray_actor_options={"num_cpus": 0}).bind()
     replica_class = serve.multiplexed(max_num_models_per_replica=max_adapters)(EngineReplica.hold_adapter)
@@ -137,14 +148,19 @@ def build_app(
     replica = serve.deployment(
         replica_class, num_replicas=replicas, max_ongoing_requests=MAX_ONGOING_REQUESTS,
         ray_actor_options=dict(replica_actor_options or {}), health_check_period_s=HEALTH_CHECK_SECONDS,
-        graceful_shutdown_timeout_s=DRAIN_SECONDS,
+        graceful_shutdown_timeout_s=drain_seconds,
     ).bind(make_engine, model_name, catalog, api_key, None if lora_dirs is None else list(lora_dirs), limits, tp,
            list(follower_args), float(stream_interval))
     router = serve.deployment(
         serve.ingress()(Router), max_ongoing_requests=MAX_ONGOING_REQUESTS, ray_actor_options={"num_cpus": 0},
-        graceful_shutdown_timeout_s=DRAIN_SECONDS,
+        graceful_shutdown_timeout_s=stop_seconds(drain_seconds),
     )
     return router.bind(replica, catalog, model_name, limits.max_body_bytes, api_key)
+
+
+def stop_seconds(drain_seconds: float) -> float:
+    """How long the application of ``build_app(..., drain_seconds=...)`` may take to stop: its ingress's drain."""
+    return drain_seconds + RETRY_SECONDS + INGRESS_MARGIN_SECONDS
 
 
 CatalogVersion = tuple[str, int]  # (the catalog's epoch, its number of changes)
@@ -389,7 +405,13 @@ class Router:
         The answer's status."""
         deadline = asyncio.get_running_loop().time() + RETRY_SECONDS
         while True:
-            lost_answer = await self._try_replica(request, adapter, send)
+            try:
+                lost_answer = await self._try_replica(request, adapter, send)
+            except DeploymentUnavailableError:  # at the assignment, before any answer: no replica will ever take it
+                error = APIError(503, "the server's replicas are stopping, or could not start: none can answer this "
+                                 "request; retry", type="server_error", code="replicas_unavailable")
+                await error.response()(scope, receive, send)
+                return 503
             if isinstance(lost_answer, int):
                 return lost_answer
             if asyncio.get_running_loop().time() >= deadline:

@@ -32,6 +32,7 @@ class RequestState:
     slot: int = -1
     prefix_key: tuple[str, int] | None = None  # its KV pages' key besides its tokens (None: the base model's)
     seen_tokens: int = 0
+    cut_off: str | None = None  # why a shutdown ended it unfinished (its drain time ran out): it fails, not cancels
     token_ids: list[int] = field(default_factory=list)
     token_times: list[float] = field(default_factory=list)
 

@@ -18,6 +18,8 @@ MIN_TEMPERATURE = 1e-4
 # or its scores were NaN or infinite, its step failed, or the engine stopped.
 ADAPTER_NOT_FOUND = "adapter_not_found"
 GENERATION_FAILED = "generation_failed"
+# Completion.error_code of a request still unfinished when a shutdown's drain time ran out (Engine.shutdown).
+SHUT_DOWN = "shut_down"
 MAX_REQUEST_ID_LENGTH = 256  # a caller's request id: a non-empty string of at most this many characters
 
 class QueueFullError(RuntimeError):
