@@ -963,7 +963,7 @@ def test_a_bounded_drain_fails_what_it_could_not_finish_and_frees_its_kv(tiny_mo
     assert not other.is_alive() and time.monotonic() - started < 30
     ends = [handle.result(timeout=0) for handle in long]
     assert {(c.finish_reason, c.error_code) for c in ends} == {("error", SHUT_DOWN)}, ends
-    assert all("had 0.1 s to finish" in c.error for c in ends) and ends[0].completion_tokens >= 1
+    assert all("requests in flight ran out" in c.error for c in ends) and ends[0].completion_tokens >= 1
     stats = engine.stats()
     assert stats.running == stats.queued == 0 and stats.finished["error"] == 5
     with pytest.raises(EngineClosedError):
@@ -972,13 +972,31 @@ def test_a_bounded_drain_fails_what_it_could_not_finish_and_frees_its_kv(tiny_mo
 
 
 def test_an_engine_shut_down_before_it_started_does_not_start(tiny_model):
-    """A stop signal while a server is still starting shuts its engine down first: starting it after must fail,
-    not run an engine that nothing will shut down."""
+    """An engine shut down before it started must not start after: nothing would shut down the engine it ran."""
     engine = Engine(tiny_model)
     engine.shutdown(drain_seconds=5)
     with pytest.raises(RuntimeError, match="the engine was shut down"):
         engine.start()
     assert not engine.running
+
+
+def test_a_shutdown_while_the_engine_starts_stops_it_and_gives_the_model_back(tiny_model, monkeypatch):
+    """A shutdown from another thread that comes while ``start()`` builds the batch processor (it found no engine
+    thread to stop): the start fails, no engine thread runs, and the model has its attention implementation back."""
+    engine = Engine(tiny_model)
+    attention_before = engine.hf_model.config._attn_implementation
+    decide = tiny_model.decide_backends
+
+    def decide_then_shut_down():
+        decide()
+        threading.Thread(target=engine.shutdown, kwargs={"drain_seconds": 5}).start()
+        time.sleep(0.5)  # the shutdown is done before start() goes on
+
+    monkeypatch.setattr(tiny_model, "decide_backends", decide_then_shut_down)
+    with pytest.raises(RuntimeError, match="the engine was shut down while it started"):
+        engine.start()
+    assert not engine.running and engine._thread is None
+    assert engine.hf_model.config._attn_implementation == attention_before
 
 
 @pytest.mark.parametrize("drain_seconds", [-1, math.inf, math.nan, True, "5"])

@@ -182,6 +182,32 @@ def test_serve_tp_refusals_before_anything_loads(tmp_path, capsys, monkeypatch, 
     assert problem in capsys.readouterr().err
 
 
+def test_serve_tp_lets_torchrun_wait_for_the_drain_before_it_kills_the_ranks(monkeypatch):
+    """torchrun kills its ranks 30 s after it passes a signal on, by default: with ``--drain-seconds 600`` the
+    clients would get cut connections, not their 503s. The command gives torchrun the drain and a margin, through
+    the setting torchrun reads."""
+    from torch.distributed.launcher.api import LaunchConfig
+
+    from punica_hf.cli import main, ranks
+
+    started = []
+
+    class Finished:
+        def __init__(self, command, env=None):
+            started.append((command, env))
+
+        def wait(self):
+            return 0
+
+    monkeypatch.setattr(ranks.subprocess, "Popen", Finished)
+    assert main(["serve", "--model", "MODEL", "--tp", "2", "--port", "0", "--drain-seconds", "45"]) == 0
+    (command, env), = started
+    assert "torch.distributed.run" in command and int(env[ranks.TORCHRUN_STOP_VARIABLE]) > 45
+    monkeypatch.setenv(ranks.TORCHRUN_STOP_VARIABLE, env[ranks.TORCHRUN_STOP_VARIABLE])
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=2)
+    assert config.shutdown_timeout == int(env[ranks.TORCHRUN_STOP_VARIABLE])
+
+
 def _rank_processes(launcher_pid: int) -> dict[int, int]:
     """{rank: pid} of the ranks a ``--tp`` command started (its torchrun's children)."""
     def children(pid: int) -> list[int]:

@@ -10,6 +10,7 @@ saying so, never hanging. A SIGTERM or SIGINT to the command goes on to torchrun
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import signal
 import subprocess
@@ -22,6 +23,8 @@ from transformers import AutoConfig
 from .common import DEMO_MODEL, positive_int
 
 RANK_OPTION = "--as-tp-rank"
+# How long torchrun lets its ranks stop once it has passed a signal on, before it kills them (torchrun's setting)
+TORCHRUN_STOP_VARIABLE = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
 
 
 def add_tp_arguments(parser: argparse.ArgumentParser) -> None:
@@ -60,11 +63,15 @@ def _check_heads_split(model_id: str, ranks: int) -> None:
                              "share of them")
 
 
-def launch(argv: list[str], ranks: int) -> None:
-    """Run the command line ``argv`` again as ``ranks`` processes of one torchrun group and wait for them all."""
+def launch(argv: list[str], ranks: int, stop_seconds: int | None = None) -> None:
+    """Run the command line ``argv`` again as ``ranks`` processes of one torchrun group and wait for them all.
+
+    ``stop_seconds``: how long the ranks may take to stop once signalled, before torchrun kills them (torchrun's
+    default is 30 s; releases of torch whose torchrun does not read ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` keep it)."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
                "-m", "punica_hf", *argv, RANK_OPTION]
-    process = subprocess.Popen(command)
+    environment = None if stop_seconds is None else {**os.environ, TORCHRUN_STOP_VARIABLE: str(int(stop_seconds))}
+    process = subprocess.Popen(command, env=environment)
     terminated = []
 
     def pass_on(signum, _frame) -> None:  # to torchrun, which signals every rank (a server then drains)

@@ -186,7 +186,8 @@ def run(args: argparse.Namespace, console: Console) -> None:
         return _run_on_ray(args, console)
     if args.tp > 1:  # this process starts the ranks, which serve
         bind_listener(args.host, args.port).close()  # a busy address fails now, not after the ranks have loaded
-        return ranks.launch(args.argv, args.tp)
+        # the ranks' stop: rank 0's drain, its server's answers to slow readers, the ranks' leaving
+        return ranks.launch(args.argv, args.tp, stop_seconds=args.drain_seconds + 2 * ANSWERS_SENT_SECONDS)
     return _serve_http(args, console)
 
 
@@ -253,16 +254,21 @@ def _serve_http(args: argparse.Namespace, console: Console) -> None:
 
 
 def _watch_server(engine, server, drain_seconds: float, stop_on_engine_error: bool) -> None:
-    """Once uvicorn starts to shut down (a signal), shut the engine down with ``drain_seconds`` to finish the
-    requests in flight: uvicorn itself would wait for them for as long as they take, and would only shut the
-    engine down after them. ``stop_on_engine_error``: have uvicorn shut down once the engine has stopped with an
-    error (its requests have failed already; over --tp ranks, which cannot go on once one has failed)."""
+    """Bound the drain: once uvicorn starts to shut down (a signal), it takes no connection more and waits for its
+    requests, each of which still reaches the engine (one being tokenized too); the app shuts the engine down once
+    they have all been answered. If the engine still runs ``drain_seconds`` after the signal, shut it down now,
+    failing what is left (answered with 503s). ``stop_on_engine_error``: have uvicorn shut down once the engine has
+    stopped with an error (its requests have failed already; over --tp ranks, which cannot go on once one has
+    failed)."""
     while not server.should_exit:
         if stop_on_engine_error and engine.error is not None:
             server.should_exit = True
         time.sleep(ENGINE_WATCH_SECONDS)
-    if engine.running:  # else it has no requests to drain (not started yet, or failed): the app's shutdown stops it
-        engine.shutdown(drain_seconds=drain_seconds)
+    deadline = time.monotonic() + drain_seconds
+    while engine.running and time.monotonic() < deadline:
+        time.sleep(ENGINE_WATCH_SECONDS)
+    if engine.running:
+        engine.shutdown(drain_seconds=0)  # the bound has passed: what is left fails at once
 
 
 def check_arguments(args: argparse.Namespace) -> None:

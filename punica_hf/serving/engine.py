@@ -134,9 +134,15 @@ class Engine(TensorParallelLoop):
         self._backend = backend
         self._graphs_layout = self.model.layout_version
         self.max_model_len = min(self.max_model_len, backend.kv_tokens)
-        self._accepting = True
-        self._thread = threading.Thread(target=self._run, name="punica-hf-engine", daemon=True)
-        self._thread.start()
+        with self._lock:  # against a shutdown() meanwhile, which stops only a thread it finds
+            stopped = self._stop
+            if not stopped:
+                self._accepting = True
+                self._thread = threading.Thread(target=self._run, name="punica-hf-engine", daemon=True)
+                self._thread.start()
+        if stopped:
+            backend.close()
+            raise RuntimeError("the engine was shut down while it started")
         if self._control is not None and self._control.leader:
             threading.Thread(target=self._watch_other_ranks, name="punica-hf-tp-watch", daemon=True).start()
         return self
@@ -147,24 +153,24 @@ class Engine(TensorParallelLoop):
         ``drain_seconds`` bounds the drain: the requests still unfinished then fail (``finish_reason`` "error",
         ``error_code`` ``SHUT_DOWN``; their KV freed), so that a caller can answer them, and the engine stops.
         None drains for as long as the requests take. ``timeout``: how long to wait for the engine thread after
-        that (``TimeoutError`` beyond). Several threads may shut the engine down at once: each returns once it
-        has stopped, and the earliest drain deadline holds. On a tensor-parallel follower (rank > 0) this waits
-        for rank 0's shutdown, which decides ``drain``."""
+        that (``TimeoutError`` beyond). Several threads may shut the engine down at once: each returns once the
+        engine thread has stopped, and the earliest drain deadline holds. On a tensor-parallel follower (rank > 0)
+        this waits for rank 0's shutdown, which decides ``drain``."""
         if drain_seconds is not None and (isinstance(drain_seconds, bool) or not isinstance(drain_seconds, (int, float))
                                           or not 0 <= drain_seconds < math.inf):
             raise ValueError(f"drain_seconds must be a number of seconds >= 0 or None, got {drain_seconds!r}")
-        self._accepting = False
-        if not drain:
-            with self._lock:
+        with self._lock:
+            self._accepting = False
+            if not drain:
                 self._cancels.update(self._requests)
-        self._stop = True
+            self._stop = True
         self._wake.set()
         if self._thread is not None:
             if drain and drain_seconds is not None:
                 self._thread.join(drain_seconds)
                 if self._thread.is_alive():
-                    self._cut_off(f"the server shut down before this request finished (it had {drain_seconds:g} s "
-                                  "to finish the requests in flight); retry")
+                    self._cut_off("the server shut down before this request finished (the time it gives the "
+                                  "requests in flight ran out); retry")
             self._thread.join(timeout)
             if self._thread.is_alive():
                 raise TimeoutError(f"the engine did not stop within {timeout} s")
@@ -180,8 +186,9 @@ class Engine(TensorParallelLoop):
             for request in self._requests.values():
                 request.cut_off = reason
             self._cancels.update(self._requests)
-            count = len(self._requests)
-        logger.warning("shutting down: %d requests still in flight fail: %s", count, reason)
+            unfinished = sum(not request.handle.done for request in self._requests.values())
+        if unfinished:
+            logger.warning("shutting down: %d requests in flight fail: %s", unfinished, reason)
         self._wake.set()
 
     def __enter__(self) -> Engine:

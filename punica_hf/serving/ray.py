@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import json
 import logging
 import math
@@ -73,7 +74,8 @@ RETRY_PAUSE_SECONDS = 0.5
 # How a streamed answer cut by its replica's death ends: an error event a client can read (OpenAI's error body, as
 # the server's own streams end on a failed request), then the stream's usual end.
 LOST_STREAM_END = (stream_event(ErrorResponse(error=ErrorDetail(
-    message="the replica serving this request stopped mid-answer (Ray Serve restarts it): the answer is incomplete",
+    message="the replica serving this request stopped mid-answer (it failed, or the server is stopping): the answer "
+            "is incomplete",
     type="server_error", code="replica_lost"))) + STREAM_END).encode()
 # A replica whose engine or one of its ranks has stopped answers nothing but 503s: Ray Serve replaces it after three
 # failed health checks in a row, so check often (the check reads flags, and polls the ranks' processes).
@@ -379,7 +381,14 @@ class Router:
         request = {key: scope[key] for key in ("method", "path", "raw_path", "query_string", "headers",
                                                "http_version", "scheme", "client", "server") if key in scope}
         request["body"] = body
-        adapter = self._adapter_of(body)
+        try:
+            await self._route(request, self._adapter_of(body), scope, receive, send)
+        except DeploymentUnavailableError:  # raised by an assignment, before any answer was sent: nothing takes it
+            error = APIError(503, "the server's replicas are stopping, or could not start: none can answer this "
+                             "request; retry", type="server_error", code="replicas_unavailable")
+            await error.response()(scope, receive, send)
+
+    async def _route(self, request: dict, adapter: str, scope, receive, send) -> None:
         if scope["path"] not in ADAPTER_ROUTES:
             if self.catalog_version is None:
                 self.catalog_version = await self.catalog.current_version.remote()
@@ -394,7 +403,8 @@ class Router:
             answer.append(message)
 
         if await self._forward(request, adapter, scope, receive, keep) == 200:
-            self.catalog_version = await self.catalog.current_version.remote()
+            with contextlib.suppress(DeploymentUnavailableError):  # the application is going: the change was made
+                self.catalog_version = await self.catalog.current_version.remote()
         for message in answer:
             await send(message)
 
@@ -405,20 +415,15 @@ class Router:
         The answer's status."""
         deadline = asyncio.get_running_loop().time() + RETRY_SECONDS
         while True:
-            try:
-                lost_answer = await self._try_replica(request, adapter, send)
-            except DeploymentUnavailableError:  # at the assignment, before any answer: no replica will ever take it
-                error = APIError(503, "the server's replicas are stopping, or could not start: none can answer this "
-                                 "request; retry", type="server_error", code="replicas_unavailable")
-                await error.response()(scope, receive, send)
-                return 503
+            lost_answer = await self._try_replica(request, adapter, send)
             if isinstance(lost_answer, int):
                 return lost_answer
             if asyncio.get_running_loop().time() >= deadline:
                 break
             await asyncio.sleep(RETRY_PAUSE_SECONDS)
         if lost_answer is None:
-            error = APIError(503, "the replica serving this request stopped (Ray Serve restarts it); retry",
+            error = APIError(503, "the replica serving this request stopped (Ray Serve restarts it, unless the "
+                             "server is stopping); retry",
                              type="server_error", code="replica_lost")
             await error.response()(scope, receive, send)
         else:

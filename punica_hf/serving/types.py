@@ -147,7 +147,8 @@ class Completion:
 
     ``completion_tokens`` counts every token the model generated (a stopping token included); times are
     ``time.perf_counter()`` values. ``finish_reason`` is one of ``FINISH_REASONS``; a failed request (``"error"``)
-    has its message in ``error`` and why in ``error_code``: ``ADAPTER_NOT_FOUND`` or ``GENERATION_FAILED``.
+    has its message in ``error`` and why in ``error_code``: ``ADAPTER_NOT_FOUND``, ``GENERATION_FAILED`` or
+    ``SHUT_DOWN``.
     """
 
     request_id: str

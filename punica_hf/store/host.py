@@ -109,14 +109,19 @@ class HostTier:
         """The fewest of ``victims`` (least recently used first) whose dropping lets ``sizes`` be carved, tried on
         copies of the segments' allocators; none where dropping them all would not do (free bytes may suffice
         while no free extent is long enough: dropping copies then only loses them)."""
+        def freed(allocators: list[ExtentAllocator], dropped: list[int]) -> list[ExtentAllocator]:
+            for index in dropped:
+                for segment, start, size in self._copies[index].extents:
+                    allocators[segment].free(start, size)
+            return allocators
+
+        if not self._carvable(sizes, freed([allocator.copy() for _, allocator in self._segments], victims)):
+            return []  # one trial where it can never fit (a copy kept outside the tier at every read)
         allocators = [allocator.copy() for _, allocator in self._segments]
         for count in range(len(victims) + 1):
-            if count:
-                for segment, start, size in self._copies[victims[count - 1]].extents:
-                    allocators[segment].free(start, size)
-            if self._carvable(sizes, [allocator.copy() for allocator in allocators]):
+            if self._carvable(sizes, [allocator.copy() for allocator in freed(allocators, victims[count - 1:count])]):
                 return victims[:count]
-        return []
+        return victims
 
     def _carvable(self, sizes: list[int], allocators: list[ExtentAllocator]) -> bool:
         """Whether ``_carve`` would place ``sizes`` with the segments' allocators in the state of ``allocators``
