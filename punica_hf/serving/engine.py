@@ -42,6 +42,7 @@ from .tp_loop import IDLE_POLL_SECONDS, TensorParallelLoop
 from .types import (  # noqa: F401
     ADAPTER_NOT_FOUND, FINISH_REASONS, GENERATION_FAILED, MAX_REQUEST_ID_LENGTH, MIN_TEMPERATURE, SHUT_DOWN,
     Completion, Delta, EngineClosedError, EngineConfig, EngineStats, QueueFullError, SamplingParams, StepRecord,
+    check_seconds,
 )
 
 logger = logging.getLogger(__name__)
@@ -156,9 +157,8 @@ class Engine(TensorParallelLoop):
         that (``TimeoutError`` beyond). Several threads may shut the engine down at once: each returns once the
         engine thread has stopped, and the earliest drain deadline holds. On a tensor-parallel follower (rank > 0)
         this waits for rank 0's shutdown, which decides ``drain``."""
-        if drain_seconds is not None and (isinstance(drain_seconds, bool) or not isinstance(drain_seconds, (int, float))
-                                          or not 0 <= drain_seconds < math.inf):
-            raise ValueError(f"drain_seconds must be a number of seconds >= 0 or None, got {drain_seconds!r}")
+        if drain_seconds is not None:
+            check_seconds("drain_seconds", drain_seconds)
         with self._lock:
             self._accepting = False
             if not drain:

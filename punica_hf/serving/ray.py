@@ -38,7 +38,6 @@ import concurrent.futures
 import contextlib
 import json
 import logging
-import math
 import os
 import time
 import uuid
@@ -53,6 +52,7 @@ from .app import OPEN_PATHS, APIError, BodySizeLimit, KeyRequired, RequestLimits
 from .engine import Engine
 from .follower_ranks import FollowerRanks
 from .protocol import STREAM_END, ErrorDetail, ErrorResponse, stream_event
+from .types import check_seconds
 
 logger = logging.getLogger(__name__)
 
@@ -140,9 +140,7 @@ def build_app(
     if isinstance(stream_interval, bool) or not isinstance(stream_interval, (int, float)) or not (
             0 <= stream_interval <= 10):
         raise ValueError(f"stream_interval must be a number of seconds in [0, 10], got {stream_interval!r}")
-    if isinstance(drain_seconds, bool) or not isinstance(drain_seconds, (int, float)) or not (
-            0 <= drain_seconds < math.inf):
-        raise ValueError(f"drain_seconds must be a number of seconds >= 0, got {drain_seconds!r}")
+    check_seconds("drain_seconds", drain_seconds)
     limits = limits or RequestLimits()
     catalog = serve.deployment(AdapterCatalog, ray_actor_options={"num_cpus": 0}).bind()
     replica_class = serve.multiplexed(max_num_models_per_replica=max_adapters)(EngineReplica.hold_adapter)

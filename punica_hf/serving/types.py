@@ -22,6 +22,12 @@ GENERATION_FAILED = "generation_failed"
 SHUT_DOWN = "shut_down"
 MAX_REQUEST_ID_LENGTH = 256  # a caller's request id: a non-empty string of at most this many characters
 
+def check_seconds(name: str, value) -> None:
+    """``ValueError`` naming ``name`` unless ``value`` is a finite number of seconds >= 0 (not a bool)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+        raise ValueError(f"{name} must be a number of seconds >= 0, got {value!r}")
+
+
 class QueueFullError(RuntimeError):
     """The engine's queue holds ``EngineConfig.max_queue`` requests already: retry later."""
 

@@ -124,43 +124,38 @@ class HostTier:
         return victims
 
     def _carvable(self, sizes: list[int], allocators: list[ExtentAllocator]) -> bool:
-        """Whether ``_carve`` would place ``sizes`` with the segments' allocators in the state of ``allocators``
-        (which it changes)."""
-        capacity = sum(allocator.capacity for allocator in allocators)
-        for size in sizes:
-            if any(allocator.allocate(size) is not None for allocator in allocators):
-                continue
-            if self.budget - capacity < size:
-                return False
-            segment_bytes = max(size, min(SEGMENT_BYTES, self.budget - capacity))  # a new segment, as _carve's
-            allocators.append(ExtentAllocator(segment_bytes))
-            allocators[-1].allocate(size)
-            capacity += segment_bytes
-        return True
+        """Whether ``sizes`` could be carved with the segments' allocators in the state of ``allocators`` (which
+        the trial changes)."""
+        return self._place(sizes, allocators) is not None
 
-    def _carve(self, sizes: list[int]) -> list[tuple[int, int, int]] | None:
-        """Places for ``sizes`` bytes in the segments (a new segment while the budget allows), or None."""
-        extents = []
+    def _place(self, sizes: list[int], allocators: list[ExtentAllocator]) -> list[tuple[int, int, int]] | None:
+        """Extents ``(allocator number, start, size)`` for ``sizes``, first fit over ``allocators`` in order, then
+        in new ones appended to the list while the budget allows; None (what was taken freed) where they do not
+        fit. Shared by the trials on copies and the carve itself, so the two cannot disagree."""
+        extents, capacity = [], sum(allocator.capacity for allocator in allocators)
         for size in sizes:
-            place = None
-            for number, (_, allocator) in enumerate(self._segments):
-                start = allocator.allocate(size)
-                if start is not None:
-                    place = (number, start, size)
-                    break
-            if place is None and self.budget - self._capacity() >= size:  # a new segment, within the budget
-                segment_bytes = max(size, min(SEGMENT_BYTES, self.budget - self._capacity()))
-                buffer = torch.empty(segment_bytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
-                self._segments.append((buffer, ExtentAllocator(segment_bytes)))
-                place = (len(self._segments) - 1, self._segments[-1][1].allocate(size), size)
+            place = next(((number, start) for number, allocator in enumerate(allocators)
+                          if (start := allocator.allocate(size)) is not None), None)
+            if place is None and self.budget - capacity >= size:  # a new segment, within the budget
+                allocators.append(ExtentAllocator(max(size, min(SEGMENT_BYTES, self.budget - capacity))))
+                capacity += allocators[-1].capacity
+                place = (len(allocators) - 1, allocators[-1].allocate(size))
             if place is None:
-                self._free(extents)
+                for number, start, taken in extents:
+                    allocators[number].free(start, taken)
                 return None
-            extents.append(place)
+            extents.append((*place, size))
         return extents
 
-    def _capacity(self) -> int:
-        return sum(allocator.capacity for _, allocator in self._segments)
+    def _carve(self, sizes: list[int]) -> list[tuple[int, int, int]] | None:
+        """Places for ``sizes`` bytes in the segments (new segments while the budget allows), or None."""
+        allocators = [allocator for _, allocator in self._segments]
+        extents = self._place(sizes, allocators)
+        if extents is not None:
+            for allocator in allocators[len(self._segments):]:  # the new segments the places lie in
+                buffer = torch.empty(allocator.capacity, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+                self._segments.append((buffer, allocator))
+        return extents
 
     def get(self, index: int) -> HostCopy | None:
         """The copy kept for ``index``, marked used now."""
