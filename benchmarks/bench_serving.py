@@ -53,6 +53,7 @@ tokens served from cached prefixes and the adapter store's loads and evictions:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import itertools
 import json
@@ -67,10 +68,13 @@ import torch
 import transformers
 from bench_generate import MODES, StepTimer
 # FULL, LengthMix and build_model are also imported from here by bench_ray.py and profile_engine_steps.py
-from serving_workloads import FULL, TINY, LengthMix, Request, build_model, make_requests, workload_setup  # noqa: F401
+from serving_workloads import (  # noqa: F401
+    FULL, TINY, LengthMix, Request, build_model, kernel_config, make_requests, workload_setup,
+)
 from transformers import GenerationConfig
 
 from punica_hf import MultiLoraModel
+from punica_hf.ops import KernelConfig
 from punica_hf.serving import Completion, Engine, EngineConfig, SamplingParams, StepRecord
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -282,6 +286,8 @@ def parse_args() -> argparse.Namespace:
                         help=f"every request samples ({SAMPLED}, seeded) instead of decoding greedily")
     parser.add_argument("--compile-steps", action="store_true",
                         help="every engine compiles its steps (EngineConfig.compile_steps): run with and without")
+    parser.add_argument("--kernels", type=kernel_config, default=KernelConfig(),
+                        help="KernelConfig fields of the model, e.g. 'fused_norms=false' (default: the defaults)")
     parser.add_argument("--kv-blocks", type=int, help="paged KV blocks (default: sized from free memory)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", type=Path,
@@ -565,7 +571,8 @@ def write_report(args: argparse.Namespace, setup_start: float, measured: dict) -
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
                      "python": platform.python_version()},
         "workload": args.workload,
-        "setup": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "setup": {k: str(v) if isinstance(v, Path) else dataclasses.asdict(v) if isinstance(v, KernelConfig) else v
+                  for k, v in vars(args).items()},
         **measured,
         "wall_seconds": time.perf_counter() - setup_start,
     }

@@ -10,8 +10,8 @@ short runs of mixed steps), the tiled kernels, attention, GEMMs, the rest.
 Times are per engine step of the window (steps counted by the engine's step listener), split into decode and
 mixed steps by the listener's records. A per-token kernel belongs to a tiled call when it runs right after that
 call's tiled kernels (the split call launches them back to back), else to a decode-sized call.
-``--kernels short_run_chunks=false`` (with ``--mixed-ranks``) profiles the model made with that ``KernelConfig``, to
-set a kernel path against the default one in two runs of one device call.
+``--kernels short_run_chunks=false`` profiles the model made with that ``KernelConfig``, to set a kernel path
+against the default one in two runs of one device call.
 
     python benchmarks/profile_engine_steps.py --output benchmarks/results/profile_engine_steps_h200.json
     python benchmarks/profile_engine_steps.py --mixed-ranks --skip 3 --window 5 \
@@ -33,7 +33,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from bench_serving import FULL, build_model, make_requests, run_engine
-from serving_workloads import workload_setup
+from serving_workloads import kernel_config, workload_setup
 
 from punica_hf.ops import KernelConfig
 from punica_hf.serving import Engine, EngineConfig, StepRecord
@@ -113,16 +113,11 @@ def main() -> None:
     parser.add_argument("--window", type=float, default=2.0, help="seconds traced")
     parser.add_argument("--mixed-ranks", action="store_true",
                         help="bench_serving's --mixed-ranks workload rather than 32 rank-16 adapters")
-    parser.add_argument("--kernels", default="", help="KernelConfig fields of the model, e.g. "
-                        "'short_run_chunks=false' (default: the defaults; --mixed-ranks only)")
+    parser.add_argument("--kernels", type=kernel_config, default=KernelConfig(),
+                        help="KernelConfig fields of the model, e.g. 'short_run_chunks=false' (default: the defaults)")
     parser.add_argument("--output", type=Path, default=Path("profile_engine_steps.json"))
     args = parser.parse_args()
-    settings = dict(pair.split("=", 1) for pair in args.kernels.split(",") if pair)
-    if any(value.lower() not in ("true", "false") for value in settings.values()):
-        raise SystemExit(f"--kernels: name=true or name=false, comma-separated; got {args.kernels!r}")
-    kernels = KernelConfig(**{name: value.lower() == "true" for name, value in settings.items()})
-    if args.kernels and not args.mixed_ranks:
-        raise SystemExit("--kernels: only with --mixed-ranks")
+    kernels = args.kernels
     if args.mixed_ranks:
         setup = argparse.Namespace(tiny=False, workload="mixed-ranks", layers=32, adapters=[120], max_adapters=64,
                                    requests=256, zipf=1.0, kernels=kernels)
@@ -130,7 +125,7 @@ def main() -> None:
         systems = [(system.name, system.adapters) for system in workload_systems]
         requests = requests_for(0)
     else:
-        setup = argparse.Namespace(tiny=False, layers=32, adapters=[32], rank=16, max_adapters=128)
+        setup = argparse.Namespace(tiny=False, layers=32, adapters=[32], rank=16, max_adapters=128, kernels=kernels)
         model, adapter_sets, config = build_model(setup)
         systems = [("engine, 32 adapters", adapter_sets[32]), ("engine, base model", [None])]
         requests = make_requests(160, config.vocab_size, FULL, 0)

@@ -14,6 +14,7 @@ from bench_generate import build_llama, llama_3_2_1b_config, llama_config, rando
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from punica_hf import MultiLoraModel
+from punica_hf.ops import KernelConfig
 from punica_hf.formats import AdapterWeights
 
 
@@ -110,6 +111,18 @@ def build_base(args) -> tuple[LlamaForCausalLM, LlamaConfig]:
     return base, config
 
 
+def kernel_config(text: str) -> KernelConfig:
+    """The ``KernelConfig`` of a ``--kernels`` option: ``name=true|false`` pairs, comma-separated, the rest the
+    defaults."""
+    settings = dict(pair.split("=", 1) if "=" in pair else (pair, "") for pair in text.split(",") if pair)
+    if any(value.lower() not in ("true", "false") for value in settings.values()):
+        raise SystemExit(f"--kernels: name=true or name=false, comma-separated; got {text!r}")
+    try:
+        return KernelConfig(**{name: value.lower() == "true" for name, value in settings.items()})
+    except TypeError as error:  # a name KernelConfig does not have
+        raise SystemExit(f"--kernels: {error}") from None
+
+
 def build_model(args) -> tuple[MultiLoraModel, dict[int, list[str]], LlamaConfig]:
     """The base model wrapped, with ``max(--adapters)`` adapters registered as a0, a1, ... (the distinct random
     factors are ``min(--adapters)`` sets, reused past that: distinct names, slots and transfers, shared values)."""
@@ -118,7 +131,8 @@ def build_model(args) -> tuple[MultiLoraModel, dict[int, list[str]], LlamaConfig
     counts = sorted(args.adapters)
     generator = torch.Generator(device).manual_seed(1)  # drawn on the GPU: 32 8B-shaped adapters in seconds
     factors = [random_adapter(base, args.rank, generator) for _ in range(counts[0])]
-    model = MultiLoraModel(base, max_adapters=args.max_adapters, max_rank=args.rank)
+    model = MultiLoraModel(base, max_adapters=args.max_adapters, max_rank=args.rank,
+                           kernels=getattr(args, "kernels", None))
     names = [f"a{i}" for i in range(counts[-1])]
     model.load_adapters({name: factors[i % len(factors)] for i, name in enumerate(names)})
     return model, {count: names[:count] for count in counts}, config

@@ -1,5 +1,5 @@
-// Torch binding: registers punica_hf::lora_add, punica_hf::lora_delta and punica_hf::paged_attention as
-// torch.library ops (CUDA kernels here; the fake implementations are registered from Python in
+// Torch binding: registers punica_hf::lora_add, punica_hf::lora_delta, punica_hf::paged_attention and
+// punica_hf::rms_norm as torch.library ops (CUDA kernels here; the fake implementations are registered from Python in
 // punica_hf/ops/cuda.py). Argument checks with user-facing messages live in Python; the checks here guard memory
 // safety only (shapes, dtypes, devices, alignment).
 // The factor offsets are trusted (the adapter store writes them); the kernels never read a slot of rank 0.
@@ -13,6 +13,7 @@
 
 #include "punica_attention.h"
 #include "punica_lora.h"
+#include "punica_norm.h"
 
 namespace {
 
@@ -20,6 +21,7 @@ constexpr int64_t kMaxRank = 1024;
 constexpr const char* kAdd = "punica_hf::lora_add";  // the op named in its error messages
 constexpr const char* kDelta = "punica_hf::lora_delta";
 constexpr const char* kAttention = "punica_hf::paged_attention";
+constexpr const char* kRmsNorm = "punica_hf::rms_norm";
 
 PunicaDtype to_punica_dtype(at::ScalarType dtype) {
   switch (dtype) {
@@ -313,6 +315,33 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
   return out;
 }
 
+// out [..., H] = the RMSNorm of each row of x [..., H] scaled by weight [H]; see punica_norm.h.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  const char* op = kRmsNorm;
+  TORCH_CHECK_VALUE(x.dim() >= 1 && weight.dim() == 1, op, ": expected x [..., H] and weight [H]");
+  TORCH_CHECK_VALUE(x.is_cuda(), op, ": x must be on a CUDA device");
+  const c10::cuda::CUDAGuard device_guard(x.device());
+  check_on_device(op, x, "x", x);
+  check_on_device(op, weight, "weight", x);
+  const int64_t hidden = x.size(-1);
+  TORCH_CHECK_VALUE(weight.size(0) == hidden, op, ": weight must have x's last size");
+  TORCH_CHECK_VALUE(hidden >= 1 && hidden < (int64_t{1} << 30), op, ": the rows' width must be in [1, 2^30)");
+  TORCH_CHECK_VALUE(weight.scalar_type() == x.scalar_type(), op, ": x and weight must share one dtype");
+  const at::Tensor out = at::empty_like(x, at::MemoryFormat::Contiguous);  // written whole
+  PunicaRmsNormProblem problem{};
+  problem.out = out.data_ptr();
+  problem.x = x.data_ptr();
+  problem.weight = weight.data_ptr();
+  problem.num_rows = hidden == 0 ? 0 : x.numel() / hidden;
+  problem.hidden = static_cast<int>(hidden);
+  problem.eps = static_cast<float>(eps);
+  problem.dtype = to_punica_dtype(x.scalar_type());
+  TORCH_CHECK_VALUE(problem.num_rows < (int64_t{1} << 31), op, ": too many rows");
+  const cudaError_t err = punica_rms_norm(&problem, c10::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, "punica_hf: CUDA error: ", cudaGetErrorString(err));
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(punica_hf, m) {
@@ -330,10 +359,12 @@ TORCH_LIBRARY(punica_hf, m) {
   m.def(
       "paged_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor key_slots, Tensor cu_seq_lens_q, "
       "Tensor cu_seq_lens_k, float scale, int splits) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(punica_hf, CUDA, m) {
   m.impl("lora_add", &lora_add);
   m.impl("lora_delta", &lora_delta);
   m.impl("paged_attention", &paged_attention);
+  m.impl("rms_norm", &rms_norm);
 }

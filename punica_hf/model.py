@@ -29,6 +29,7 @@ from torch import nn
 from .formats import AdapterWeights, load_adapter_weights
 from .injection import LoraInjection
 from .layers import LoraContext
+from .norm_layers import NormHook, fuse_norms
 from .ops import KernelConfig
 from .store import CAPACITY_WAIT_S, AdapterLease, AdapterStore, check_wait
 from .tensor_parallel import refuse_gradients
@@ -133,6 +134,16 @@ class MultiLoraModel(FollowsModuleMoves):
         call this before a ``torch.compile`` of a copy that no eager forward with adapters precedes, since finding
         the kernels cannot be traced (a graph break at every layer). The serving engine calls it at its start."""
         self._injection.decide_backends(self._store.pools)
+
+    def fuse_norms(self) -> list[NormHook]:
+        """Run the base model's RMSNorm modules as one kernel each (``punica_hf.norm_layers``), unless the model's
+        ``KernelConfig.fused_norms`` is off or its backend is ``"torch"``; only on CUDA devices where the kernels
+        build. Returns the hooks made: ``remove()`` each to give the modules their forward back. The serving engine
+        calls it at its start, before any step is captured or compiled, and removes them when it shuts down."""
+        context = self._injection.context
+        if not context.kernels.fused_norms or context.requested_backend == "torch":
+            return []
+        return fuse_norms(self.model)
 
     @property
     def layout_version(self) -> int:

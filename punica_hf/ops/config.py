@@ -13,7 +13,8 @@ from dataclasses import dataclass, fields
 
 @dataclass(frozen=True)
 class KernelConfig:
-    """Kernel choices of the LoRA ops on the CUDA backend (each needs sm_90 or newer; older GPUs ignore it).
+    """Kernel choices of the CUDA backend: the LoRA ops' paths (each needs sm_90 or newer; older GPUs ignore it) and
+    whether the serving engine runs the base model's norms as one kernel each.
 
     Attributes:
         programmatic_launch: the two-launch paths start their expand kernel before the shrink ends (programmatic
@@ -25,12 +26,16 @@ class KernelConfig:
         short_run_chunks: with ``short_runs``, the per-token kernels run a grid of two waves that walks the list of
             the short runs' chunks, instead of launching a block for every position of the call (in a mixed step
             most positions are prefill tokens, which the tiled kernels serve).
+        fused_norms: while a serving engine runs the model, its RMSNorm modules run as one kernel each instead of
+            transformers' eight (``punica_hf.norm_layers``: only the modules whose arithmetic the kernel
+            reproduces, checked on each module).
     """
 
     programmatic_launch: bool = True
     fused: bool = True
     short_runs: bool = True
     short_run_chunks: bool = True
+    fused_norms: bool = True
 
     def __post_init__(self) -> None:
         for field in fields(self):

@@ -1,8 +1,8 @@
 """The CUDA kernels of ``csrc/``: JIT build/load, and ``CudaLoraBackend``, the LoRA backend the hooks call.
 
 The extension registers the ops ``torch.ops.punica_hf.lora_add`` (mutates ``y``, returns nothing),
-``lora_delta`` (a group of projections sharing their input, returns their updates) and ``paged_attention`` (see
-``ops.attention``); this module adds their fake implementations, so ``torch.compile(fullgraph=True)`` traces
+``lora_delta`` (a group of projections sharing their input, returns their updates), ``paged_attention`` (see
+``ops.attention``) and ``rms_norm`` (see ``ops.norm``); this module adds their fake implementations, so ``torch.compile(fullgraph=True)`` traces
 through them, and the ops make no host-device sync, so they can be captured in a CUDA graph. The build is cached
 in a directory keyed by the sources, the torch and CUDA versions and the target architectures: it recompiles only
 when one of them changes.
@@ -37,6 +37,7 @@ NO_CUDA_TORCH = ("this torch build has no CUDA support: the kernels need a CUDA 
 _op = None  # torch.ops.punica_hf.lora_add.default once the extension is loaded
 _delta_op = None  # torch.ops.punica_hf.lora_delta.default
 _attention_op = None  # torch.ops.punica_hf.paged_attention.default
+_rms_norm_op = None  # torch.ops.punica_hf.rms_norm.default
 
 
 def source_dir() -> Path:
@@ -89,7 +90,7 @@ def build_directory(name: str) -> Path:
 
 def load_extension(verbose: bool = False) -> None:
     """Build (first time, or after a source change) and load the kernels; raises on any failure."""
-    global _op, _delta_op, _attention_op
+    global _op, _delta_op, _attention_op, _rms_norm_op
     if _op is not None:
         return
     if torch.version.cuda is None:
@@ -118,6 +119,7 @@ def load_extension(verbose: bool = False) -> None:
     _register_fake()
     _delta_op = torch.ops.punica_hf.lora_delta.default
     _attention_op = torch.ops.punica_hf.paged_attention.default
+    _rms_norm_op = torch.ops.punica_hf.rms_norm.default
     _op = torch.ops.punica_hf.lora_add.default  # the overload itself: no overload resolution per call; set last
 
 
@@ -156,6 +158,10 @@ def _register_fake() -> None:
     @torch.library.register_fake("punica_hf::paged_attention")
     def _paged_attention_fake(query, key_cache, value_cache, key_slots, cu_seq_lens_q, cu_seq_lens_k, scale, splits):
         return query.new_empty(query.shape)
+
+    @torch.library.register_fake("punica_hf::rms_norm")
+    def _rms_norm_fake(x, weight, eps):
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
 def _check(y: torch.Tensor, x: torch.Tensor, pool: torch.Tensor, a_offsets: torch.Tensor, b_offsets: torch.Tensor,

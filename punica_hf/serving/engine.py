@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from ..norm_layers import NormHook
 from ..store import AdapterCapacityError, AdapterNotReady, AdapterReadError
 from . import attention, tp_control, transformers_cb
 from .handles import RequestHandle
@@ -107,6 +108,7 @@ class Engine(TensorParallelLoop):
         self._step_listeners: list[Callable[[StepRecord], None]] = []
         self.attention: attention.AttentionChoice | None = None  # the attention path, chosen by start()
         self._backend: transformers_cb.ContinuousBatchingBackend | None = None  # made by start()
+        self._norm_hooks: list[NormHook] = []  # the model's fused norms while the engine runs (start())
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> Engine:
@@ -118,20 +120,22 @@ class Engine(TensorParallelLoop):
         self.attention = attention.choose(self.hf_model)
         logger.info("attention: %s (%s)", self.attention.path, self.attention.reason)
         self.model.decide_backends()  # before any step is compiled or captured
-        with torch.inference_mode():
-            backend = transformers_cb.ContinuousBatchingBackend(
-                self.hf_model, self._cb_config(self.hf_model.device), eos_token_ids=sorted(self.eos_token_ids),
-                vocab_size=self.vocab_size, slot_of=self._slot_of, prefix_key_of=self._prefix_key_of,
-                on_tokens=self._on_output,
-                on_failure=self._on_failure, attention=self.attention.implementation,
-                attention_forward=attention.paged_attention_forward,
-            )
-            try:
+        self._norm_hooks = self.model.fuse_norms()
+        backend = None
+        try:
+            with torch.inference_mode():
+                backend = transformers_cb.ContinuousBatchingBackend(
+                    self.hf_model, self._cb_config(self.hf_model.device), eos_token_ids=sorted(self.eos_token_ids),
+                    vocab_size=self.vocab_size, slot_of=self._slot_of, prefix_key_of=self._prefix_key_of,
+                    on_tokens=self._on_output,
+                    on_failure=self._on_failure, attention=self.attention.implementation,
+                    attention_forward=attention.paged_attention_forward,
+                )
                 if self.config.warmup:
                     backend.warm_up()
-            except BaseException:
-                backend.close()
-                raise
+        except BaseException:
+            self._give_model_back(backend)
+            raise
         self._backend = backend
         self._graphs_layout = self.model.layout_version
         self.max_model_len = min(self.max_model_len, backend.kv_tokens)
@@ -142,7 +146,7 @@ class Engine(TensorParallelLoop):
                 self._thread = threading.Thread(target=self._run, name="punica-hf-engine", daemon=True)
                 self._thread.start()
         if stopped:
-            backend.close()
+            self._give_model_back(backend)
             raise RuntimeError("the engine was shut down while it started")
         if self._control is not None and self._control.leader:
             threading.Thread(target=self._watch_other_ranks, name="punica-hf-tp-watch", daemon=True).start()
@@ -177,7 +181,17 @@ class Engine(TensorParallelLoop):
         with self._lock:  # once, where several threads shut down together
             closing, self._closed = not self._closed, True
         if closing and self._backend is not None:
-            self._backend.close()  # the model's attention implementation as before start()
+            self._give_model_back(self._backend)
+
+    def _give_model_back(self, backend: transformers_cb.ContinuousBatchingBackend | None) -> None:
+        """The model as before start(): its attention implementation, its norms' own forwards."""
+        try:
+            if backend is not None:
+                backend.close()
+        finally:
+            for hook in self._norm_hooks:
+                hook.remove()
+            self._norm_hooks = []
 
     def _cut_off(self, reason: str) -> None:
         """End every request in flight as failed with ``reason``: the engine thread drops them (and frees their KV)
