@@ -42,17 +42,18 @@ __global__ void __launch_bounds__(kNormThreads) rms_norm_kernel(T* __restrict__ 
 #pragma unroll
       for (int k = 0; k < kVec; ++k) {
         const float v = to_float(values[k]);
-        squares += v * v;
+        squares = __fadd_rn(squares, __fmul_rn(v, v));  // rounded apart, as PyTorch's pow then sum
       }
     }
   } else {
     for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
       const float v = to_float(x_row[i]);
-      squares += v * v;
+      squares = __fadd_rn(squares, __fmul_rn(v, v));
     }
   }
-  // PyTorch's mean multiplies the sum by the float 1 / H; eps is added in float
-  const float inverse = rsqrtf(block_sum(squares, scratch) * (1.0f / static_cast<float>(hidden)) + eps);
+  // PyTorch's mean multiplies the sum by the float 1 / H, then another kernel adds eps: two roundings, not an FMA
+  const float mean = __fmul_rn(block_sum(squares, scratch), 1.0f / static_cast<float>(hidden));
+  const float inverse = rsqrtf(__fadd_rn(mean, eps));
   if (vectors) {
     for (int i = threadIdx.x * kVec; i < hidden; i += blockDim.x * kVec) {
       const uint4 raw = *reinterpret_cast<const uint4*>(x_row + i);

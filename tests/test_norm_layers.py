@@ -4,6 +4,9 @@ The kernel itself: tests/gpu/test_norm_gpu.py."""
 
 from __future__ import annotations
 
+import copy
+import pickle
+
 import pytest
 import torch
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
@@ -11,7 +14,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
 from helpers import tiny_llama
 from punica_hf import MultiLoraModel
-from punica_hf.norm_layers import NormHook, fuse_norms
+from punica_hf.norm_layers import NormHook, fuse_norms, probe_rows, same_arithmetic
 from punica_hf.ops import KernelConfig
 from punica_hf.ops import norm as ops_norm
 
@@ -43,6 +46,46 @@ def test_the_kernel_entry_refuses_what_it_does_not_take():
             ops_norm.rms_norm_cuda(*args)
 
 
+class OnceRounded(LlamaRMSNorm):  # OLMo-2: the weight multiplied in float, one rounding
+    def forward(self, hidden_states):
+        normalized = hidden_states.float()
+        normalized = normalized * torch.rsqrt(normalized.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return (self.weight * normalized).to(hidden_states.dtype)
+
+
+class OnePlusWeight(LlamaRMSNorm):  # Gemma's scale, under Llama's attribute names
+    def forward(self, hidden_states):
+        return (1 + self.weight) * LlamaRMSNorm.forward(self, hidden_states) / self.weight
+
+
+class EpsOutsideTheRoot(LlamaRMSNorm):
+    def forward(self, hidden_states):
+        normalized = hidden_states.float()
+        normalized = normalized / (normalized.pow(2).mean(-1, keepdim=True).sqrt() + self.variance_epsilon)
+        return self.weight * normalized.to(hidden_states.dtype)
+
+
+class Gated(LlamaRMSNorm):
+    def forward(self, hidden_states, gate):
+        return LlamaRMSNorm.forward(self, hidden_states) * gate
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_only_the_llama_arithmetic_passes_the_probe(dtype):
+    """What ``fuse_norms`` checks before it hooks a module (the kernel half needs a GPU: tests/gpu): the module's
+    own forward must be the reference bit for bit on the probe rows (random, near eps, zero, large)."""
+    torch.manual_seed(2)
+    once_is_twice = dtype == torch.float32  # rounding a float32 value to float32 changes nothing
+    for norm_class, expected in [(LlamaRMSNorm, True), (Qwen3RMSNorm, True), (OnceRounded, once_is_twice),
+                                 (OnePlusWeight, False), (EpsOutsideTheRoot, False), (Gated, False)]:
+        module = norm_class(256, eps=1e-5).to(dtype)
+        with torch.no_grad():
+            module.weight.normal_(1.0, 0.3)
+        rows = probe_rows(256, module.variance_epsilon, dtype, torch.device("cpu"))
+        assert rows.shape == (19, 256) and not rows[17].any()
+        assert same_arithmetic(module, rows) is expected, norm_class.__name__
+
+
 def test_a_norm_hook_runs_the_modules_forward_for_what_the_kernel_does_not_take_and_gives_it_back():
     torch.manual_seed(1)
     module = LlamaRMSNorm(64, eps=1e-6)
@@ -51,11 +94,26 @@ def test_a_norm_hook_runs_the_modules_forward_for_what_the_kernel_does_not_take_
     hook = NormHook(module)
     assert module.forward is hook
     x = torch.randn(64, 6)
-    for arguments in [(x.t(),), (torch.randn(6, 64, dtype=torch.float64),)]:  # not contiguous; another dtype
-        assert torch.equal(module(*arguments), LlamaRMSNorm.forward(module, *arguments))
+    # not contiguous; another dtype; on the CPU (contiguous, the weight's dtype); by keyword
+    for args, kwargs in [((x.t(),), {}), ((torch.randn(6, 64, dtype=torch.float64),), {}), ((x.t().contiguous(),), {}),
+                         ((), {"hidden_states": x.t()})]:
+        assert torch.equal(module(*args, **kwargs), LlamaRMSNorm.forward(module, *args, **kwargs))
     hook.remove()
     assert "forward" not in module.__dict__ and not hook.installed
     assert torch.equal(module(x.t()), LlamaRMSNorm.forward(module, x.t()))
+
+
+def test_a_copy_of_a_hooked_module_carries_an_inert_hook():
+    """The engine that hooked a module cannot take a copy's hook off: a copy (deepcopy, pickle) runs its own
+    forward; the original stays hooked."""
+    module = LlamaRMSNorm(32)
+    hook = NormHook(module)
+    for copied in (copy.deepcopy(module), pickle.loads(pickle.dumps(module))):
+        copied_hook = copied.__dict__["forward"]
+        assert isinstance(copied_hook, NormHook) and copied_hook.module is copied and not copied_hook.installed
+        x = torch.randn(3, 32)
+        assert torch.equal(copied(x), LlamaRMSNorm.forward(copied, x))
+    assert module.forward is hook and hook.installed
 
 
 def test_nothing_is_fused_on_the_cpu_or_where_the_config_or_backend_says_no():

@@ -1,9 +1,9 @@
 """RMSNorm of each row: transformers' Llama-family RMSNorm (``x * rsqrt(mean(x^2) + eps)`` in float, rounded to
 the input's dtype, times ``weight``) as one kernel (``csrc/rms_norm.cu``) instead of eight.
 
-``rms_norm_reference`` is that arithmetic in PyTorch ops, as transformers writes it; the kernel differs from it only
-in the order a row's squares are summed (a last-place difference in float, at most one rounding step of the
-output's dtype). ``rms_norm`` runs the kernel on CUDA tensors when the extension builds, else the reference.
+``rms_norm_reference`` is that arithmetic in PyTorch ops, as transformers writes it; the kernel differs from it
+only in the order a row's squares are summed (a last-place difference in float, at most two rounding steps of the
+output's dtype: ``tolerance``). ``rms_norm`` runs the kernel on CUDA tensors when the extension builds, else the reference.
 """
 
 from __future__ import annotations
@@ -20,6 +20,15 @@ def tolerance(dtype: torch.dtype) -> float:
     normalized value across a rounding boundary, it and then the product each round one step apart (float32: its
     ``rsqrt`` and summation errors, a few units in the last place)."""
     return max(2 * torch.finfo(dtype).eps, 1e-5)
+
+
+def within_tolerance(out: torch.Tensor, expected: torch.Tensor) -> bool:
+    """Whether ``out`` is within ``tolerance`` of ``expected`` (same shape) everywhere; where the output is
+    subnormal (fp16), within two of its steps absolutely."""
+    finfo = torch.finfo(out.dtype)
+    expected = expected.double()
+    bound = tolerance(out.dtype) * expected.abs() + 2 * finfo.tiny * finfo.eps
+    return bool(((out.double() - expected).abs() <= bound).all())
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

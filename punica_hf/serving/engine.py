@@ -136,12 +136,12 @@ class Engine(TensorParallelLoop):
         except BaseException:
             self._give_model_back(backend)
             raise
-        self._backend = backend
         self._graphs_layout = self.model.layout_version
         self.max_model_len = min(self.max_model_len, backend.kv_tokens)
-        with self._lock:  # against a shutdown() meanwhile, which stops only a thread it finds
+        with self._lock:  # against a shutdown() meanwhile, which stops only a thread (and closes a backend) it finds
             stopped = self._stop
             if not stopped:
+                self._backend = backend
                 self._accepting = True
                 self._thread = threading.Thread(target=self._run, name="punica-hf-engine", daemon=True)
                 self._thread.start()
@@ -185,13 +185,14 @@ class Engine(TensorParallelLoop):
 
     def _give_model_back(self, backend: transformers_cb.ContinuousBatchingBackend | None) -> None:
         """The model as before start(): its attention implementation, its norms' own forwards."""
+        with self._lock:  # a start() that failed and a shutdown() may both get here
+            hooks, self._norm_hooks = self._norm_hooks, []
         try:
             if backend is not None:
                 backend.close()
         finally:
-            for hook in self._norm_hooks:
+            for hook in hooks:
                 hook.remove()
-            self._norm_hooks = []
 
     def _cut_off(self, reason: str) -> None:
         """End every request in flight as failed with ``reason``: the engine thread drops them (and frees their KV)
