@@ -287,7 +287,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--compile-steps", action="store_true",
                         help="every engine compiles its steps (EngineConfig.compile_steps): run with and without")
     parser.add_argument("--kernels", type=kernel_config, default=KernelConfig(),
-                        help="KernelConfig fields of the model, e.g. 'fused_norms=false' (default: the defaults)")
+                        help="KernelConfig fields of the model, e.g. 'fused_norms=true' (default: the defaults)")
     parser.add_argument("--kv-blocks", type=int, help="paged KV blocks (default: sized from free memory)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", type=Path,

@@ -14,7 +14,7 @@
 #   ONLY="build tests ops adapters generate step"   the parts to run (default: these, in this order; also "kinds"
 #                                                   (bench_adapter_kinds.py), "serving" (bench_serving.py's quick
 #                                                   saturation run, adapters vs base), "serving_b" (the same
-#                                                   run with AB_FLAGS, default "--kernels fused_norms=false"),
+#                                                   run with AB_FLAGS, default "--kernels fused_norms=true"),
 #                                                   "compiled" (the same run
 #                                                   with EngineConfig.compile_steps), "workloads" (its small-model,
 #                                                   mixed-ranks, long-prompts and shared-prefixes runs; WORKLOADS=
@@ -101,7 +101,7 @@ wanted serving && part serving 240 python3 benchmarks/bench_serving.py --adapter
     --compiled-batches "" --no-transformers-cb --output "$OUT/bench_serving_quick_h200.json"
 # the same quick run on a model made with other kernel choices: an A/B of one KernelConfig field against "serving"
 wanted serving_b && part serving_b 240 python3 benchmarks/bench_serving.py --adapters 32 --static-requests 0 \
-    --rates "" --compiled-batches "" --no-transformers-cb ${AB_FLAGS:---kernels fused_norms=false} \
+    --rates "" --compiled-batches "" --no-transformers-cb ${AB_FLAGS:---kernels fused_norms=true} \
     --output "$OUT/bench_serving_quick_b_h200.json"
 wanted compiled && part compiled 360 python3 benchmarks/bench_serving.py --adapters 32 --static-requests 0 \
     --rates "" --compiled-batches "" --no-transformers-cb --compile-steps --output "$OUT/bench_serving_compiled_h200.json"

@@ -116,11 +116,24 @@ def test_a_copy_of_a_hooked_module_carries_an_inert_hook():
     assert module.forward is hook and hook.installed
 
 
-def test_nothing_is_fused_on_the_cpu_or_where_the_config_or_backend_says_no():
-    model = MultiLoraModel(tiny_llama(), max_adapters=2)
+def test_nothing_is_fused_on_the_cpu_even_when_asked():
+    model = MultiLoraModel(tiny_llama(), max_adapters=2, kernels=KernelConfig(fused_norms=True))
     assert model.fuse_norms() == [] and fuse_norms(model.model) == []
     assert all("forward" not in m.__dict__ for m in model.model.modules() if isinstance(m, LlamaRMSNorm))
-    for kernels, backend in ((KernelConfig(fused_norms=False), None), (None, "torch")):
-        assert MultiLoraModel(tiny_llama(), max_adapters=2, kernels=kernels, backend=backend).fuse_norms() == []
     with pytest.raises(ValueError, match="fused_norms must be a bool"):
         KernelConfig(fused_norms="yes")
+
+
+def test_the_model_fuses_only_where_its_kernel_config_and_backend_say_so(monkeypatch):
+    import punica_hf.model as model_module
+
+    asked = []
+    monkeypatch.setattr(model_module, "fuse_norms", lambda hf_model: asked.append(hf_model) or ["hooks"])
+    for kernels, backend, expected in [(KernelConfig(fused_norms=True), None, True),
+                                       (KernelConfig(fused_norms=True), "cuda", True),
+                                       (KernelConfig(fused_norms=True), "torch", False),
+                                       (KernelConfig(fused_norms=False), None, False),
+                                       (None, None, False)]:  # off by default
+        asked.clear()
+        model = MultiLoraModel(tiny_llama(), max_adapters=2, kernels=kernels, backend=backend)
+        assert model.fuse_norms() == (["hooks"] if expected else []) and asked == ([model.model] if expected else [])

@@ -28,14 +28,15 @@ class KernelConfig:
             most positions are prefill tokens, which the tiled kernels serve).
         fused_norms: while a serving engine runs the model, its RMSNorm modules run as one kernel each instead of
             transformers' eight (``punica_hf.norm_layers``: only the modules whose arithmetic the kernel
-            reproduces, checked on each module).
+            reproduces, checked on each module). Off by default until its GPU tests and its A/B against the
+            unfused engine have run on a GPU (benchmarks/gpu_session.sh, parts ``tests serving serving_b``).
     """
 
     programmatic_launch: bool = True
     fused: bool = True
     short_runs: bool = True
     short_run_chunks: bool = True
-    fused_norms: bool = True
+    fused_norms: bool = False
 
     def __post_init__(self) -> None:
         for field in fields(self):
