@@ -999,6 +999,32 @@ def test_a_shutdown_while_the_engine_starts_stops_it_and_gives_the_model_back(ti
     assert engine.hf_model.config._attn_implementation == attention_before
 
 
+def test_a_second_engine_over_a_served_model_is_refused_until_the_first_shuts_down(tiny_model, monkeypatch):
+    """Two engines over one model: the first one's shutdown gave the model back its own attention under the second,
+    which then served other tokens with no error. Now the second refuses to start, naming why, and the first serves
+    on; once it has shut down another engine starts (also after a start that failed)."""
+    prompt, params = tiny_prompt(90, 5), SamplingParams(max_new_tokens=8)
+    attention_before = tiny_model.model.config._attn_implementation
+    with Engine(tiny_model) as first:
+        expected = first.submit(prompt, None, params).result(timeout=60).token_ids
+        second = Engine(tiny_model)
+        with pytest.raises(RuntimeError, match="another engine serves this model: shut it down before"):
+            second.start()
+        assert not second.running and first.running
+        assert first.submit(prompt, None, params).result(timeout=60).token_ids == expected
+    assert tiny_model.model.config._attn_implementation == attention_before
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("the batch processor failed")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(tiny_model, "fuse_norms", fail)
+        with pytest.raises(RuntimeError, match="the batch processor failed"):
+            Engine(tiny_model).start()
+    with Engine(tiny_model) as third:
+        assert third.submit(prompt, None, params).result(timeout=60).token_ids == expected
+
+
 @pytest.mark.parametrize("drain_seconds", [-1, math.inf, math.nan, True, "5"])
 def test_a_bad_drain_bound_is_refused_before_anything_stops(tiny_model, drain_seconds):
     engine = Engine(tiny_model).start()

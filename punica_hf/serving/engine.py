@@ -24,6 +24,7 @@ import math
 import random
 import threading
 import time
+import weakref
 from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
@@ -49,6 +50,11 @@ from .types import (  # noqa: F401
 logger = logging.getLogger(__name__)
 TESTED_TRANSFORMERS = transformers_cb.TESTED_TRANSFORMERS
 
+# The engine serving each model, from its start() to its shutdown(): an engine sets the model's attention
+# implementation and norms for its own steps, and gives back what it found when it stops, under any other engine.
+_SERVING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_SERVING_LOCK = threading.Lock()
+
 
 class Engine(TensorParallelLoop):
     """Continuous batching over a ``MultiLoraModel``: ``submit`` requests, each with its adapter (or None for the
@@ -57,7 +63,7 @@ class Engine(TensorParallelLoop):
     ``tokenizer`` (a transformers tokenizer or any object with ``encode``/``decode``) is needed for text prompts,
     streamed text and stop strings; without it prompts are token ids and outputs token ids only. While the engine
     runs it owns the model: transformers may switch its attention implementation to a paged one, restored by
-    ``shutdown()``.
+    ``shutdown()``; another engine over the same model cannot start until then.
 
         with Engine(model, tokenizer) as engine:
             handle = engine.submit("Hello", adapter="sql", params=SamplingParams(max_new_tokens=32))
@@ -120,9 +126,15 @@ class Engine(TensorParallelLoop):
         self.attention = attention.choose(self.hf_model)
         logger.info("attention: %s (%s)", self.attention.path, self.attention.reason)
         self.model.decide_backends()  # before any step is compiled or captured
-        self._norm_hooks = self.model.fuse_norms()
+        with _SERVING_LOCK:
+            other = _SERVING.get(self.model)
+            if other is not None:
+                raise RuntimeError("another engine serves this model: shut it down before starting this one (its "
+                                   "shutdown would give the model back its own attention under this one)")
+            _SERVING[self.model] = self
         backend = None
         try:
+            self._norm_hooks = self.model.fuse_norms()
             with torch.inference_mode():
                 backend = transformers_cb.ContinuousBatchingBackend(
                     self.hf_model, self._cb_config(self.hf_model.device), eos_token_ids=sorted(self.eos_token_ids),
@@ -193,6 +205,9 @@ class Engine(TensorParallelLoop):
         finally:
             for hook in hooks:
                 hook.remove()
+            with _SERVING_LOCK:
+                if _SERVING.get(self.model) is self:
+                    del _SERVING[self.model]
 
     def _cut_off(self, reason: str) -> None:
         """End every request in flight as failed with ``reason``: the engine thread drops them (and frees their KV)
