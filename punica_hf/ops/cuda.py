@@ -2,10 +2,10 @@
 
 The extension registers the ops ``torch.ops.punica_hf.lora_add`` (mutates ``y``, returns nothing),
 ``lora_delta`` (a group of projections sharing their input, returns their updates), ``paged_attention`` (see
-``ops.attention``) and ``rms_norm`` (see ``ops.norm``); this module adds their fake implementations, so ``torch.compile(fullgraph=True)`` traces
-through them, and the ops make no host-device sync, so they can be captured in a CUDA graph. The build is cached
-in a directory keyed by the sources, the torch and CUDA versions and the target architectures: it recompiles only
-when one of them changes.
+``ops.attention``) and ``rms_norm`` (see ``ops.norm``); this module adds their fake implementations, so
+``torch.compile(fullgraph=True)`` traces through them, and the ops make no host-device sync, so they can be captured
+in a CUDA graph. The build is cached in a directory keyed by the sources, the torch and CUDA versions and the target
+architectures: it recompiles only when one of them changes.
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@ the input's dtype, times ``weight``) as one kernel (``csrc/rms_norm.cu``) instea
 
 ``rms_norm_reference`` is that arithmetic in PyTorch ops, as transformers writes it; the kernel differs from it
 only in the order a row's squares are summed (a last-place difference in float, at most two rounding steps of the
-output's dtype: ``tolerance``). ``rms_norm`` runs the kernel on CUDA tensors when the extension builds, else the reference.
+output's dtype: ``tolerance``). ``rms_norm`` runs the kernel on CUDA tensors when the extension builds, else the
+reference.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import torch
 
 from . import cuda
 
-DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what the kernel takes (x and weight alike)
+DTYPES = cuda.DTYPES  # what the kernel takes (x and weight alike), as the LoRA kernels
 
 
 def tolerance(dtype: torch.dtype) -> float:

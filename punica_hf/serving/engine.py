@@ -197,7 +197,7 @@ class Engine(TensorParallelLoop):
 
     def _give_model_back(self, backend: transformers_cb.ContinuousBatchingBackend | None) -> None:
         """The model as before start(): its attention implementation, its norms' own forwards."""
-        with self._lock:  # a start() that failed and a shutdown() may both get here
+        with self._lock:  # the hooks go back once, whichever thread gets here
             hooks, self._norm_hooks = self._norm_hooks, []
         try:
             if backend is not None:
